@@ -1,0 +1,58 @@
+# DCP front door. `make demo` and `make test` set up .venv themselves.
+VENV        := .venv
+PY          := $(VENV)/bin/python
+REQS        := requirements.txt requirements-dev.txt
+STAMP       := $(VENV)/.installed-$(shell cat $(REQS) | cksum | cut -d' ' -f1)
+NPROC       ?= 2
+# megatron-core 0.19 needs Python 3.12: a working python3.12 on PATH, else pyenv's, else system.
+PYTHON312   := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 \
+                 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+                 if $$c -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; \
+                 then echo $$c; break; fi; done)
+export OMP_NUM_THREADS ?= 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo data test unit lint format bench simulate clean
+
+setup: $(STAMP)
+
+$(STAMP): $(REQS)
+	@if [ -z "$(PYTHON312)" ]; then \
+	  echo "error: Python 3.12 not found (megatron-core 0.19 requires it)." >&2; \
+	  echo "Install it (e.g. 'pyenv install 3.12' or your distro's python3.12) and re-run." >&2; \
+	  exit 1; fi
+	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+data: setup
+	$(PY) -m tools.prepare_data --stdlib --out data/stdlib
+
+demo: setup data
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) -m pretrain.pretrain_gpt \
+	  --config pretrain/configs/tiny_cpu.yaml $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: setup lint
+	$(VENV)/bin/pytest -q tests
+
+unit: setup
+	$(VENV)/bin/pytest -q tests/unit
+
+simulate: setup
+	$(PY) -m tools.simulate
+
+bench: setup data
+	$(PY) -m tools.bench_e2e
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache
