@@ -1,0 +1,102 @@
+"""Point a built megatron-core model at one micro-step's context-parallel group, then restore.
+
+Why upstream can't: megatron-core fixes the CP group at ``initialize_model_parallel`` time. The CP
+group is read from several places that all assume it never changes: the ``parallel_state`` globals
+(``_CONTEXT_PARALLEL_GROUP``, its global ranks, the tensor-and-CP group — equal to CP here since
+TP = 1), the ``ProcessGroupCollection`` shared by every layer (``pg_collection.cp`` /
+``pg_collection.tp_cp``), the ``cp_group`` cached by ``LanguageModule`` and by the rotary
+embedding, ``config.context_parallel_size`` (read by RoPE and the layers each forward), and, on GPU,
+Transformer Engine's attention (``set_context_parallel_group``). DCP regroups ranks per micro-step,
+so ``use_cp_group`` swaps all of them for the duration of one micro-step's forward *and* backward
+and restores the previous values afterwards (nesting works). DDP, the optimizer and the gradient /
+token reductions stay on the fixed DP×CP group: they are never touched here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch.distributed as dist
+
+from megatron_patches._version import require_pinned_megatron
+
+_GLOBALS = (
+    "_CONTEXT_PARALLEL_GROUP",
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS",
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",
+)
+
+
+def _unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _te_attention_modules(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "set_context_parallel_group")]
+
+
+@contextlib.contextmanager
+def use_cp_group(
+    model, *, group: dist.ProcessGroup, ranks: Sequence[int], cp_stream=None
+) -> Iterator[None]:
+    """Within the block, ``model`` runs context-parallel over ``group`` (global ``ranks``)."""
+    require_pinned_megatron("parallel_state")
+    from megatron.core import parallel_state as ps
+
+    inner = _unwrap(model)
+    pg = inner.pg_collection
+    config = inner.config
+    rotary = getattr(inner, "rotary_pos_emb", None)
+    ranks = list(ranks)
+    if group.size() != len(ranks):
+        raise ValueError(f"group has {group.size()} ranks but ranks={ranks}")
+
+    saved_globals = {name: getattr(ps, name) for name in _GLOBALS}
+    saved_pg = (pg.cp, getattr(pg, "tp_cp", None))
+    saved_model_cp = getattr(inner, "cp_group", None)
+    saved_rotary_cp = getattr(rotary, "cp_group", None)
+    saved_cp_size = config.context_parallel_size
+    te_modules = _te_attention_modules(inner)
+    try:
+        ps._CONTEXT_PARALLEL_GROUP = group
+        ps._CONTEXT_PARALLEL_GLOBAL_RANKS = ranks
+        ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = group  # TP == 1: TP×CP is CP
+        pg.cp = group
+        if hasattr(pg, "tp_cp"):
+            pg.tp_cp = group
+        inner.cp_group = group
+        if rotary is not None:
+            rotary.cp_group = group
+        config.context_parallel_size = len(ranks)
+        for module in te_modules:
+            # TE creates its CP stream only for models built with CP > 1; DCP builds at CP = 1.
+            stream = cp_stream or getattr(module, "cp_stream", None)
+            if stream is None and len(ranks) > 1:
+                import torch
+
+                stream = module.cp_stream = torch.cuda.Stream()
+            module.set_context_parallel_group(
+                group if len(ranks) > 1 else None, ranks, stream, config.cp_comm_type or "p2p"
+            )
+        yield
+    finally:
+        for name, value in saved_globals.items():
+            setattr(ps, name, value)
+        pg.cp, tp_cp = saved_pg
+        if hasattr(pg, "tp_cp"):
+            pg.tp_cp = tp_cp
+        inner.cp_group = saved_model_cp
+        if rotary is not None:
+            rotary.cp_group = saved_rotary_cp
+        config.context_parallel_size = saved_cp_size
+        for module in te_modules:
+            module.set_context_parallel_group(
+                saved_pg[0] if saved_cp_size > 1 else None,
+                list(saved_globals["_CONTEXT_PARALLEL_GLOBAL_RANKS"] or []),
+                cp_stream or getattr(module, "cp_stream", None),
+                config.cp_comm_type or "p2p",
+            )
