@@ -1,0 +1,284 @@
+"""Baselines the DCP planner is measured against, each producing a ``Plan``.
+
+* ``plan_static``: what a static Megatron run does. One CP size and one recompute level for the
+  whole run, sized so the run's longest sequence fits one micro-batch; sequences packed into
+  micro-batches of a fixed token capacity and dealt to the DP replicas, every replica running
+  the same number of micro-batches. A static run has no cost model, so by default packing and
+  dealing balance *tokens* (longest first into the emptiest bin: the best a cost-blind packer
+  does); ``balance="cost"`` is an oracle variant that balances predicted time instead. Not
+  handicapped: capacity is tried at the run's max length and at the memory limit, and without
+  ``cp_size``/``recompute`` the fastest config for the batch is returned.
+* ``plan_megatron``: Megatron-Core's own Hybrid-CP (``--hybrid-context-parallel``): its
+  ``BalancedCPScheduler`` called unchanged with ``max_seq_len_per_rank`` from the memory budget
+  (as its docs advise), each sub-sample one micro-step on the ranks that hold it, and its barrier
+  across all DP×CP ranks after every group kept (``plan.meta["barriers"]``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from dcp.cost_model import CostModel
+from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan
+from dcp.planner import check_lengths, drop_meta, find_oversize, pow2_sizes
+from dcp.simulate import simulate
+
+
+def static_configs(cost_model: CostModel, max_seq_len: int) -> list[tuple[int, str]]:
+    """Every (CP size, recompute) a static run sized for ``max_seq_len`` can use."""
+    return [
+        (cp, lv)
+        for cp in pow2_sizes(cost_model.num_ranks)
+        for lv in RECOMPUTE_LEVELS
+        if cost_model.fits([max_seq_len], cp, lv)
+    ]
+
+
+def plan_static(
+    lengths: Sequence[int],
+    *,
+    cost_model: CostModel,
+    cp_size: int | None = None,
+    recompute: str | None = None,
+    max_seq_len: int | None = None,
+    balance: str = "tokens",
+    on_oversize: str = "raise",
+) -> Plan:
+    """Static CP baseline. ``max_seq_len``: the run's longest sequence (default: this batch's).
+
+    With ``cp_size`` and/or ``recompute`` given, only matching configs (``ValueError`` if none can
+    hold ``max_seq_len``); of those, the fastest for this batch. Micro-batch capacity is tried at
+    both ``max_seq_len`` tokens (Megatron's ``--seq-length``) and the memory limit.
+    ``balance="tokens"`` packs and deals by token counts, as a static run without a cost model
+    does; ``balance="cost"`` uses the cost model (an oracle no static Megatron run has).
+    """
+    if balance not in ("tokens", "cost"):
+        raise ValueError(f"balance must be 'tokens' or 'cost', got {balance!r}")
+    lens = check_lengths(lengths)
+    dropped = find_oversize(
+        lens, cost_model, max_cp_size=pow2_sizes(cost_model.num_ranks)[-1], on_oversize=on_oversize
+    )
+    keep = np.setdiff1d(np.arange(len(lens)), np.asarray(dropped, dtype=np.int64))
+    if keep.size == 0:
+        return Plan(steps=(), planner="static", meta=drop_meta(dropped))
+    longest = int(lens[keep].max())
+    max_seq_len = longest if max_seq_len is None else int(max_seq_len)
+    if max_seq_len < longest:
+        raise ValueError(f"max_seq_len={max_seq_len} is below this batch's longest {longest}")
+    configs = static_configs(cost_model, max_seq_len)
+    if cp_size is not None or recompute is not None:
+        configs = [
+            (c, r)
+            for c, r in configs
+            if (cp_size is None or c == cp_size) and (recompute is None or r == recompute)
+        ]
+        if not configs:
+            raise ValueError(
+                f"static config cp_size={cp_size}, recompute={recompute} cannot hold a "
+                f"{max_seq_len}-token sequence in {cost_model.mem_budget_bytes / 1e9:.1f} GB/rank; "
+                f"feasible: {static_configs(cost_model, max_seq_len)}"
+            )
+    if not configs:
+        raise ValueError(f"no static config holds a {max_seq_len}-token sequence")
+    best = None
+    for cp, level in configs:
+        mem_capacity = cp * cost_model.max_tokens_per_rank(level)
+        for capacity in sorted({max_seq_len, mem_capacity}):
+            plan = _static_for_config(lens, keep, cost_model, cp, level, capacity, balance)
+            if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
+                best = plan
+    assert best is not None
+    return Plan(
+        steps=best.steps,
+        planner="static",
+        predicted_step_time_s=best.predicted_step_time_s,
+        meta={**best.meta, **drop_meta(dropped)},
+    )
+
+
+def _static_for_config(
+    lens: np.ndarray,
+    keep: np.ndarray,
+    cost_model: CostModel,
+    cp: int,
+    level: str,
+    cap: int,
+    balance: str,
+) -> Plan:
+    replicas = cost_model.num_ranks // cp
+    kept = lens[keep].astype(np.float64)
+    if balance == "cost":
+        # Marginal cost of each sequence in a micro-batch (solo time minus the step constant).
+        cost = cost_model.solo_step_time_s(kept, cp, level) - cost_model.step_constant_s(level)
+    else:
+        cost = kept
+    order = np.argsort(-cost, kind="stable")
+    per_replica = max(1, math.ceil(math.ceil(kept.sum() / cap) / replicas))
+    while True:
+        bins = _pack(kept, cost, order, cap, replicas * per_replica)
+        if bins is not None:
+            break
+        per_replica += 1
+    bins = [b for b in bins if b]
+    if balance == "cost":
+        times = [
+            cost_model.step_time_s([int(kept[i]) for i in b], cp, level, tuple(range(cp)))
+            for b in bins
+        ]
+    else:
+        times = [float(kept[b].sum()) for b in bins]
+    # Deal micro-batches to replicas: biggest first to the least-loaded replica with room.
+    heap = [(0.0, j) for j in range(replicas)]
+    counts = [0] * replicas
+    owned: list[list[int]] = [[] for _ in range(replicas)]
+    for b in sorted(range(len(bins)), key=lambda b: (-times[b], b)):
+        load, j = heapq.heappop(heap)
+        owned[j].append(b)
+        counts[j] += 1
+        if counts[j] < per_replica:
+            heapq.heappush(heap, (load + times[b], j))
+    steps = []
+    for j, owned_bins in enumerate(owned):
+        ranks = tuple(range(j * cp, (j + 1) * cp))
+        for b in owned_bins:
+            seq_ids = tuple(sorted(int(keep[i]) for i in bins[b]))
+            steps.append(MicroStep(ranks=ranks, seq_ids=seq_ids, recompute=level))
+    plan = Plan(steps=tuple(steps), planner="static")
+    makespan = simulate(plan, lens.tolist(), cost_model).makespan_s
+    return Plan(
+        steps=plan.steps,
+        planner="static",
+        predicted_step_time_s=makespan,
+        meta={
+            "cp_size": cp,
+            "recompute": level,
+            "capacity_tokens": cap,
+            "micro_batches_per_replica": per_replica,
+            "balance": balance,
+        },
+    )
+
+
+def _pack(
+    kept: np.ndarray, cost: np.ndarray, order: np.ndarray, cap: int, num_bins: int
+) -> list[list[int]] | None:
+    """Costliest first into the cheapest bin with room; None if some sequence finds none."""
+    heap = [(0.0, b) for b in range(num_bins)]
+    room = [float(cap)] * num_bins
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i in order:
+        skipped = []
+        while heap and room[heap[0][1]] < kept[i]:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        load, b = heapq.heappop(heap)
+        bins[b].append(int(i))
+        room[b] -= kept[i]
+        heapq.heappush(heap, (load + cost[i], b))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return bins
+
+
+class _DpCpGroup:
+    """Stands in for the DP×CP process group: BalancedCPScheduler only asks for ``size()``."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def plan_megatron(
+    lengths: Sequence[int],
+    *,
+    cost_model: CostModel,
+    recompute: str | None = None,
+    max_seq_len_per_rank: int | None = None,
+    on_oversize: str = "raise",
+) -> Plan:
+    """Megatron Hybrid-CP baseline (imports megatron-core and torch on first use).
+
+    ``recompute``: the run's one recompute level (default: the fastest for this batch among those
+    that can hold its longest sequence). ``max_seq_len_per_rank``: default the most tokens a rank
+    holds at that level within the memory budget.
+    """
+    lens = check_lengths(lengths)
+    num_ranks = cost_model.num_ranks
+    dropped = find_oversize(
+        lens, cost_model, max_cp_size=pow2_sizes(num_ranks)[-1], on_oversize=on_oversize
+    )
+    keep = np.setdiff1d(np.arange(len(lens)), np.asarray(dropped, dtype=np.int64))
+    if keep.size == 0:
+        return Plan(steps=(), planner="megatron", meta=drop_meta(dropped))
+    longest = int(lens[keep].max())
+    levels = RECOMPUTE_LEVELS if recompute is None else (recompute,)
+    best = None
+    for level in levels:
+        cap = max_seq_len_per_rank or cost_model.max_tokens_per_rank(level)
+        if cap <= 0 or longest > pow2_sizes(num_ranks)[-1] * cap:
+            continue
+        plan = _megatron_for_level(lens, keep, cost_model, level, cap)
+        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
+            best = plan
+    if best is None:
+        raise ValueError(
+            f"Megatron Hybrid-CP cannot hold the {longest}-token sequence with recompute "
+            f"{levels} on {num_ranks} ranks"
+        )
+    if dropped:
+        best = Plan(
+            steps=best.steps,
+            planner="megatron",
+            predicted_step_time_s=best.predicted_step_time_s,
+            meta={**best.meta, **drop_meta(dropped)},
+        )
+    return best
+
+
+def _megatron_for_level(
+    lens: np.ndarray, keep: np.ndarray, cost_model: CostModel, level: str, cap: int
+) -> Plan:
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    num_ranks = cost_model.num_ranks
+    scheduler = BalancedCPScheduler(max_seq_len_per_rank=cap, dp_cp_group=_DpCpGroup(num_ranks))
+    sample_id_seqlens = [(int(i), int(lens[i])) for i in keep]
+    _, sample_id_groups = scheduler.get_groups_and_subsamples(sample_id_seqlens, None)
+    steps: list[MicroStep] = []
+    barriers: list[int] = []
+    unaligned = 0
+    for g, per_rank in enumerate(sample_id_groups):
+        if g > 0:
+            barriers.append(len(steps))
+        holders: dict[int, list[int]] = {}
+        for rank, ids in enumerate(per_rank):
+            for sid in ids:
+                holders.setdefault(int(sid), []).append(rank)
+        emitted: set[int] = set()
+        # Members of one CP group hold identical lists, so each rank's order is the group's.
+        for ids in per_rank:
+            for sid in ids:
+                sid = int(sid)
+                if sid in emitted:
+                    continue
+                emitted.add(sid)
+                ranks = tuple(holders[sid])
+                cp = len(ranks)
+                if ranks[-1] - ranks[0] + 1 != cp or ranks[0] % cp or cp & (cp - 1):
+                    unaligned += 1
+                steps.append(MicroStep(ranks=ranks, seq_ids=(sid,), recompute=level))
+    meta: dict = {"recompute": level, "max_seq_len_per_rank": cap, "groups": len(sample_id_groups)}
+    if barriers:
+        meta["barriers"] = barriers
+    if unaligned:
+        meta["unaligned_steps"] = unaligned
+    plan = Plan(steps=tuple(steps), planner="megatron", meta=meta)
+    makespan = simulate(plan, lens.tolist(), cost_model).makespan_s
+    return Plan(steps=plan.steps, planner="megatron", predicted_step_time_s=makespan, meta=meta)

@@ -1,0 +1,95 @@
+"""Plan one global batch from the command line and write the Plan JSON (DESIGN §5).
+
+    python -m tools.plan --lengths L.json --spec S.json --planner dcp --out P.json
+    python -m tools.plan --lengths L.json --spec h200x32+llama3-8b --planner static
+
+``--lengths``: a JSON list of positive ints. ``--spec``: a cost-model spec JSON file or a preset
+name (``cpu-tiny``, ``<cluster>+<model>``; see ``dcp/profiles``). ``--option key=value`` passes
+planner options (e.g. ``on_oversize=drop``, ``max_cp_size=8``, ``recompute=full``); values are
+parsed as JSON when they can be. Writes ``{"planner", "predicted_step_time_s", "steps"}`` (plus
+``meta`` when the planner reports any) to ``--out`` or stdout; a summary goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from dcp.cost_model import CostModel, available_presets
+from dcp.planner import PLANNERS, plan_batch
+from dcp.simulate import lower_bound_s
+
+
+def read_lengths(path: str) -> list[int]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read lengths from {path}: {exc}") from exc
+    if not isinstance(data, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in data
+    ):
+        raise ValueError(f"{path} must hold a JSON list of integers (sequence lengths)")
+    return data
+
+
+def parse_options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--option expects key=value, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", required=True, help="JSON list of sequence lengths")
+    parser.add_argument(
+        "--spec", required=True, help=f"spec JSON or preset ({', '.join(available_presets())})"
+    )
+    parser.add_argument("--planner", default="dcp", choices=PLANNERS)
+    parser.add_argument("--out", default=None, help="output path (default: stdout)")
+    parser.add_argument("--option", action="append", default=[], help="planner option key=value")
+    args = parser.parse_args(argv)
+    try:
+        lengths = read_lengths(args.lengths)
+        cost_model = CostModel.load(args.spec)
+        options = parse_options(args.option)
+        start = time.perf_counter()
+        plan = plan_batch(lengths, cost_model=cost_model, planner=args.planner, **options)
+        plan_ms = (time.perf_counter() - start) * 1e3
+        plan.validate(
+            num_sequences=len(lengths),
+            num_ranks=cost_model.num_ranks,
+            dropped=plan.meta.get("dropped", ()),
+        )
+        cost_model.check_plan_memory(plan, lengths)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(plan.to_dict(), indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    else:
+        print(text)
+    dropped = set(plan.meta.get("dropped", ()))
+    bound = lower_bound_s([x for i, x in enumerate(lengths) if i not in dropped], cost_model)
+    print(
+        f"{args.planner}: {len(lengths)} sequences -> {len(plan.steps)} micro-steps on "
+        f"{cost_model.num_ranks} ranks, predicted {plan.predicted_step_time_s:.4f} s "
+        f"(lower bound {bound:.4f} s), planned in {plan_ms:.1f} ms",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
