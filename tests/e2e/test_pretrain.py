@@ -1,0 +1,137 @@
+"""The pretraining entry point end to end: real torchrun, 2 gloo ranks, kill -9 and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+STEPS = 6
+
+OVERRIDES = [
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=64",
+    "model.max_seq_len=512",
+    "data.source=synthetic",
+    "data.indexed=null",
+    "data.synthetic.num_docs=256",
+    "data.synthetic.median_len=48",
+    "data.synthetic.max_len=384",
+    "data.synthetic.min_len=8",
+    "data.sampler.max_tokens_per_batch=1024",
+    f"train.steps={STEPS}",
+    "optim.warmup_steps=2",
+    "optim.decay_steps=6",
+    "checkpoint.interval_steps=2",
+    "metrics.progress_bar=false",
+]
+
+
+def launch(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "pretrain.pretrain_gpt",
+        "--config",
+        str(REPO / "pretrain/configs/tiny_cpu.yaml"),
+        f"name={name}",
+        f"runs_dir={tmp_path}",
+        *OVERRIDES,
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("runs")
+    finish(launch(tmp, "full", "metrics.wandb_mode=offline"))
+    return tmp / "full"
+
+
+def test_run_writes_metrics_config_and_wandb(uninterrupted):
+    rows = metrics(uninterrupted)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for key in (
+        "loss",
+        "tokens",
+        "step_time_s",
+        "tokens_per_s",
+        "predicted_step_time_s",
+        "plan/micro_steps_per_rank",
+        "plan/recompute_fraction",
+        "peak_mem_bytes",
+        "mfu",
+    ):
+        assert key in rows[0], key
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    doc = yaml.safe_load((uninterrupted / "config.yaml").read_text())
+    assert doc["config"]["train"]["steps"] == STEPS
+    assert doc["run_info"]["versions"]["megatron_core"] == "0.19.2"
+    assert "sha" in doc["run_info"]["git"]
+    offline_runs = list((uninterrupted / "wandb").glob("offline-run-*"))
+    assert offline_runs, "W&B offline mode wrote no run"
+
+
+def test_kill_and_resume_reproduces_losses(uninterrupted, tmp_path):
+    proc = launch(tmp_path, "killed", "metrics.wandb_mode=disabled")
+    run_dir = tmp_path / "killed"
+    deadline = time.monotonic() + 300
+    # Kill -9 the whole job once a checkpoint exists and training has moved past it.
+    while time.monotonic() < deadline:
+        latest = run_dir / "checkpoints" / "latest"
+        rows = (
+            (run_dir / "metrics.jsonl").read_text().splitlines()
+            if (run_dir / "metrics.jsonl").exists()
+            else []
+        )
+        if latest.exists() and len(rows) >= 3:
+            break
+        if proc.poll() is not None:
+            pytest.fail("the run ended before it could be killed:\n" + proc.stdout.read()[-3000:])
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    killed_at = len(metrics(run_dir))
+    assert killed_at < STEPS, "the run finished before the kill; nothing was resumed"
+
+    out = finish(launch(tmp_path, "killed", "metrics.wandb_mode=disabled"))
+    assert "resumed from" in out
+    resumed = metrics(run_dir)
+    reference = metrics(uninterrupted)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
