@@ -141,6 +141,7 @@ def plan_record(
         "sequences": len(planned.lengths) - len(planned.dropped),
         "step_time_s": stats.step_time_s,
         "tokens_per_s": tokens / stats.step_time_s if stats.step_time_s > 0 else 0.0,
+        "compute_time_s": stats.compute_time_s,
         "predicted_step_time_s": planned.predicted_step_time_s,
         "plan_time_s": plan_time_s,
         "lr": stats.lr,

@@ -91,6 +91,8 @@ class StepStats:
     num_micro_steps: int = 0
     tokens_read: int = 0
     skipped: bool = False
+    compute_time_s: float = 0.0
+    """Slowest rank's wall time for its micro-steps (what the planner predicts)."""
 
 
 class Runtime:
@@ -193,9 +195,11 @@ class Runtime:
         start = time.perf_counter()
         result = self.forward_backward(plan, source)
         totals = torch.tensor([result.loss_sum, float(result.tokens_read)], dtype=torch.float64)
+        slowest = torch.tensor([result.compute_time_s], dtype=torch.float64)
         if self.on_gpu:
-            totals = totals.cuda()
+            totals, slowest = totals.cuda(), slowest.cuda()
         dist.all_reduce(totals)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         loss = float(totals[0]) / result.global_loss_tokens
         lr = (
             self.lr_schedule(self.step)
@@ -232,6 +236,7 @@ class Runtime:
             num_micro_steps=len(result.step_times_s),
             tokens_read=int(totals[1]),
             skipped=skipped,
+            compute_time_s=float(slowest[0]),
         )
 
     # -- checkpoint state ------------------------------------------------------------------

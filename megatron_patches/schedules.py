@@ -50,6 +50,8 @@ class ScheduleResult:
     """(plan step index, seconds of forward+backward) for each of this rank's steps."""
     tokens_read: int = 0
     """Tokens this rank read from the source (its shards only)."""
+    compute_time_s: float = 0.0
+    """Wall seconds from the first micro-step to the end of the last (waits included)."""
     reduce_time_s: float = 0.0
     """Seconds in the final gradient reduction."""
 
@@ -107,6 +109,7 @@ def run_plan(
     )
     no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
     barriers = {int(b) for b in plan.meta.get("barriers", ())}
+    loop_start = time.perf_counter()
     with no_sync:
         for index, step in enumerate(plan.steps):
             if index in barriers:
@@ -142,6 +145,7 @@ def run_plan(
             result.step_times_s.append((index, elapsed))
             if on_step is not None:
                 on_step(index, elapsed)
+    result.compute_time_s = time.perf_counter() - loop_start
     if reduce_grads and hasattr(model, "finish_grad_sync"):
         start = time.perf_counter()
         model.finish_grad_sync()

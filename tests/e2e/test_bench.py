@@ -1,0 +1,68 @@
+"""tools.bench_e2e: three planners on the same batches; the last stdout line is JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.max_seq_len=512",
+    "data.source=synthetic",
+    "data.indexed=null",
+    "data.synthetic.num_docs=128",
+    "data.synthetic.median_len=48",
+    "data.synthetic.max_len=384",
+    "data.synthetic.min_len=8",
+    "data.sampler.max_tokens_per_batch=1024",
+]
+
+
+def test_bench_prints_table_and_json_contract(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.bench_e2e",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--prefix",
+            "t",
+            f"runs_dir={tmp_path}",
+            *TINY,
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    for key in (
+        "speedup_vs_static",
+        "speedup_vs_megatron",
+        "max_abs_loss_diff",
+        "step_time_prediction_error",
+    ):
+        assert key in summary, key
+    runs = summary["planners"]
+    assert set(runs) == {"static", "megatron", "dcp"}
+    for name in ("static", "dcp"):
+        assert "error" not in runs[name], runs[name]
+        assert len(runs[name]["losses"]) == 3
+        assert (tmp_path / f"t-{name}" / "metrics.jsonl").is_file()
+    tps = {name: runs[name]["tokens_per_s"] for name in ("static", "megatron", "dcp")}
+    assert summary["speedup_vs_static"] == tps["dcp"] / tps["static"]
+    assert summary["speedup_vs_megatron"] == tps["dcp"] / tps["megatron"]
+    # Same batches, same init: the planners differ only in float summation order.
+    assert summary["max_abs_loss_diff"] < 1e-4
+    assert any("planner" in line and "tok/s" in line for line in lines)
