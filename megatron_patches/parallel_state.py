@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
+from megatron_patches._util import unwrap
 from megatron_patches._version import require_pinned_megatron
 
 _GLOBALS = (
@@ -26,13 +27,6 @@ _GLOBALS = (
     "_CONTEXT_PARALLEL_GLOBAL_RANKS",
     "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",
 )
-
-
-def _unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _te_attention_modules(model) -> list:
@@ -47,7 +41,7 @@ def use_cp_group(
     require_pinned_megatron("parallel_state")
     from megatron.core import parallel_state as ps
 
-    inner = _unwrap(model)
+    inner = unwrap(model)
     pg = inner.pg_collection
     config = inner.config
     rotary = getattr(inner, "rotary_pos_emb", None)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from megatron_patches._util import unwrap
 from megatron_patches._version import require_pinned_megatron
 
 LEVELS = ("none", "selective", "full")
@@ -33,12 +34,6 @@ _CONFIG_FIELDS = (
     "recompute_num_layers",
     "recompute_modules",
 )
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _layers_and_attention(model):
@@ -56,7 +51,7 @@ def use_recompute(model, level: str) -> Iterator[None]:
     if level not in LEVELS:
         raise ValueError(f"recompute level must be one of {LEVELS}, got {level!r}")
     require_pinned_megatron("recompute")
-    inner = _unwrap(model)
+    inner = unwrap(model)
     config = inner.config
     if level == "selective" and config.add_bias_linear:
         raise ValueError(

@@ -6,16 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.model import ModelConfig, build_gpt_model
-
-TINY = dict(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=64,
-    vocab_size=61,
-    max_seq_len=256,
-)
+from tests.distributed.parity_bodies import TINY
 
 
 def _init():
