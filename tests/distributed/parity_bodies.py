@@ -131,3 +131,37 @@ def mismatched_plans(docs: list[np.ndarray], plans: list[dict]) -> str:
         raise AssertionError("a mismatched plan did not raise")
     finally:
         _cleanup()
+
+
+def nonfinite_loss(docs: list[np.ndarray], plan: dict) -> dict:
+    """A NaN in the output layer: ``skip`` leaves the weights alone, the default raises."""
+    from dcp.dispatch import InMemorySource
+    from dcp.plan import Plan
+    from dcp.runtime import Runtime
+
+    try:
+        runtime = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED)
+        source, parsed = InMemorySource(docs), Plan.from_dict(plan)
+        inner = runtime.model.module
+        with torch.no_grad():
+            inner.output_layer.weight[0, 0] = float("nan")
+        before = {n: p.detach().clone() for n, p in inner.named_parameters()}
+        stats = runtime.train_step(parsed, source, skip_nonfinite=True)
+        unchanged = all(  # NaN compares unequal to itself: compare with NaNs zeroed
+            torch.equal(torch.nan_to_num(p), torch.nan_to_num(before[n]))
+            for n, p in inner.named_parameters()
+        )
+        try:
+            runtime.train_step(parsed, source)
+            raised = ""
+        except FloatingPointError as exc:
+            raised = str(exc)
+        return {
+            "skipped": stats.skipped,
+            "loss": stats.loss,
+            "unchanged": unchanged,
+            "step_after": runtime.step,
+            "raised": raised,
+        }
+    finally:
+        _cleanup()

@@ -103,3 +103,12 @@ def test_mismatched_plan_raises_on_every_rank():
     b = plan(step([0], [0, 1, 2, 3]), step([1], [4, 5, 6, 7]))
     messages = run_on_ranks(2, bodies.mismatched_plans, DOCS, [a, b], timeout_s=120)
     assert all("disagree on the plan" in m for m in messages), messages
+
+
+def test_nonfinite_loss_skip_or_stop():
+    results = run_on_ranks(2, bodies.nonfinite_loss, DOCS, PLANS_2["mixed_recompute"])
+    for out in results:
+        assert out["skipped"] and out["loss"] != out["loss"]  # NaN
+        assert out["unchanged"], "a skipped step changed the weights"
+        assert "non-finite loss nan at step 1" in out["raised"]
+        assert "on_nonfinite=skip" in out["raised"]
