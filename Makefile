@@ -27,10 +27,12 @@ $(STAMP): $(REQS)
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
-data: setup
+data: data/stdlib.idx
+
+data/stdlib.idx: $(STAMP)
 	$(PY) -m tools.prepare_data --stdlib --out data/stdlib
 
-demo: setup data
+demo: data
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) -m pretrain.pretrain_gpt \
 	  --config pretrain/configs/tiny_cpu.yaml $(ARGS)
 
@@ -51,7 +53,7 @@ unit: setup
 simulate: setup
 	$(PY) -m tools.simulate
 
-bench: setup data
+bench: data
 	$(PY) -m tools.bench_e2e
 
 clean:
