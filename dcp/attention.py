@@ -10,6 +10,13 @@ Two layers:
   gradient of each K/V token and hands it to the rank that owns the token. fp32 math, GQA,
   no collectives at CP=1. This is the CPU/gloo path; it is device-agnostic but O(t_global) in K/V
   memory per rank, so GPUs use Transformer Engine's ring attention instead.
+  The math runs in ``torch.nn.functional.scaled_dot_product_attention`` (a flash kernel on CPU:
+  memory O(tokens), not O(tokens^2)) over *blocks*: the run of a rank's real queries inside one
+  zig-zag chunk, which sees its document's keys from position 0 up to its own positions. A block
+  that starts its document is plain causal; blocks of similar length share one batched call,
+  padded at their end. A block further in sees a prefix of keys fully plus a causal diagonal:
+  small ones share batched calls with an explicit mask, big ones are split into the two parts
+  and merged exactly through their log-sum-exps (``_PrefixCausalAttention``).
 - ``DCPCoreAttention``: a drop-in ``core_attention`` for megatron-core 0.19.2's local GPT layer
   spec. It reads the CP group from the shared ``pg_collection.cp`` at every forward (the DCP
   runtime swaps it per micro-step), takes the documents from ``packed_seq_params``
@@ -31,6 +38,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -67,58 +75,193 @@ class _GatherTokens(torch.autograd.Function):
         return out, None, None
 
 
+# Blocks of different lengths share one batched call once padded up to a multiple of this many
+# tokens (then to the longest of the group). Padding slots come after a block's real slots, so
+# under the causal mask only padding queries see padding keys, and their outputs are dropped.
+_BUCKET_TOKENS = 32
+# Blocks with a key prefix that score at most this many (query, key) pairs go through SDPA with an
+# explicit mask, batched across shapes; bigger ones through _PrefixCausalAttention, which skips
+# the masked half of the diagonal but costs two kernel calls (measured crossover: ~512 queries).
+_MASKED_MAX_PAIRS = 1 << 17
+
+
+def _flash_cpu_available() -> bool:
+    """True when this torch has the CPU flash-attention ops that also return the log-sum-exp."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu") and hasattr(
+        torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
+    )
+
+
+_FLASH_CPU = _flash_cpu_available()
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """Attention of queries at document positions [a, a + m) to the keys at [0, a + m) under the
+    causal mask, without building it: the prefix keys [0, a) unmasked and the diagonal keys
+    [a, a + m) causal are two CPU flash-attention calls whose partial results are merged with their
+    log-sum-exps. The backward runs each part's flash backward with the *merged* output and
+    log-sum-exp, which makes each part's softmax the global one, so the gradients are exact (the
+    identity ring attention uses).
+
+    q [B, hq, m, d], k [B, hkv, a + m, d], v [B, hkv, a + m, dv], a >= 1; GQA native.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, prefix_len: int, scale: float):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        a = prefix_len
+        out_prefix, lse_prefix = flash(q, k[..., :a, :], v[..., :a, :], scale=scale)
+        out_diag, lse_diag = flash(q, k[..., a:, :], v[..., a:, :], is_causal=True, scale=scale)
+        lse = torch.logaddexp(lse_prefix, lse_diag)  # [B, hq, m]
+        out = out_prefix * (lse_prefix - lse).exp_()[..., None]
+        out += out_diag * (lse_diag - lse).exp_()[..., None]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prefix_len, ctx.scale = a, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k, v, out, lse = ctx.saved_tensors
+        a, scale = ctx.prefix_len, ctx.scale
+        dq, dk_prefix, dv_prefix = flash_backward(
+            grad_out, q, k[..., :a, :], v[..., :a, :], out, lse, 0.0, False, scale=scale
+        )
+        dq_diag, dk_diag, dv_diag = flash_backward(
+            grad_out, q, k[..., a:, :], v[..., a:, :], out, lse, 0.0, True, scale=scale
+        )
+        dk = torch.cat([dk_prefix, dk_diag], dim=-2)
+        dv = torch.cat([dv_prefix, dv_diag], dim=-2)
+        return dq + dq_diag, dk, dv, None, None
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Blocks attended in one call. Query slot i of block b sits at document position
+    ``first_pos[b] + i`` and sees key slots j <= ``first_pos[b] + i`` (key slot j is document
+    position j; slots past a block's real rows are padding)."""
+
+    kernel: str  # "causal" (all first_pos 0), "prefix" (one first_pos, no padding), "masked"
+    num_blocks: int
+    q_len: int
+    kv_len: int
+    first_pos: torch.Tensor  # [num_blocks] int64
+
+
+def _batch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: _Batch, scale: float
+) -> torch.Tensor:
+    """q [B, hq, q_len, d], k/v [B, hkv, kv_len, d] -> [B, hq, q_len, dv]. Query head h uses kv
+    head h // (hq // hkv), megatron's GQA convention (and SDPA's)."""
+    if batch.kernel == "causal":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if batch.kernel == "prefix" and _FLASH_CPU and q.device.type == "cpu":
+        return _PrefixCausalAttention.apply(q, k, v, batch.kv_len - batch.q_len, scale)
+    # An additive float mask: SDPA would convert a boolean one to this on every call anyway.
+    query_pos = batch.first_pos.to(q.device)[:, None] + torch.arange(batch.q_len, device=q.device)
+    allowed = torch.arange(batch.kv_len, device=q.device) <= query_pos[..., None]
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(~allowed, float("-inf"))  # [B, q_len, kv_len]; key 0 is always allowed
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias[:, None], scale=scale, enable_gqa=True
+    )
+
+
 @dataclass(frozen=True)
 class _RankPlan:
     """Index tables of one rank's attention, precomputed once per (layout, rank)."""
 
-    gather_to_global: torch.Tensor | None  # [t_padded] gathered row of each padded position
-    rows: torch.Tensor  # [n_real_local] local rows holding real queries, grouped by document
-    # Per document with real local queries: (first entry in rows, count, key start in the padded
-    # global sequence, key count) and the document positions of those queries.
-    docs: tuple[tuple[int, int, int, int], ...]
-    query_pos: tuple[torch.Tensor, ...]
+    batches: tuple[_Batch, ...]
+    # Each index below is None where it is the identity (e.g. CP=1, equal documents): no copy then.
+    q_rows: torch.Tensor | None  # [query slots] local row of every query slot, batch after batch
+    # [key slots] row of every key slot in the K/V this rank holds: its own at CP=1, else the
+    # all-gathered ranks' shards in rank order.
+    kv_rows: torch.Tensor | None
+    # [t_local] query slot holding each local row's output; padding rows point one past the last
+    # slot, where a zero row is appended.
+    out_slots: torch.Tensor | None
 
 
-@lru_cache(maxsize=256)
+def _unless_identity(index: np.ndarray, size: int) -> torch.Tensor | None:
+    """``index`` as a tensor, or None when it is ``arange(size)``."""
+    if index.size == size and np.array_equal(index, np.arange(size)):
+        return None
+    return torch.from_numpy(index)
+
+
+def _real_query_blocks(layout: ShardLayout, rank: int) -> list[tuple[int, int, int, int]]:
+    """(first local row, count, document start in the padded global sequence, document position of
+    the first row) of every run of real local queries at consecutive document positions."""
+    blocks = []
+    cp = layout.cp_size
+    for d, num_real in enumerate(layout.doc_lens):
+        local_start = int(layout.local_cu_seqlens[d])
+        doc_start = int(layout.cu_seqlens_padded[d])
+        if cp == 1:
+            blocks.append((local_start, num_real, doc_start, 0))
+            continue
+        chunk = layout.padded_lens[d] // (2 * cp)
+        for half, chunk_index in enumerate((rank, 2 * cp - 1 - rank)):  # zig-zag (dcp.layout)
+            first_pos = chunk_index * chunk
+            count = min(chunk, num_real - first_pos)  # padding ends a document
+            if count > 0:
+                blocks.append((local_start + half * chunk, count, doc_start, first_pos))
+    return blocks
+
+
+def _batch_key(count: int, first_pos: int) -> tuple[str, int, int]:
+    def bucket(n: int) -> int:
+        return -(-n // _BUCKET_TOKENS)
+
+    if first_pos == 0:
+        return "causal", bucket(count), 0
+    if count * (first_pos + count) <= _MASKED_MAX_PAIRS:
+        return "masked", bucket(count), bucket(first_pos + count)
+    return "prefix", count, first_pos  # exact shape: the two-call kernel takes no padding
+
+
+# A micro-step reuses its layout in every layer and recompute; plans hold O(tokens) indices.
+@lru_cache(maxsize=32)
 def _rank_plan(layout: ShardLayout, rank: int) -> _RankPlan:
-    gather_to_global = None
+    padded_to_held = np.arange(layout.num_padded_tokens)
     if layout.cp_size > 1:
         gathered = np.concatenate([layout.token_indices(r) for r in range(layout.cp_size)])
-        gather_to_global = torch.from_numpy(np.argsort(gathered, kind="stable"))
-    pos = layout.position_ids(rank)
-    real = layout.local_real_mask(rank)
-    rows, docs, query_pos = [], [], []
-    first = 0
-    for d in range(layout.num_docs):
-        lo, hi = layout.local_cu_seqlens[d], layout.local_cu_seqlens[d + 1]
-        r = lo + np.flatnonzero(real[lo:hi])
-        if r.size == 0:  # this rank holds only padding of the document
-            continue
-        # Real queries only, so the keys they can see are real too (padding ends a document).
-        num_keys = int(pos[r].max()) + 1
-        docs.append((first, r.size, int(layout.cu_seqlens_padded[d]), num_keys))
-        query_pos.append(torch.from_numpy(pos[r]))
-        rows.append(r)
-        first += r.size
-    row_index = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
-    return _RankPlan(gather_to_global, row_index, tuple(docs), tuple(query_pos))
-
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """softmax(q k^T * scale, masked to ``allowed``) v with GQA, in at least fp32.
-
-    q [..., nq, hq, dk], k [..., nk, hkv, dk], v [..., nk, hkv, dv], allowed broadcastable to
-    [..., hkv, group, nq, nk]; query head h uses kv head h // (hq // hkv) (megatron's convention).
-    """
-    hq, hkv = q.shape[-2], k.shape[-2]
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    qg = q.to(dtype).unflatten(-2, (hkv, hq // hkv))  # [..., nq, hkv, g, dk]
-    scores = torch.einsum("...qhgd,...khd->...hgqk", qg, k.to(dtype)) * scale
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-    out = torch.einsum("...hgqk,...khd->...qhgd", probs, v.to(dtype))
-    return out.flatten(-3, -2).to(q.dtype)  # [..., nq, hq, dv]
+        padded_to_held = np.argsort(gathered, kind="stable")
+    groups: dict[tuple[str, int, int], list[tuple[int, int, int, int]]] = {}
+    for block in _real_query_blocks(layout, rank):
+        groups.setdefault(_batch_key(block[1], block[3]), []).append(block)
+    batches, q_rows, kv_rows = [], [], []
+    out_slots = np.full(layout.local_num_tokens, -1, dtype=np.int64)
+    num_slots = 0
+    for (kernel, _, _), blocks in sorted(groups.items()):
+        q_len = max(count for _, count, _, _ in blocks)
+        kv_len = max(first_pos + count for _, count, _, first_pos in blocks)
+        for local_start, count, doc_start, first_pos in blocks:
+            # Padding slots repeat the block's first row: real, finite, unseen by real queries.
+            slots = np.arange(q_len)
+            q_rows.append(local_start + np.where(slots < count, slots, 0))
+            keys = np.arange(kv_len)
+            kv_rows.append(doc_start + np.where(keys < first_pos + count, keys, 0))
+            out_slots[local_start : local_start + count] = num_slots + np.arange(count)
+            num_slots += q_len
+        first_pos = torch.tensor([block[3] for block in blocks], dtype=torch.int64)
+        batch = _Batch(
+            kernel, num_blocks=len(blocks), q_len=q_len, kv_len=kv_len, first_pos=first_pos
+        )
+        batches.append(batch)
+    if not batches:
+        return _RankPlan(batches=(), q_rows=None, kv_rows=None, out_slots=None)
+    t_local = layout.local_num_tokens
+    out_slots[out_slots < 0] = num_slots
+    return _RankPlan(
+        batches=tuple(batches),
+        q_rows=_unless_identity(np.concatenate(q_rows), t_local),
+        kv_rows=_unless_identity(padded_to_held[np.concatenate(kv_rows)], layout.num_padded_tokens),
+        # The identity also needs every slot used: then no zero row is appended.
+        out_slots=_unless_identity(out_slots, t_local)
+        if num_slots == t_local
+        else torch.from_numpy(out_slots),
+    )
 
 
 def cp_attention(
@@ -163,29 +306,33 @@ def cp_attention(
     dk = k.size(-1)
     kv = torch.cat([k, v], dim=-1)  # one collective for both
     if layout.cp_size > 1:
-        kv = _GatherTokens.apply(kv, cp_group, layout.cp_size)
-        kv = kv.index_select(0, plan.gather_to_global.to(kv.device))  # [t_padded, hkv, dk+dv]
-
-    q_real = q.index_select(0, plan.rows.to(q.device))
-    outs = []
-    for (first, count, key_start, num_keys), qpos in zip(plan.docs, plan.query_pos, strict=True):
-        keys = kv[key_start : key_start + num_keys]  # the document's keys, position order
-        allowed = torch.arange(num_keys, device=q.device) <= qpos.to(q.device)[:, None]
-        outs.append(
-            _attend(
-                q_real[first : first + count],
-                keys[..., :dk],
-                keys[..., dk:],
-                allowed,
-                softmax_scale,
-            )
-        )
-    out_shape = (t_local, q.size(1), v.size(-1))
-    if not outs:
+        kv = _GatherTokens.apply(kv, cp_group, layout.cp_size)  # [t_padded, hkv, dk+dv], rank order
+    if not plan.batches:
         # Only padding here (documents shorter than the CP size). The output must still depend on
         # the gathered K/V: the other ranks wait for this rank in the backward reduce-scatter.
-        return q.new_zeros(out_shape) + 0.0 * q.sum() + 0.0 * kv.sum()
-    return q.new_zeros(out_shape).index_copy(0, plan.rows.to(q.device), torch.cat(outs))
+        return q.new_zeros(t_local, q.size(1), v.size(-1)) + 0.0 * q.sum() + 0.0 * kv.sum()
+
+    # One gather per operand for all batches: one scatter-add in the backward, however many.
+    dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32 math
+    q_slots, kv_slots = q.to(dtype), kv.to(dtype)
+    if plan.q_rows is not None:
+        q_slots = q_slots.index_select(0, plan.q_rows.to(q.device))
+    if plan.kv_rows is not None:
+        kv_slots = kv_slots.index_select(0, plan.kv_rows.to(q.device))
+    q_sizes = [b.num_blocks * b.q_len for b in plan.batches]
+    kv_sizes = [b.num_blocks * b.kv_len for b in plan.batches]
+    outs = []
+    for batch, qb, kvb in zip(
+        plan.batches, q_slots.split(q_sizes), kv_slots.split(kv_sizes), strict=True
+    ):
+        qb = qb.unflatten(0, (batch.num_blocks, -1)).transpose(1, 2)  # [B, hq, q_len, dk]
+        kvb = kvb.unflatten(0, (batch.num_blocks, -1)).transpose(1, 2)  # [B, hkv, keys, dk+dv]
+        ob = _batch_attention(qb, kvb[..., :dk], kvb[..., dk:], batch, softmax_scale)
+        outs.append(ob.transpose(1, 2).flatten(0, 1))  # [B * q_len, hq, dv]
+    if plan.out_slots is None:
+        return torch.cat(outs).to(q.dtype) if len(outs) > 1 else outs[0].to(q.dtype)
+    outs.append(outs[0].new_zeros(1, *outs[0].shape[1:]))  # the row every padding row reads
+    return torch.cat(outs).index_select(0, plan.out_slots.to(q.device)).to(q.dtype)
 
 
 @lru_cache(maxsize=256)
@@ -339,16 +486,23 @@ class DCPCoreAttention(MegatronModule):
                 f"CP size {cp_size} needs packed THD input: pass packed_seq_params "
                 "(ShardLayout.packed_seq_params)"
             )
-        s = query.size(0)
-        # [s, b, h, d] -> [b, s, h, d]
-        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-        allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        if attention_mask is not None:
+        dtype = torch.promote_types(query.dtype, torch.float32)  # at least fp32 math
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.to(dtype).permute(1, 2, 0, 3) for t in (query, key, value))
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True
+            )
+        else:
             if attention_mask.dim() != 4:
                 raise ValueError(f"attention_mask must be [b, 1, s, s], got {attention_mask.shape}")
-            allowed = allowed & ~attention_mask.bool()[:, :, None]  # [b, 1(hkv), 1(g), s, s]
-        out = _attend(q, k, v, allowed, self.softmax_scale)  # [b, s, hq, dv]
-        return out.transpose(0, 1).flatten(2)  # [s, b, hq * dv]
+            s = query.size(0)
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            allowed = causal & ~attention_mask.bool()  # [b, 1, s, s], broadcast over heads
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=True
+            )
+        return out.permute(2, 0, 1, 3).flatten(2).to(query.dtype)  # [s, b, hq * dv]
 
 
 def transformer_engine_usable() -> bool:

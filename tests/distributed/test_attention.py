@@ -8,15 +8,17 @@ on the unpadded concatenation. Failures raise on the rank, and the harness re-ra
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.testing import assert_close
 
 from dcp.layout import ShardLayout
 from tests.distributed.harness import run_on_ranks
-from tests.unit.test_attention_local import dense_causal_reference
+from tests.unit.test_attention_local import assert_close_to_reference, dense_causal_reference
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -38,8 +40,10 @@ def _random_cases(
     return cases
 
 
-def _check_case(doc_lens, hq, hkv, group, seed) -> None:
-    """Run one case on ``group`` (every member calls this) and assert parity with the reference."""
+def _check_case(doc_lens, hq, hkv, group, seed, *, scaled_tol: bool = False) -> None:
+    """Run one case on ``group`` (every member calls this) and assert parity with the reference;
+    ``scaled_tol``: the absolute tolerance scales with the tensor (long documents, see
+    ``assert_close_to_reference``)."""
     from dcp.attention import cp_attention
 
     cp_size, rank = group.size(), group.rank()
@@ -67,9 +71,8 @@ def _check_case(doc_lens, hq, hkv, group, seed) -> None:
         ("out", out, ref),
         *((f"d{n}", t.grad, g) for n, t, g in zip("qkv", local, ref_grads, strict=True)),
     ]:
-        torch.testing.assert_close(
-            got[real], want[src[real]], **TOL, msg=lambda m, name=name: f"{name} {where}: {m}"
-        )
+        check = assert_close_to_reference if scaled_tol else partial(assert_close, **TOL)
+        check(got[real], want[src[real]], msg=lambda m, name=name: f"{name} {where}: {m}")
         assert not got[~real].any(), f"{name} {where}: padding rows must be zero"
 
 
@@ -95,6 +98,56 @@ def test_cp_attention_matches_dense_reference(world_size):
     assert run_on_ranks(world_size, _cp_attention_cases, cases, 100) == [len(cases)] * world_size
     if world_size == 4:
         run_on_ranks(4, _concurrent_pairs, 7)
+
+
+# Ways dcp.attention may split a rank's queries into kernel calls; each must give the exact result.
+_KERNEL_SETTINGS = {
+    "default": {},
+    # Every block with a key prefix through the split + log-sum-exp merge.
+    "lse_merge": {"_MASKED_MAX_PAIRS": 0},
+    # Every block with a key prefix batched with an explicit mask.
+    "masked": {"_MASKED_MAX_PAIRS": 1 << 62},
+    # The merge's blocks as they run where the CPU flash ops are missing (explicit mask).
+    "no_flash_ops": {"_MASKED_MAX_PAIRS": 0, "_FLASH_CPU": False},
+}
+
+
+def _kernel_parity(cases, seed) -> dict[str, set[str]]:
+    """Every case under every kernel setting; returns the kernels each setting used on this rank."""
+    from dcp import attention
+
+    world = dist.group.WORLD
+    used: dict[str, set[str]] = {}
+    for name, overrides in _KERNEL_SETTINGS.items():
+        saved = {attr: getattr(attention, attr) for attr in overrides}
+        try:
+            for attr, value in overrides.items():
+                setattr(attention, attr, value)
+            attention._rank_plan.cache_clear()  # plans depend on the settings
+            for i, (doc_lens, hq, hkv) in enumerate(cases):
+                _check_case(doc_lens, hq, hkv, world, seed + i, scaled_tol=True)
+                layout = ShardLayout(doc_lens=doc_lens, cp_size=world.size())
+                batches = attention._rank_plan(layout, world.rank()).batches
+                used.setdefault(name, set()).update(b.kernel for b in batches)
+        finally:
+            for attr, value in saved.items():
+                setattr(attention, attr, value)
+            attention._rank_plan.cache_clear()
+    return used
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cp_attention_kernels_match_dense_reference_on_long_documents(world_size):
+    """Long documents put big zig-zag chunks behind long key prefixes: a wrong log-sum-exp merge
+    (or mask alignment) shows up in out, dq, dk and dv."""
+    cases = [
+        ((1100, 3, 2 * world_size + 1, 260), 2, 1),
+        ((7, 600, 1, 17), 4, 4),
+    ]
+    used = run_on_ranks(world_size, _kernel_parity, cases, 300)
+    union = {name: set().union(*(u[name] for u in used)) for name in _KERNEL_SETTINGS}
+    assert union["default"] == {"causal", "masked", "prefix"}, union
+    assert "masked" not in union["lse_merge"] and "prefix" not in union["masked"], union
 
 
 def _module_follows_pg_collection_cp() -> None:
