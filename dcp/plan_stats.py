@@ -61,9 +61,12 @@ class PlannedBatch:
 class BatchPlanner:
     """Deterministic planning of global batches (identical on every rank)."""
 
-    def __init__(self, dcp_cfg, *, world_size: int) -> None:
+    def __init__(self, dcp_cfg, *, world_size: int, max_seq_len: int | None = None) -> None:
+        """``max_seq_len``: the run's longest sequence; the static baseline is sized for it
+        (as a static Megatron run must be), not for each batch's longest."""
         self.cfg = dcp_cfg
         self.world_size = world_size
+        self.max_seq_len = max_seq_len
         self.cost_model = load_cost_model(dcp_cfg.spec, world_size=world_size)
         self.peak_tflops_per_rank = float(load_spec(dcp_cfg.spec)["cluster"]["peak_tflops"])
 
@@ -72,6 +75,11 @@ class BatchPlanner:
         options = {}
         if self.cfg.planner == "dcp":
             options["on_oversize"] = "drop" if self.cfg.on_oversize == "drop" else "raise"
+        if self.cfg.planner == "static":
+            if self.max_seq_len is not None:
+                options["max_seq_len"] = max(self.max_seq_len, max(lengths))
+            options["cp_size"] = self.cfg.static_cp_size
+            options["recompute"] = self.cfg.static_recompute
         plan = plan_batch(lengths, cost_model=self.cost_model, planner=self.cfg.planner, **options)
         dropped = tuple(int(i) for i in plan.meta.get("dropped", ()))
         plan.validate(num_sequences=len(lengths), num_ranks=self.world_size, dropped=dropped)

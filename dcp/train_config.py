@@ -52,10 +52,16 @@ class DCPConfig:
     """Plan step n+1 in a background thread while step n runs."""
     on_oversize: Literal["error", "drop"] = "error"
     """A sequence no plan can fit: raise (default) or drop it, counted in the metrics."""
+    static_cp_size: int | None = None
+    """planner=static: the run's fixed CP size (null: the fastest feasible one per batch)."""
+    static_recompute: Literal["none", "selective", "full"] | None = None
+    """planner=static: the run's fixed recompute level (null: the fastest per batch)."""
 
     def __post_init__(self) -> None:
         if not self.spec:
             raise ValueError("dcp.spec must name a preset or a spec JSON path")
+        if self.static_cp_size is not None and self.static_cp_size < 1:
+            raise ValueError(f"dcp.static_cp_size must be >= 1, got {self.static_cp_size}")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -40,7 +40,11 @@ class Trainer:
         self.run_dir = Path(cfg.runs_dir) / cfg.name
         self.dataset = build_dataset(cfg.data, vocab_size=cfg.model.vocab_size)
         self.sampler = GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
-        self.planner = BatchPlanner(cfg.dcp, world_size=self.world_size)
+        self.planner = BatchPlanner(
+            cfg.dcp,
+            world_size=self.world_size,
+            max_seq_len=int(self.dataset.doc_lengths.max()) - 1,
+        )
         self.runtime = Runtime.from_config(cfg.model, cfg.optim, seed=cfg.train.seed)
         self.ckpt_root = Path(cfg.checkpoint.root_dir or self.run_dir / "checkpoints")
         self.start_step = self._maybe_resume()
