@@ -163,7 +163,7 @@ def report(results: dict[str, dict], args) -> dict:
             print(f"{name:>24}  not run: {row['error']}")
             continue
         err = row["prediction_error"]
-        label = f"static = {row['planner']}" if name == "static" else name
+        label = f"static ({row['planner'][7:]})" if name == "static" else name
         print(
             f"{label:>24} {row['tokens_per_s']:9.0f} {row['step_time_s']:8.3f} "
             f"{row['predicted_step_time_s']:8.3f} {row['compute_time_s']:8.3f} "
