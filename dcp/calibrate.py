@@ -14,13 +14,14 @@ with local tokens, so the data cannot separate them). Recompute fractions are pa
 selective redoes. The rest is a non-negative least squares on relative errors (rows divided by
 the measured time), columns:
 
-    1 | (T + lh) + κT | (T + lh)[sel|full] | (T + lh)[full] | W | W[sel|full] | W[full]
+    1 | n | (T + lh) + κT | (T + lh)[sel|full] | (T + lh)[full] | W | W[sel|full] | W[full]
       | (c-1)T | (c-1)T[sel|full] | (c-1)T[full] | (c-1)
-    with T = ΣL/c, W = ΣL²/c + ah·ΣL, κ = logits_per_linear
+    with n = sequences in the micro-step, T = ΣL/c, W = ΣL²/c + ah·ΣL, κ = logits_per_linear
 
-Not expressible in the formula (so it shows up as fit error): a constant cost per *sequence* in a
-micro-step. On the CPU runtime megatron-core's THD RoPE loops over the documents in Python, about
-2-3 ms per document per micro-step, so packs of many short documents run slower than predicted.
+The per-sequence column exists because on the CPU runtime megatron-core's THD RoPE loops over the
+documents in Python (about 2 ms per document per micro-step): without it, packs of many short
+documents run slower than predicted and a cost-balancing planner overloads the rank that gets
+them.
 
 Memory. Per recompute level, the peak bytes of saved activations during one micro-step are fitted
 as ``a + b·T + q·ΣL²`` (CP=1); the cost model has no ΣL² term, so ``q·ref_len`` is folded into
@@ -205,6 +206,7 @@ def _solve(a: np.ndarray, b: np.ndarray, passive: np.ndarray) -> np.ndarray:
 # -- time --------------------------------------------------------------------------------------
 _TIME_COLUMNS = (
     "overhead",
+    "sequence",
     "linear",
     "linear_sel",
     "linear_full_extra",
@@ -237,7 +239,7 @@ def time_design(
         full = 1.0 if p.recompute == "full" else 0.0
         comm = (c - 1) * tokens
         rows.append(
-            [1.0, lin + logits_per_linear * tokens, lin * sel, lin * full]
+            [1.0, float(len(p.lengths)), lin + logits_per_linear * tokens, lin * sel, lin * full]
             + [work, work * sel, work * full]
             + [comm, comm * sel, comm * full, float(c - 1)]
         )
@@ -249,6 +251,7 @@ class TimeFit:
     """Fitted time coefficients (``Coefficients`` names) plus which terms the data constrained."""
 
     step_overhead_s: float
+    sequence_overhead_s: float
     linear_s_per_token: float
     linear_half_tokens: float
     logits_s_per_token: float
@@ -270,6 +273,7 @@ class TimeFit:
         """The ``"calibration"`` entries this fit determines (others stay analytic)."""
         out: dict = {
             "step_overhead_s": self.step_overhead_s,
+            "sequence_overhead_s": self.sequence_overhead_s,
             "linear_s_per_token": self.linear_s_per_token,
             "linear_half_tokens": self.linear_half_tokens,
             "logits_s_per_token": self.logits_s_per_token,
@@ -337,6 +341,7 @@ def fit_time(
     col = dict(zip(_TIME_COLUMNS, x, strict=True))
     return TimeFit(
         step_overhead_s=col["overhead"],
+        sequence_overhead_s=col["sequence"],
         linear_s_per_token=col["linear"],
         linear_half_tokens=lh,
         logits_s_per_token=logits_per_linear * col["linear"],

@@ -14,7 +14,7 @@ values (``tools/profile`` writes such blocks). Spec layout::
 
 Time of a micro-step on each rank of a CP group of size ``c`` holding ``T = ΣL/c`` tokens::
 
-    overhead + lin·(1+ρ_lin[r])·(T + lin_half) + logits·T
+    overhead + seq_overhead·n + lin·(1+ρ_lin[r])·(T + lin_half) + logits·T
              + max(attn + (1-overlap)·comm, comm)
     attn = att·(1+ρ_att[r])·Σ(L²/c + att_half·L)      # causal, zig-zag balanced, small-chunk loss
     comm = (c-1)·(cp_bytes·(1+ρ_comm[r])·T / bandwidth + hop_latency)   # ring KV exchange
@@ -222,7 +222,12 @@ class CostModel:
             * (1.0 + self._rho_att[lv])
             * (sum_sq / cp_size + c.attention_half_tokens * sum_len)
         )
-        base = c.step_overhead_s + lin + c.logits_s_per_token * tokens
+        base = (
+            c.step_overhead_s
+            + c.sequence_overhead_s * len(lengths)
+            + lin
+            + c.logits_s_per_token * tokens
+        )
         if cp_size == 1:
             return base + attn, 0.0
         bw = (
@@ -259,7 +264,7 @@ class CostModel:
             * (1.0 + self._rho_att[lv])
             * (lens * lens / cp_size + c.attention_half_tokens * lens)
         )
-        base = c.step_overhead_s + lin + c.logits_s_per_token * tokens
+        base = c.step_overhead_s + c.sequence_overhead_s + lin + c.logits_s_per_token * tokens
         if cp_size == 1:
             return base + attn
         bw = c.inter_node_bytes_per_s if self.spans_nodes(cp_size) else c.intra_node_bytes_per_s
@@ -274,9 +279,11 @@ class CostModel:
         lv = _level(recompute)
         lens = np.asarray(lengths, dtype=np.float64)
         return (
-            c.linear_s_per_token * (1.0 + self._rho_lin[lv]) + c.logits_s_per_token
-        ) * lens + c.attention_s_per_token2 * (1.0 + self._rho_att[lv]) * (
-            lens * lens + c.attention_half_tokens * lens
+            c.sequence_overhead_s
+            + (c.linear_s_per_token * (1.0 + self._rho_lin[lv]) + c.logits_s_per_token) * lens
+            + c.attention_s_per_token2
+            * (1.0 + self._rho_att[lv])
+            * (lens * lens + c.attention_half_tokens * lens)
         )
 
     def step_constant_s(self, recompute: str = "none") -> float:

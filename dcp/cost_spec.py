@@ -96,6 +96,9 @@ class Options:
     """Per-rank chunk length (L/c) at which attention runs at half efficiency."""
     step_overhead_s: float = 0.008
     """Fixed cost of one micro-step: launches, data, Python, CP group switch."""
+    sequence_overhead_s: float = 0.0
+    """Fixed cost per sequence per micro-step on each rank of its group (per-document work
+    outside the kernels, e.g. megatron's unfused packed-sequence RoPE loops over documents)."""
     comm_overlap: float = 0.9
     """Fraction of CP communication that can hide behind attention compute."""
     link_efficiency: float = 0.8
@@ -135,6 +138,7 @@ class Options:
             "linear_half_tokens",
             "attention_half_tokens",
             "step_overhead_s",
+            "sequence_overhead_s",
             "link_latency_s",
             "memory_reserved_gb",
         ):
@@ -148,6 +152,8 @@ class Coefficients:
 
     step_overhead_s: float
     """Fixed seconds per micro-step."""
+    sequence_overhead_s: float = 0.0
+    """Fixed seconds per sequence in a micro-step (each rank of the group pays it)."""
     linear_s_per_token: float
     """Seconds per local token for all linear layers, forward + backward, no recompute."""
     linear_half_tokens: float
@@ -309,6 +315,7 @@ def analytic_coefficients(
     )
     return Coefficients(
         step_overhead_s=options.step_overhead_s,
+        sequence_overhead_s=options.sequence_overhead_s,
         linear_s_per_token=linear_s_per_token,
         linear_half_tokens=options.linear_half_tokens,
         attention_s_per_token2=attention_s_per_token2,

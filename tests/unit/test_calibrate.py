@@ -38,6 +38,7 @@ def _known_spec() -> tuple[dict, float]:
     lin = 3e-6
     spec["calibration"] = {
         "step_overhead_s": 0.012,
+        "sequence_overhead_s": 0.002,
         "linear_s_per_token": lin,
         "linear_half_tokens": 64.0,
         "logits_s_per_token": kappa * lin,
@@ -92,7 +93,8 @@ def test_design_matrix_reproduces_cost_model_predictions():
     c = cm.coefficients
     comm = c.cp_bytes_per_token / c.intra_node_bytes_per_s
     x = np.array(
-        [c.step_overhead_s, c.linear_s_per_token, 0.2 * c.linear_s_per_token]
+        [c.step_overhead_s, c.sequence_overhead_s, c.linear_s_per_token]
+        + [0.2 * c.linear_s_per_token]
         + [0.15 * c.linear_s_per_token, c.attention_s_per_token2]
         + [0.3 * c.attention_s_per_token2, 0.0, comm, 0.5 * comm, 0.1 * comm, c.cp_hop_latency_s]
     )
