@@ -84,7 +84,8 @@ class IndexedDataConfig:
     blend_num_tokens: int | None = None
     """Tokens in the blended corpus (weights only); default: all tokens of all sources."""
     max_doc_len: int | None = None
-    """Split documents longer than this many tokens into chunks; ``None`` = never split."""
+    """Split documents longer than this many tokens into chunks that share one boundary token
+    (every next-token prediction is kept, no chunk is shorter than 2); ``None`` = never split."""
     seed: int = 0
     """Seed of the per-source shuffles used by blending."""
 
@@ -257,15 +258,21 @@ def _read_meta(prefix: str) -> dict:
 
 
 def _chunk(lengths: np.ndarray, max_doc_len: int | None) -> tuple[np.ndarray, ...]:
-    """(local doc id, start, length) of every non-empty chunk of every document."""
+    """(local doc id, start, length) of every non-empty chunk of every document.
+
+    Consecutive chunks share one token (chunk k starts at k·(max_doc_len − 1)): a chunk of n
+    tokens trains n − 1 next-token predictions, so with the shared boundary token every
+    prediction of the document is trained exactly once, and no chunk is shorter than 2 tokens.
+    """
     nonempty = np.flatnonzero(lengths > 0)
     lens = lengths[nonempty]
     if max_doc_len is None:
         return nonempty, np.zeros_like(lens), lens
-    n_chunks = -(-lens // max_doc_len)
+    stride = max_doc_len - 1
+    n_chunks = np.maximum(1, -(-(lens - 1) // stride))
     docs = np.repeat(nonempty, n_chunks)
     first = np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-    starts = (np.arange(docs.size) - first) * max_doc_len
+    starts = (np.arange(docs.size) - first) * stride
     chunk_lens = np.minimum(max_doc_len, lengths[docs] - starts)
     return docs, starts, chunk_lens
 

@@ -58,15 +58,19 @@ def test_long_documents_split_into_counted_chunks(tmp_path, caplog):
     prefix = _write(tmp_path / "a", [_doc(i, n) for i, n in enumerate(lengths)])
     with caplog.at_level("INFO", logger="dcp.data.dataset"):
         ds = _open(prefix, max_doc_len=64)
-    # 65 → 64+1, 200 → 64+64+64+8: two documents split, four extra chunks, nothing dropped.
-    assert list(ds.doc_lengths) == [10, 64, 64, 1, 64, 64, 64, 8, 3]
+    # Chunks share their boundary token (stride 63), so every next-token prediction survives:
+    # 65 → 64+2, 200 → 64+64+64+11; two documents split, four extra chunks, nothing dropped.
+    assert list(ds.doc_lengths) == [10, 64, 64, 2, 64, 64, 64, 11, 3]
     assert ds.stats["docs_split"] == 2 and ds.stats["extra_chunks"] == 4
-    assert ds.stats["num_tokens"] == sum(lengths) and ds.stats["max_len"] == 64
+    predictions = sum(n - 1 for n in ds.doc_lengths)
+    assert predictions == sum(n - 1 for n in lengths) and ds.stats["max_len"] == 64
     assert "2 documents longer than max_doc_len=64 split into 6 chunks" in caplog.text
-    rebuilt = np.concatenate([ds.get_tokens(d) for d in range(4, 8)])
+    chunks = [ds.get_tokens(d) for d in range(4, 8)]
+    assert all(a[-1] == b[0] for a, b in zip(chunks[:-1], chunks[1:], strict=True))
+    rebuilt = np.concatenate([chunks[0], *(c[1:] for c in chunks[1:])])
     assert list(rebuilt) == _doc(3, 200)
-    assert ds.source_of(6) == (prefix, 3, 128)
-    assert list(ds.get_tokens(6, 5, 3)) == _doc(3, 200)[133:136]
+    assert ds.source_of(6) == (prefix, 3, 126)
+    assert list(ds.get_tokens(6, 5, 3)) == _doc(3, 200)[131:134]
     unsplit = _open(prefix)
     assert list(unsplit.doc_lengths) == lengths and unsplit.stats["docs_split"] == 0
 
