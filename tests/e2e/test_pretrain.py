@@ -15,7 +15,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-STEPS = 6
+STEPS = 14
 
 OVERRIDES = [
     "model.num_layers=2",
