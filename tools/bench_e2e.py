@@ -1,12 +1,14 @@
 """End-to-end benchmark: the same run planned three ways (static, Megatron Hybrid-CP, DCP).
 
     python -m tools.bench_e2e [--config pretrain/configs/bench_cpu.yaml] [--steps 8] \\
-        [--warmup 1] [--nproc 2] [--planners static,megatron,dcp] [key.sub=value ...]
+        [--warmup 1] [--rounds 2] [--nproc 2] [--planners static,megatron,dcp] [key.sub=value ...]
 
 Started without torchrun it re-launches itself under ``torchrun --standalone`` with ``--nproc``
 ranks. Each planner trains a fresh model (same seed) on the same global batches (same sampler
 seed) through the real trainer; ``static`` runs every fixed (CP size, recompute) configuration
-that holds the run's longest sequence and the fastest is the baseline. Each run writes
+that holds the run's longest sequence and the fastest is the baseline. ``--rounds`` passes run
+all planners in alternating (forward, reversed) order and pool their throughput, so machine-speed
+drift during the benchmark does not favour whoever runs first. Each run writes
 ``runs/<prefix>-<name>/metrics.jsonl`` (W&B runs share the group ``<prefix>``, so they
 overlay). Rank 0 prints a table and, as the last line of stdout, one JSON object:
 
@@ -46,14 +48,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=2, help="ranks (when not under torchrun)")
     parser.add_argument("--planners", default=",".join(PLANNERS))
     parser.add_argument("--prefix", default="bench", help="run names: <prefix>-<planner>")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="passes over all planners, alternating forward/reversed order so that machine "
+        "speed drift during the benchmark cancels (throughput pools all rounds)",
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = parser.parse_args(argv)
     args.planners = [p.strip() for p in args.planners.split(",") if p.strip()]
     unknown = sorted(set(args.planners) - set(PLANNERS))
     if unknown:
         parser.error(f"unknown planners {unknown}; choose from {list(PLANNERS)}")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -113,8 +122,11 @@ def run_planner(base_cfg, planner: str, args, name: str, dcp_options: dict) -> l
     return Trainer(cfg).train()
 
 
-def summarize(name: str, records: list[dict], warmup: int) -> dict:
-    measured = records[warmup:]
+def summarize(name: str, rounds: list[list[dict]], warmup: int) -> dict:
+    """Throughput and prediction error pooled over all rounds; losses from the first round
+    (every round trains the same model on the same batches)."""
+    records = rounds[0]
+    measured = [r for run in rounds for r in run[warmup:]]
     tokens = sum(r["tokens"] for r in measured)
     seconds = sum(r["step_time_s"] for r in measured)
     errors = [
@@ -149,7 +161,8 @@ def report(results: dict[str, dict], args) -> dict:
         loss_diff = max(abs(a - b) for a, b in zip(dcp["losses"], static["losses"], strict=True))
     print(
         f"\nend-to-end benchmark: {args.steps} measured steps (+{args.warmup} warm-up) per "
-        f"planner, same data and seeds; measured on this machine"
+        f"planner x {args.rounds} rounds (alternating order), same data and seeds; measured on "
+        "this machine"
     )
     header = (
         f"{'planner':>24} {'tok/s':>9} {'step s':>8} {'pred s':>8} {'meas s':>8} "
@@ -177,6 +190,7 @@ def report(results: dict[str, dict], args) -> dict:
         "step_time_prediction_error": dcp.get("prediction_error") if dcp else None,
         "steps": args.steps,
         "warmup": args.warmup,
+        "rounds": args.rounds,
         "planners": results,
     }
     speedups = {k: summary[k] for k in ("speedup_vs_static", "speedup_vs_megatron")}
@@ -210,23 +224,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: dict[str, dict] = {}
     try:
-        for planner in args.planners:
-            runs = static_variants(base_cfg) if planner == "static" else [(planner, {})]
-            for name, options in runs:
+        runs = [
+            (planner, name, options)
+            for planner in args.planners
+            for name, options in (
+                static_variants(base_cfg) if planner == "static" else [(planner, {})]
+            )
+        ]
+        records: dict[str, list[list[dict]]] = {name: [] for _, name, _ in runs}
+        for round_index in range(args.rounds):
+            for planner, name, options in runs if round_index % 2 == 0 else runs[::-1]:
+                if name in results:  # failed in an earlier round
+                    continue
                 if rank == 0:
-                    print(f"[bench] running {name}", file=sys.stderr, flush=True)
+                    print(f"[bench] round {round_index + 1}: {name}", file=sys.stderr, flush=True)
                 try:
-                    records = run_planner(base_cfg, planner, args, name, options)
+                    records[name].append(run_planner(base_cfg, planner, args, name, options))
                 except (ValueError, RuntimeError) as exc:  # deterministic: same on every rank
                     results[name] = {"planner": name, "error": f"{type(exc).__name__}: {exc}"}
-                    continue
-                results[name] = summarize(name, records, args.warmup)
-            if planner == "static":
-                ok = [results[n] for n, _ in runs if "error" not in results[n]]
-                if ok:  # the best static config is the baseline
-                    results["static"] = {**max(ok, key=lambda r: r["tokens_per_s"])}
-                else:
-                    results["static"] = {"planner": "static", "error": "no static config ran"}
+        for _, name, _ in runs:
+            if name not in results:
+                results[name] = summarize(name, records[name], args.warmup)
+        if "static" in args.planners:
+            variants = [results[n] for _, n, _ in runs if n.startswith("static-")]
+            ok = [r for r in variants if "error" not in r]
+            if ok:  # the best fixed static configuration is the baseline
+                results["static"] = {**max(ok, key=lambda r: r["tokens_per_s"])}
+            else:
+                results["static"] = {"planner": "static", "error": "no static config ran"}
         if rank == 0:
             summary = report(results, args)
             print(json.dumps(summary), flush=True)
