@@ -83,17 +83,16 @@ def local_batch(
     device: torch.device | str = "cpu",
 ) -> LocalBatch:
     """Inputs, labels, loss mask and positions of ``cp_rank``'s shard of ``seq_ids``."""
-    doc_ids = layout.doc_ids(cp_rank)
     positions = layout.position_ids(cp_rank)
+    bounds = layout.local_cu_seqlens  # each document's slice of the local sequence
     n_local = positions.size
     inputs = np.zeros(n_local, dtype=np.int64)
     labels = np.zeros(n_local, dtype=np.int64)
     mask = np.zeros(n_local, dtype=np.float32)
     tokens_read = 0
-    offset = 0
     for d, seq_id in enumerate(seq_ids):
-        count = int((doc_ids == d).sum())
-        doc_pos = positions[offset : offset + count]
+        offset = int(bounds[d])
+        doc_pos = positions[offset : int(bounds[d + 1])]
         real_len = layout.doc_lens[d]
         for run_off, first, length in _runs(doc_pos):
             real = max(0, min(length, real_len - first))
@@ -110,8 +109,7 @@ def local_batch(
             inputs[a : a + real] = toks[:-1]
             labels[a : a + real] = toks[1:]
             mask[a : a + real] = 1.0
-        offset += count
-    assert offset == n_local, (offset, n_local)
+    assert int(bounds[-1]) == n_local, (bounds[-1], n_local)
 
     def as_tensor(x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(x).unsqueeze(0).to(device)

@@ -37,9 +37,10 @@ def load_spec(spec: str) -> dict:
     return load_preset(spec)
 
 
-def load_cost_model(spec: str, *, world_size: int) -> CostModel:
-    """A preset name or a spec JSON path → cost model; its cluster must match the world size."""
-    model = CostModel.from_spec(load_spec(spec))
+def load_cost_model(spec: str | dict, *, world_size: int) -> CostModel:
+    """A preset name, spec JSON path or spec dict → cost model; its cluster must match the world
+    size."""
+    model = CostModel.from_spec(load_spec(spec) if isinstance(spec, str) else spec)
     if model.num_ranks != world_size:
         raise ValueError(
             f"dcp.spec {spec!r} describes {model.num_ranks} ranks but the job has {world_size}; "
@@ -67,8 +68,9 @@ class BatchPlanner:
         self.cfg = dcp_cfg
         self.world_size = world_size
         self.max_seq_len = max_seq_len
-        self.cost_model = load_cost_model(dcp_cfg.spec, world_size=world_size)
-        self.peak_tflops_per_rank = float(load_spec(dcp_cfg.spec)["cluster"]["peak_tflops"])
+        spec = load_spec(dcp_cfg.spec)
+        self.cost_model = load_cost_model(spec, world_size=world_size)
+        self.peak_tflops_per_rank = float(spec["cluster"]["peak_tflops"])
 
     def plan(self, batch: GlobalBatch) -> PlannedBatch:
         lengths = seq_lengths(batch)
