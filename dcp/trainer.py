@@ -78,7 +78,9 @@ class Trainer:
             logger.info("resumed from %s (step %d)", loaded.path, loaded.step)
         return loaded.step
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, sampler_state: dict) -> None:
+        """Checkpoint after ``step``. ``sampler_state`` is the position right after this step's
+        batch, i.e. before the prefetched next batch, which a resumed run must draw again."""
         state = self.runtime.state_dict()
         save_checkpoint(
             self.ckpt_root,
@@ -86,7 +88,7 @@ class Trainer:
             model_state=state["model"],
             optimizer_state=state["optimizer"],
             scheduler_state={"step": step},
-            sampler_state=self.sampler.state_dict(),
+            sampler_state=sampler_state,
             rng_state=capture_rng_state(),
             extra={"config": to_dict(self.cfg)},
             rank=self.rank,
@@ -140,19 +142,9 @@ class Trainer:
                 records.append(record)
                 interval = cfg.checkpoint.interval_steps
                 if interval and ((step + 1) % interval == 0 or step + 1 == cfg.train.steps):
-                    self._save_with_sampler(step + 1, sampler_state, pending)
+                    self._save(step + 1, sampler_state)
         finally:
             if pool:
                 pool.shutdown(wait=True, cancel_futures=True)
             self.metrics.close()
         return records
-
-    def _save_with_sampler(self, step: int, sampler_state: dict, pending) -> None:
-        """Checkpoint after ``step``: the sampler position is the one *after* this step's batch,
-        i.e. before the prefetched batch (which a resumed run must draw again)."""
-        prefetched_state = self.sampler.state_dict()
-        self.sampler.load_state_dict(sampler_state)
-        try:
-            self._save(step)
-        finally:
-            self.sampler.load_state_dict(prefetched_state)
