@@ -2,12 +2,13 @@
 
 * ``plan_static``: what a static Megatron run does. One CP size and one recompute level for the
   whole run, sized so the run's longest sequence fits one micro-batch; sequences packed into
-  micro-batches of a fixed token capacity and dealt to the DP replicas, every replica running
-  the same number of micro-batches. A static run has no cost model, so by default packing and
-  dealing balance *tokens* (longest first into the emptiest bin: the best a cost-blind packer
-  does); ``balance="cost"`` is an oracle variant that balances predicted time instead. Not
-  handicapped: capacity is tried at the run's max length and at the memory limit, and without
-  ``cp_size``/``recompute`` the fastest config for the batch is returned.
+  micro-batches of that capacity (the run's max length: Megatron's ``--seq-length``) and dealt to
+  the DP replicas, every replica running the same number of micro-batches. A static run has no
+  cost model, so packing and dealing balance *tokens* (longest first into the emptiest bin: the
+  best a cost-blind packer does). Without ``cp_size``/``recompute`` the fastest config for the
+  batch is returned. ``tuned=True`` is a stronger variant than any static Megatron run: it also
+  tries micro-batches up to the memory limit (a ``--seq-length`` beyond the longest document)
+  and balances predicted time with the cost model.
 * ``plan_megatron``: Megatron-Core's own Hybrid-CP (``--hybrid-context-parallel``): its
   ``BalancedCPScheduler`` called unchanged with ``max_seq_len_per_rank`` from the memory budget
   (as its docs advise), each sub-sample one micro-step on the ranks that hold it, and its barrier
@@ -45,19 +46,19 @@ def plan_static(
     cp_size: int | None = None,
     recompute: str | None = None,
     max_seq_len: int | None = None,
-    balance: str = "tokens",
+    tuned: bool = False,
     on_oversize: str = "raise",
 ) -> Plan:
     """Static CP baseline. ``max_seq_len``: the run's longest sequence (default: this batch's).
 
     With ``cp_size`` and/or ``recompute`` given, only matching configs (``ValueError`` if none can
-    hold ``max_seq_len``); of those, the fastest for this batch. Micro-batch capacity is tried at
-    both ``max_seq_len`` tokens (Megatron's ``--seq-length``) and the memory limit.
-    ``balance="tokens"`` packs and deals by token counts, as a static run without a cost model
-    does; ``balance="cost"`` uses the cost model (an oracle no static Megatron run has).
+    hold ``max_seq_len``); of those, the fastest for this batch. Micro-batches hold
+    ``max_seq_len`` tokens (Megatron's ``--seq-length``), packed and dealt by token counts as a
+    static run without a cost model does. ``tuned=True``: also micro-batches up to the memory
+    limit, packed and dealt by predicted time (an oracle no static Megatron run has).
     """
-    if balance not in ("tokens", "cost"):
-        raise ValueError(f"balance must be 'tokens' or 'cost', got {balance!r}")
+    if not isinstance(tuned, bool):
+        raise ValueError(f"tuned must be true or false, got {tuned!r}")
     lens = check_lengths(lengths)
     dropped = find_oversize(
         lens, cost_model, max_cp_size=pow2_sizes(cost_model.num_ranks)[-1], on_oversize=on_oversize
@@ -86,9 +87,11 @@ def plan_static(
         raise ValueError(f"no static config holds a {max_seq_len}-token sequence")
     best = None
     for cp, level in configs:
-        mem_capacity = cp * cost_model.max_tokens_per_rank(level)
-        for capacity in sorted({max_seq_len, mem_capacity}):
-            plan = _static_for_config(lens, keep, cost_model, cp, level, capacity, balance)
+        capacities = {max_seq_len}
+        if tuned:
+            capacities.add(cp * cost_model.max_tokens_per_rank(level))
+        for capacity in sorted(capacities):
+            plan = _static_for_config(lens, keep, cost_model, cp, level, capacity, tuned)
             if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
                 best = plan
     assert best is not None
@@ -107,11 +110,11 @@ def _static_for_config(
     cp: int,
     level: str,
     cap: int,
-    balance: str,
+    tuned: bool,
 ) -> Plan:
     replicas = cost_model.num_ranks // cp
     kept = lens[keep].astype(np.float64)
-    if balance == "cost":
+    if tuned:
         # Marginal cost of each sequence in a micro-batch (solo time minus the step constant).
         cost = cost_model.solo_step_time_s(kept, cp, level) - cost_model.step_constant_s(level)
     else:
@@ -124,7 +127,7 @@ def _static_for_config(
             break
         per_replica += 1
     bins = [b for b in bins if b]
-    if balance == "cost":
+    if tuned:
         times = [
             cost_model.step_time_s([int(kept[i]) for i in b], cp, level, tuple(range(cp)))
             for b in bins
@@ -158,7 +161,7 @@ def _static_for_config(
             "recompute": level,
             "capacity_tokens": cap,
             "micro_batches_per_replica": per_replica,
-            "balance": balance,
+            "tuned": tuned,
         },
     )
 

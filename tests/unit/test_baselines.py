@@ -30,9 +30,9 @@ def test_static_configs_hold_the_max_length(cm):
     assert (32, "none") in configs
 
 
-@pytest.mark.parametrize("balance", ["tokens", "cost"])
-def test_static_plan_is_one_fixed_config(cm, batch, balance):
-    plan = plan_static(batch, cost_model=cm, max_seq_len=131072, balance=balance)
+@pytest.mark.parametrize("tuned", [False, True])
+def test_static_plan_is_one_fixed_config(cm, batch, tuned):
+    plan = plan_static(batch, cost_model=cm, max_seq_len=131072, tuned=tuned)
     plan.validate(num_sequences=len(batch), num_ranks=cm.num_ranks)
     cm.check_plan_memory(plan, batch)
     cp, level = plan.meta["cp_size"], plan.meta["recompute"]
@@ -44,8 +44,19 @@ def test_static_plan_is_one_fixed_config(cm, batch, balance):
         assert len(plan.steps_for_rank(j * cp)) <= per_replica
     for step in plan.steps:
         assert sum(batch[i] for i in step.seq_ids) <= plan.meta["capacity_tokens"]
+    if not tuned:  # Megatron's static run: micro-batches of --seq-length = the run's max
+        assert plan.meta["capacity_tokens"] == 131072
     assert plan.predicted_step_time_s == pytest.approx(simulate(plan, batch, cm).makespan_s)
-    assert plan_static(batch, cost_model=cm, max_seq_len=131072, balance=balance) == plan
+    assert plan_static(batch, cost_model=cm, max_seq_len=131072, tuned=tuned) == plan
+
+
+def test_tuned_static_is_never_slower(cm, batch):
+    """Tuned tries a superset of the plain capacities and packs by predicted time; the 2% allows
+    for its greedy packing landing slightly differently on a capacity both try."""
+    for cp, level in static_configs(cm, 131072)[:4]:
+        kw = dict(cost_model=cm, cp_size=cp, recompute=level, max_seq_len=131072)
+        plain, tuned = plan_static(batch, **kw), plan_static(batch, tuned=True, **kw)
+        assert tuned.predicted_step_time_s <= plain.predicted_step_time_s * 1.02
 
 
 def test_static_reports_the_best_config(cm, batch):
@@ -60,8 +71,8 @@ def test_static_errors(cm, batch):
         plan_static(batch, cost_model=cm, cp_size=1, recompute="none", max_seq_len=131072)
     with pytest.raises(ValueError, match="below this batch's longest"):
         plan_static(batch, cost_model=cm, max_seq_len=10)
-    with pytest.raises(ValueError, match="balance"):
-        plan_static(batch, cost_model=cm, balance="vibes")
+    with pytest.raises(ValueError, match="tuned must be true or false"):
+        plan_static(batch, cost_model=cm, tuned="maybe")
     with pytest.raises(ValueError, match="empty batch"):
         plan_static([], cost_model=cm)
 
