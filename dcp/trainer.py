@@ -19,7 +19,7 @@ from dcp.checkpoint import capture_rng_state, load_latest, restore_rng_state, sa
 from dcp.config import to_dict
 from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
 from dcp.metrics import MetricsLogger
-from dcp.plan_stats import BatchPlanner, plan_record
+from dcp.plan_stats import BatchPlanner, plan_record, reset_peak_memory
 from dcp.run_info import write_run_config
 from dcp.runtime import Runtime
 from dcp.sources import DatasetSource, build_dataset
@@ -118,6 +118,7 @@ class Trainer:
                 sampler_state = self.sampler.state_dict()
                 # Plan the next batch while this one runs (the planner is pure Python).
                 pending = submit(next(self.sampler)) if step + 1 < cfg.train.steps else None
+                reset_peak_memory()
                 stats = self.runtime.train_step(
                     planned.plan,
                     DatasetSource(self.dataset, batch),

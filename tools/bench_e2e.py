@@ -24,7 +24,10 @@ A planner whose plans the runtime cannot execute is reported with its error, not
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -100,6 +103,17 @@ def static_variants(base_cfg) -> list[tuple[str, dict]]:
     ]
 
 
+def release_memory() -> None:
+    """Free the previous planner's model and hand glibc's freed heap back to the OS, so the next
+    planner's per-step peak resident memory starts from the same baseline."""
+    gc.collect()
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:
+        libc = ctypes.CDLL(libc_name)
+        if hasattr(libc, "malloc_trim"):  # glibc only
+            libc.malloc_trim(0)
+
+
 def run_planner(base_cfg, planner: str, args, name: str, dcp_options: dict) -> list[dict]:
     import torch.distributed as dist
 
@@ -118,6 +132,7 @@ def run_planner(base_cfg, planner: str, args, name: str, dcp_options: dict) -> l
     )
     if dist.get_rank() == 0:
         shutil.rmtree(Path(cfg.runs_dir) / name, ignore_errors=True)
+    release_memory()
     dist.barrier()
     return Trainer(cfg).train()
 

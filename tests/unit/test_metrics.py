@@ -218,3 +218,18 @@ def test_run_info_outside_git_checkout(tmp_path, monkeypatch):
     assert run_info.git_info(tmp_path) == {"sha": None, "dirty": None}
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert collect_run_info()["world_size"] == 3
+
+
+def test_peak_memory_is_per_window():
+    """A step's peak does not carry an earlier step's allocation (the bench runs every planner in
+    one process, so a lifetime peak would credit later planners with earlier ones' memory)."""
+    import numpy as np
+
+    from dcp.plan_stats import peak_memory_bytes, reset_peak_memory
+
+    reset_peak_memory()
+    big = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+    big_peak = peak_memory_bytes()
+    del big
+    reset_peak_memory()
+    assert peak_memory_bytes() < big_peak - 32 * 2**20
