@@ -128,6 +128,16 @@ def peak_memory_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def max_peak_memory_bytes() -> int:
+    """This step's peak memory, maximum over all ranks (one scalar all-reduce)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    return int(peak.item())
+
+
 def model_flops(lengths: list[int], cfg: ModelConfig) -> float:
     """Training FLOPs of one batch: 6·N per token + causal attention (12·layers·h·L²/2)."""
     tokens = sum(lengths)
@@ -164,6 +174,7 @@ def plan_record(
     world_size: int,
     model_cfg: ModelConfig,
     peak_tflops_per_rank: float | None = None,
+    peak_mem_bytes: int | None = None,
 ) -> dict:
     """The metrics row of one step (same keys for every planner, so runs overlay)."""
     tokens = stats.loss_tokens
@@ -181,7 +192,7 @@ def plan_record(
         "grad_norm": stats.grad_norm,
         "skipped": stats.skipped,
         "dropped_sequences": len(planned.dropped),
-        "peak_mem_bytes": peak_memory_bytes(),
+        "peak_mem_bytes": peak_memory_bytes() if peak_mem_bytes is None else peak_mem_bytes,
         "planner": planned.plan.planner,
         "plan": {
             **plan_summary(planned.plan, planned.lengths, world_size),

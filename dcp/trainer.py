@@ -19,7 +19,7 @@ from dcp.checkpoint import capture_rng_state, load_latest, restore_rng_state, sa
 from dcp.config import to_dict
 from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
 from dcp.metrics import MetricsLogger
-from dcp.plan_stats import BatchPlanner, plan_record, reset_peak_memory
+from dcp.plan_stats import BatchPlanner, max_peak_memory_bytes, plan_record, reset_peak_memory
 from dcp.run_info import write_run_config
 from dcp.runtime import Runtime
 from dcp.sources import DatasetSource, build_dataset
@@ -132,6 +132,7 @@ class Trainer:
                     world_size=self.world_size,
                     model_cfg=cfg.model,
                     peak_tflops_per_rank=self.planner.peak_tflops_per_rank,
+                    peak_mem_bytes=max_peak_memory_bytes(),
                 )
                 if stats.skipped:
                     logger.warning(

@@ -155,3 +155,16 @@ def sleep_forever(seconds: float) -> None:
 
 def rank_and_world() -> tuple[int, int, str]:
     return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+
+
+def step_peak_memory(big_rank: int) -> tuple[int, int]:
+    """(this rank's own step peak, the logged max over ranks) after ``big_rank`` touched 96 MiB."""
+    import numpy as np
+
+    from dcp.plan_stats import max_peak_memory_bytes, peak_memory_bytes, reset_peak_memory
+
+    reset_peak_memory()
+    if dist.get_rank() == big_rank:
+        big = np.ones(96 * 2**20 // 8)
+        del big
+    return peak_memory_bytes(), max_peak_memory_bytes()

@@ -38,3 +38,10 @@ def test_timeout_tears_down_and_names_missing_ranks():
             pool.run(bodies.sleep_forever, 600, timeout_s=2)
     finally:
         pool.shutdown()
+
+
+def test_logged_peak_memory_is_the_max_over_ranks():
+    """The metrics' peak_mem_bytes is the worst rank's, not rank 0's."""
+    (own0, max0), (own1, max1) = run_on_ranks(2, bodies.step_peak_memory, 1)
+    assert max0 == max1 == max(own0, own1)
+    assert own1 > own0  # rank 1's 96 MiB shows in its own window, not in rank 0's
