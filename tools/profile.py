@@ -12,7 +12,8 @@ documents, CP size 1 and 2, recompute none/selective/full. CP=1 points run on bo
 (as in training) and pool both ranks' samples; a CP=2 step's time is the slower rank's. Each point:
 ``--warmup`` untimed steps, then ``--samples`` timed ones (CP=1: half on each rank); the median
 is kept. Points run cheapest first; a point whose predicted cost no longer fits in ``--budget-s``
-is skipped (and listed). The default grid takes about 2.5 minutes on 2 cores.
+is skipped (and listed). The default grid takes about 4 minutes on 2 cores; it reaches 8K-token
+documents because attention's L² term dominates long ones and should not be extrapolated.
 
 Memory: peak bytes of live saved activations over one micro-step's forward + backward, per
 recompute level (parameters excluded), and static bytes (parameters + gradient buffers +
@@ -52,7 +53,7 @@ from tools.profile_ranks import Job, rank_main
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "pretrain/configs/tiny_cpu.yaml"
 ATTENTION_FILE = REPO / "dcp/attention.py"
-DEFAULT_SINGLES = "32,64,128,256,512,1024,2048,4096"
+DEFAULT_SINGLES = "32,64,128,256,512,1024,2048,4096,8192"
 # NxL: N documents of L tokens packed into one micro-step.
 DEFAULT_PACKS = "8x32,32x32,16x64,8x128,64x32,16x128,4x512,128x32,8x512"
 WORLD_SIZE = 2
@@ -93,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default=",".join(RECOMPUTE_LEVELS), help="levels to measure")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per point")
     p.add_argument("--samples", type=int, default=6, help="timed micro-steps per point")
-    p.add_argument("--budget-s", type=float, default=200.0, help="seconds for the timing grid")
+    p.add_argument("--budget-s", type=float, default=330.0, help="seconds for the timing grid")
     p.add_argument("--memory-ref-len", type=int, default=None, help="default: model.max_seq_len")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--measurements-out", default=None, help="save the raw measurements (JSON)")
