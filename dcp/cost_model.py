@@ -252,6 +252,13 @@ class CostModel:
         return self.step_terms(lengths, cp_size, recompute, ranks)[0]
 
     # -- vectorised helpers for planners ---------------------------------------------------
+    def solo_mem_bytes(
+        self, lengths: np.ndarray, cp_size: int | np.ndarray, recompute: str
+    ) -> np.ndarray:
+        """``step_mem_bytes([L], cp_size, recompute)`` for each L (``cp_size`` may be per L)."""
+        lens = np.asarray(lengths, dtype=np.float64)
+        return self.static_mem_bytes + self.mem_bytes_per_token(recompute) * (lens / cp_size)
+
     def solo_step_time_s(self, lengths: np.ndarray, cp_size: int, recompute: str) -> np.ndarray:
         """``step_time_s([L], cp_size, recompute)`` for each L, on an aligned block (vectorised)."""
         c = self.coefficients

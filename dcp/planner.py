@@ -75,8 +75,7 @@ def find_oversize(
     """
     if on_oversize not in ("raise", "drop"):
         raise ValueError(f"on_oversize must be 'raise' or 'drop', got {on_oversize!r}")
-    per_token = cost_model.mem_bytes_per_token("full")
-    need = cost_model.static_mem_bytes + per_token * (lengths / max_cp_size)
+    need = cost_model.solo_mem_bytes(lengths, max_cp_size, "full")
     bad = np.flatnonzero(need > cost_model.mem_budget_bytes)
     if bad.size and on_oversize == "raise":
         i = int(bad[0])
@@ -150,10 +149,7 @@ def plan_dcp(
     rec = np.zeros((keep.size, num_levels), dtype=np.int64)
     for k, cp in enumerate(sizes):
         for lv in levels_allowed:
-            fits = (
-                cost_model.static_mem_bytes + cost_model.mem_bytes_per_token(lv) * (kept / cp)
-                <= cost_model.mem_budget_bytes
-            )
+            fits = cost_model.solo_mem_bytes(kept, cp, lv) <= cost_model.mem_budget_bytes
             t = np.where(fits, cost_model.solo_step_time_s(kept, cp, lv), np.inf)
             better = t < dur[:, k]
             dur[:, k] = np.where(better, t, dur[:, k])

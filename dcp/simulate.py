@@ -96,9 +96,7 @@ def _min_feasible_cp(
     need = np.maximum(1, np.ceil(lengths * per_token / free)).astype(np.int64)
     # ceil() on floats may land one below the exact answer; step up until fits() agrees.
     while True:
-        short = (
-            cost_model.static_mem_bytes + per_token * (lengths / need) > cost_model.mem_budget_bytes
-        )
+        short = cost_model.solo_mem_bytes(lengths, need, recompute) > cost_model.mem_budget_bytes
         if not short.any():
             break
         need = need + short
