@@ -30,6 +30,11 @@ class SequenceSource(Protocol):
         ...
 
 
+def train_len(doc_len: int) -> int:
+    """Training length of a document of ``doc_len`` tokens: its next-token pairs."""
+    return int(doc_len) - 1
+
+
 class InMemorySource:
     """A ``SequenceSource`` over token arrays already in memory (tests, the 10-line API)."""
 
@@ -43,10 +48,10 @@ class InMemorySource:
         return len(self._docs)
 
     def lengths(self) -> list[int]:
-        return [d.size - 1 for d in self._docs]
+        return [train_len(d.size) for d in self._docs]
 
     def seq_len(self, seq_id: int) -> int:
-        return self._docs[seq_id].size - 1
+        return train_len(self._docs[seq_id].size)
 
     def read(self, seq_id: int, start: int, stop: int) -> np.ndarray:
         return self._docs[seq_id][start:stop]

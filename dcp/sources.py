@@ -13,6 +13,7 @@ import numpy as np
 from dcp.data.dataset import IndexedDocumentDataset
 from dcp.data.sampler import GlobalBatch
 from dcp.data.synthetic import SyntheticDocumentDataset
+from dcp.dispatch import train_len
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class DatasetSource:
         self._batch = batch
 
     def seq_len(self, seq_id: int) -> int:
-        return int(self._batch.lengths[seq_id]) - 1
+        return train_len(self._batch.lengths[seq_id])
 
     def read(self, seq_id: int, start: int, stop: int) -> np.ndarray:
         doc = self._batch.doc_ids[seq_id]
@@ -58,4 +59,9 @@ class DatasetSource:
 
 def seq_lengths(batch: GlobalBatch) -> list[int]:
     """The planner's input: training length of each sequence of the batch."""
-    return [int(n) - 1 for n in batch.lengths]
+    return [train_len(n) for n in batch.lengths]
+
+
+def longest_seq_len(dataset) -> int:
+    """The run's longest training sequence (what a static configuration must be sized for)."""
+    return train_len(dataset.doc_lengths.max())

@@ -22,7 +22,7 @@ from dcp.metrics import MetricsLogger
 from dcp.plan_stats import BatchPlanner, max_peak_memory_bytes, plan_record, reset_peak_memory
 from dcp.run_info import write_run_config
 from dcp.runtime import Runtime
-from dcp.sources import DatasetSource, build_dataset
+from dcp.sources import DatasetSource, build_dataset, longest_seq_len
 from dcp.train_config import PretrainConfig
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class Trainer:
         self.planner = BatchPlanner(
             cfg.dcp,
             world_size=self.world_size,
-            max_seq_len=int(self.dataset.doc_lengths.max()) - 1,
+            max_seq_len=longest_seq_len(self.dataset),
         )
         self.runtime = Runtime.from_config(cfg.model, cfg.optim, seed=cfg.train.seed)
         self.ckpt_root = Path(cfg.checkpoint.root_dir or self.run_dir / "checkpoints")

@@ -92,10 +92,10 @@ def static_variants(base_cfg) -> list[tuple[str, dict]]:
 
     from dcp.baselines import static_configs
     from dcp.plan_stats import load_cost_model
-    from dcp.sources import build_dataset
+    from dcp.sources import build_dataset, longest_seq_len
 
     dataset = build_dataset(base_cfg.data, vocab_size=base_cfg.model.vocab_size)
-    longest = int(dataset.doc_lengths.max()) - 1
+    longest = longest_seq_len(dataset)
     cost_model = load_cost_model(base_cfg.dcp.spec, world_size=dist.get_world_size())
     return [
         (f"static-cp{cp}-{level}", {"static_cp_size": cp, "static_recompute": level})
