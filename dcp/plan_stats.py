@@ -173,10 +173,11 @@ def plan_record(
     plan_time_s: float,
     world_size: int,
     model_cfg: ModelConfig,
+    peak_mem_bytes: int,
     peak_tflops_per_rank: float | None = None,
-    peak_mem_bytes: int | None = None,
 ) -> dict:
-    """The metrics row of one step (same keys for every planner, so runs overlay)."""
+    """The metrics row of one step (same keys for every planner, so runs overlay).
+    ``peak_mem_bytes``: the step's peak over the ranks (``max_peak_memory_bytes``)."""
     tokens = stats.loss_tokens
     record = {
         "step": step,
@@ -192,7 +193,7 @@ def plan_record(
         "grad_norm": stats.grad_norm,
         "skipped": stats.skipped,
         "dropped_sequences": len(planned.dropped),
-        "peak_mem_bytes": peak_memory_bytes() if peak_mem_bytes is None else peak_mem_bytes,
+        "peak_mem_bytes": peak_mem_bytes,
         "planner": planned.plan.planner,
         "plan": {
             **plan_summary(planned.plan, planned.lengths, world_size),
