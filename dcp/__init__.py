@@ -1,6 +1,9 @@
 """DCP (Data-Centric Parallel): per-batch context-parallel, micro-step and recompute plans for
-Megatron-Core. The planner modules (``dcp.plan``, ``dcp.cost_model``, ``dcp.planner``,
-``dcp.baselines``, ``dcp.simulate``) are pure Python; the names below load torch/megatron lazily.
+Megatron-Core.
+
+The public API is below; torch and megatron-core load on first use of a name that needs them.
+``dcp.plan``, ``dcp.planning`` and ``dcp.costmodel`` are pure Python (numpy), safe to import
+anywhere. ``docs/design.md`` maps the packages.
 """
 
 from __future__ import annotations
@@ -8,16 +11,17 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "DCPEngine": "dcp.engine",
+    "DCPEngine": "dcp.runtime.engine",
     "ModelConfig": "dcp.model",
     "build_gpt_model": "dcp.model",
     "OptimConfig": "dcp.optim",
     "Plan": "dcp.plan",
     "MicroStep": "dcp.plan",
-    "plan_batch": "dcp.planner",
-    "CostModel": "dcp.cost_model",
-    "Runtime": "dcp.runtime",
-    "init": "dcp.runtime",
+    "plan_batch": "dcp.planning",
+    "CostModel": "dcp.costmodel",
+    "load_cost_model": "dcp.costmodel",
+    "Runtime": "dcp.runtime.runtime",
+    "init": "dcp.runtime.runtime",
 }
 
 __all__ = sorted(_LAZY)
@@ -26,5 +30,4 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'dcp' has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name])
-    return getattr(module, "init_megatron_parallel" if name == "init" else name)
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -1,8 +1,8 @@
 """Build a Llama-style megatron-core ``GPTModel`` from one config dataclass.
 
 RoPE, RMSNorm, SwiGLU, grouped-query attention, untied or tied embeddings and
-``add_bias_linear=False`` (megatron-core 0.19.2's ``mlp`` recompute recurses forever with biases,
-DESIGN §6). The layer spec is megatron's local spec with the ``core_attention`` submodule replaced:
+``add_bias_linear=False`` (megatron-core 0.19.2's ``mlp`` recompute recurses forever with
+biases). The layer spec is megatron's local spec with the ``core_attention`` submodule replaced:
 ``"dcp"`` is DCP's packed, context-parallel attention (``dcp.attention``: TE on GPU when present,
 the torch implementation otherwise); ``"megatron_local"`` keeps megatron's own
 ``DotProductAttention`` (CP=1, unpacked only), useful as an independent reference.
@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from dcp.costmodel.spec import ParamCounts
 
 CoreAttention = Literal["dcp", "megatron_local"]
 
@@ -84,11 +86,14 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count (for MFU: 6·N·tokens plus attention FLOPs)."""
-        h, f, v, n = self.hidden_size, self.ffn_hidden_size, self.vocab_size, self.num_layers
-        kv = self.num_query_groups * self.head_dim
-        per_layer = h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h
-        emb = v * h * (1 if self.tie_embeddings else 2)
-        return n * per_layer + emb + h
+        return ParamCounts.of(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            kv_hidden_size=self.num_query_groups * self.head_dim,
+            ffn_hidden_size=self.ffn_hidden_size,
+            vocab_size=self.vocab_size,
+            tied_embeddings=self.tie_embeddings,
+        ).total
 
 
 def transformer_config(cfg: ModelConfig, **overrides):
@@ -150,9 +155,6 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    import megatron_patches.cpu
-
-    megatron_patches.cpu.apply()
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     if pg_collection is None:

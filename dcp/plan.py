@@ -1,10 +1,12 @@
-"""The Plan contract (DESIGN §5): what every planner produces and the runtime executes.
+"""The Plan contract: what every planner produces and the runtime executes (docs/design.md).
 
 A ``Plan`` is an ordered tuple of ``MicroStep``. Each micro-step names the CP group that runs it
 (global ranks of the DP×CP domain, ascending), the sequences packed into it (indices into the
 batch's length list) and the recompute level. Every sequence id appears in exactly one step; each
 rank runs, in list order, the steps that contain it; the ranks of one step run it together.
 
+This module is also the one home of the vocabularies other modules validate against:
+recompute levels, planner names and what a planner does with a sequence no plan can fit.
 Pure Python: no torch, no I/O beyond JSON (de)serialisation helpers.
 """
 
@@ -16,6 +18,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 RECOMPUTE_LEVELS: tuple[str, ...] = ("none", "selective", "full")
+"""Activation recompute per micro-step, cheapest memory last."""
+PLANNERS: tuple[str, ...] = ("dcp", "static", "megatron")
+"""DCP's planner and the two baselines it is measured against (``dcp.planning``)."""
+ON_OVERSIZE: tuple[str, ...] = ("error", "drop")
+"""A sequence no plan can fit: raise naming it, or drop it (listed in ``plan.meta``)."""
+
+
+def check_choice(value: object, allowed: tuple[str, ...], name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -29,8 +42,7 @@ class MicroStep:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "seq_ids", tuple(int(s) for s in self.seq_ids))
-        if self.recompute not in RECOMPUTE_LEVELS:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_LEVELS}, got {self.recompute!r}")
+        check_choice(self.recompute, RECOMPUTE_LEVELS, "recompute")
 
     @property
     def cp_size(self) -> int:
@@ -89,7 +101,7 @@ class Plan:
         Checks: every sequence id in ``range(num_sequences)`` (other than ``dropped``) appears
         in exactly one step; each step's ranks are valid, ascending and distinct; each step's CP
         size is in ``allowed_cp_sizes`` (when given). Memory is checked by
-        ``dcp.cost_model.CostModel.check_plan_memory``, which knows the budget.
+        ``dcp.costmodel.CostModel.check_plan_memory``, which knows the budget.
         """
         seen: dict[int, int] = {}
         allowed = set(allowed_cp_sizes) if allowed_cp_sizes is not None else None

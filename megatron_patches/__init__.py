@@ -1,0 +1,31 @@
+"""Patches to megatron-core 0.19.2 internals, one concern per module; nothing here imports dcp.
+
+- ``cpu``: redirect the CUDA-only calls megatron makes, so it runs on CPU with gloo;
+- ``parallel_state.use_cp_group``: point a built model at another CP group for one micro-step;
+- ``recompute.use_recompute``: set a built model's activation recompute for one micro-step.
+
+Only ``apply()`` changes process-wide state, and only when an entry point asks for it: the
+training and tool entry points and the test harness call it once at start-up (``dcp.init()``
+does too). The two context managers change one model and restore it on exit. Every patch checks
+the pinned megatron-core release and refuses any other.
+"""
+
+from __future__ import annotations
+
+from megatron_patches import cpu
+from megatron_patches._util import unwrap
+
+__all__ = ["apply", "applied", "unwrap"]
+
+
+def apply() -> bool:
+    """Install the process-wide patches this machine needs (idempotent): the CPU shim when CUDA
+    is absent, nothing on a GPU machine. Returns whether the CPU shim is active."""
+    return cpu.apply()
+
+
+def applied() -> bool:
+    """Whether megatron-core can run here: a GPU is present or the CPU shim is installed."""
+    import torch
+
+    return torch.cuda.is_available() or cpu.is_applied()

@@ -14,11 +14,12 @@ redirects exactly those touch points to CPU equivalents:
 - the causal masks of ``transformer/utils.py`` (built with a literal ``device="cuda"``, used by the
   local ``DotProductAttention``'s softmax) → the same masks on CPU.
 
-It is applied only when CUDA is absent (on a GPU machine ``apply()`` does nothing and returns
-False), is idempotent, and refuses any megatron-core other than the pinned release. Megatron's own
-optimizer and ``clip_grads`` remain CUDA-bound (fused multi-tensor kernels): on CPU the trainer
-uses ``torch.optim`` instead. Megatron's pipeline schedules (which build a ``device="cuda"`` tensor)
-are not used by DCP: ``megatron_patches.schedules`` runs DCP's own micro-step loop.
+It is applied by ``megatron_patches.apply()`` (called by entry points, never on import), only
+when CUDA is absent (on a GPU machine ``apply()`` does nothing and returns False), is idempotent,
+and refuses any megatron-core other than the pinned release. Megatron's own optimizer and
+``clip_grads`` remain CUDA-bound (fused multi-tensor kernels): on CPU the trainer uses
+``torch.optim`` instead. Megatron's pipeline schedules (which build a ``device="cuda"`` tensor)
+are not used by DCP, which runs its own micro-step loop.
 """
 
 from __future__ import annotations

@@ -34,9 +34,7 @@ def _te_attention_modules(model) -> list:
 
 
 @contextlib.contextmanager
-def use_cp_group(
-    model, *, group: dist.ProcessGroup, ranks: Sequence[int], cp_stream=None
-) -> Iterator[None]:
+def use_cp_group(model, *, group: dist.ProcessGroup, ranks: Sequence[int]) -> Iterator[None]:
     """Within the block, ``model`` runs context-parallel over ``group`` (global ``ranks``)."""
     require_pinned_megatron("parallel_state")
     from megatron.core import parallel_state as ps
@@ -68,7 +66,7 @@ def use_cp_group(
         config.context_parallel_size = len(ranks)
         for module in te_modules:
             # TE creates its CP stream only for models built with CP > 1; DCP builds at CP = 1.
-            stream = cp_stream or getattr(module, "cp_stream", None)
+            stream = getattr(module, "cp_stream", None)
             if stream is None and len(ranks) > 1:
                 import torch
 
@@ -91,6 +89,6 @@ def use_cp_group(
             module.set_context_parallel_group(
                 saved_pg[0] if saved_cp_size > 1 else None,
                 list(saved_globals["_CONTEXT_PARALLEL_GLOBAL_RANKS"] or []),
-                cp_stream or getattr(module, "cp_stream", None),
+                getattr(module, "cp_stream", None),
                 config.cp_comm_type or "p2p",
             )

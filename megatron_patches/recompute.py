@@ -9,14 +9,14 @@ micro-step, so ``use_recompute`` sets both the config fields and those cached at
 restores them afterwards. It must wrap the backward pass too: checkpointed regions re-run their
 forward inside backward and read the same settings.
 
-Levels:
-- ``none``: everything saved;
-- ``selective``: core attention and the MLP are recomputed (``checkpoint_core_attention``,
+The argument is megatron's own ``recompute_granularity`` vocabulary:
+- ``None``: everything saved;
+- ``"selective"``: core attention and the MLP are recomputed (``checkpoint_core_attention``,
   ``recompute_mlp``). Layernorm recompute is left off: in 0.19.2 it needs Transformer Engine's
-  ``CheckpointWithoutOutput`` (DESIGN §6). MLP recompute requires ``add_bias_linear=False``
-  (0.19.2 recurses forever otherwise), which ``dcp.model`` enforces;
-- ``full``: every transformer layer is checkpointed (granularity ``full``, method ``uniform``,
-  one layer per checkpoint), so only layer inputs are kept.
+  ``CheckpointWithoutOutput``. MLP recompute requires ``add_bias_linear=False`` (0.19.2 recurses
+  forever otherwise);
+- ``"full"``: every transformer layer is checkpointed (method ``uniform``, one layer per
+  checkpoint), so only layer inputs are kept.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from megatron_patches._util import unwrap
 from megatron_patches._version import require_pinned_megatron
 
-LEVELS = ("none", "selective", "full")
+GRANULARITIES = (None, "selective", "full")
 _CONFIG_FIELDS = (
     "recompute_granularity",
     "recompute_method",
@@ -46,14 +46,16 @@ def _layers_and_attention(model):
 
 
 @contextlib.contextmanager
-def use_recompute(model, level: str) -> Iterator[None]:
-    """Within the block (forward and backward), ``model`` recomputes at ``level``."""
-    if level not in LEVELS:
-        raise ValueError(f"recompute level must be one of {LEVELS}, got {level!r}")
+def use_recompute(model, granularity: str | None) -> Iterator[None]:
+    """Within the block (forward and backward), ``model`` recomputes with ``granularity``."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(
+            f"recompute granularity must be one of {GRANULARITIES}, got {granularity!r}"
+        )
     require_pinned_megatron("recompute")
     inner = unwrap(model)
     config = inner.config
-    if level == "selective" and config.add_bias_linear:
+    if granularity == "selective" and config.add_bias_linear:
         raise ValueError(
             "selective recompute of the MLP needs add_bias_linear=False in megatron-core 0.19.2"
         )
@@ -62,8 +64,8 @@ def use_recompute(model, level: str) -> Iterator[None]:
     saved_layers = [(layer.recompute_mlp,) for layer in layers]
     saved_attn = [attn.checkpoint_core_attention for attn in attentions]
     try:
-        selective = level == "selective"
-        if level == "full":
+        selective = granularity == "selective"
+        if granularity == "full":
             config.recompute_granularity = "full"
             config.recompute_method = "uniform"
             config.recompute_num_layers = 1

@@ -19,7 +19,7 @@ def my_batches(num_batches: int, seed: int = 0):
 def main() -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     # --- the ten lines ---------------------------------------------------------------------
-    dcp.init()  # megatron parallel state (+ the CPU shim when there is no GPU)
+    dcp.init()  # megatron patches this machine needs (CPU shim) + parallel state
     model = dcp.build_gpt_model(dcp.ModelConfig(num_layers=2, hidden_size=64, max_seq_len=1024))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     engine = dcp.DCPEngine(model, optimizer, spec="cpu-tiny", planner="dcp")

@@ -13,9 +13,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import dcp
 from dcp.config import load_config
-from dcp.train_config import PretrainConfig
-from dcp.trainer import Trainer
+from dcp.train.config import PretrainConfig
+from dcp.train.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group(backend=backend, timeout=timedelta(minutes=10))
     try:
+        dcp.init()  # megatron patches this machine needs + parallel state
         Trainer(cfg).train()
     finally:
         dist.destroy_process_group()

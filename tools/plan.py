@@ -1,13 +1,14 @@
-"""Plan one global batch from the command line and write the Plan JSON (DESIGN §5).
+"""Plan one global batch from the command line and write the Plan JSON (docs/design.md).
 
     python -m tools.plan --lengths L.json --spec S.json --planner dcp --out P.json
     python -m tools.plan --lengths L.json --spec h200x32+llama3-8b --planner static
 
 ``--lengths``: a JSON list of positive ints. ``--spec``: a cost-model spec JSON file or a preset
-name (``cpu-tiny``, ``<cluster>+<model>``; see ``dcp/profiles``). ``--option key=value`` passes
-planner options (e.g. ``on_oversize=drop``, ``max_cp_size=8``, ``recompute=full``); values are
-parsed as JSON when they can be. Writes ``{"planner", "predicted_step_time_s", "steps"}`` (plus
-``meta`` when the planner reports any) to ``--out`` or stdout; a summary goes to stderr.
+name (``cpu-tiny``, ``<cluster>+<model>``; see ``dcp/costmodel/profiles``). ``--option key=value``
+passes planner options (e.g. ``on_oversize=drop``, ``max_cp_size=8``, ``recompute=full``);
+values are parsed as JSON when they can be. Writes ``{"planner", "predicted_step_time_s",
+"steps"}`` (plus ``meta`` when the planner reports any) to ``--out`` or stdout; a summary goes to
+stderr.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from dcp.cost_model import CostModel, available_presets
-from dcp.planner import PLANNERS, plan_batch
-from dcp.simulate import lower_bound_s
+from dcp.costmodel import available_presets, load_cost_model
+from dcp.plan import PLANNERS
+from dcp.planning import lower_bound_s, plan_batch
 
 
 def read_lengths(path: str) -> list[int]:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         lengths = read_lengths(args.lengths)
-        cost_model = CostModel.load(args.spec)
+        cost_model = load_cost_model(args.spec)
         options = parse_options(args.option)
         start = time.perf_counter()
         plan = plan_batch(lengths, cost_model=cost_model, planner=args.planner, **options)

@@ -5,17 +5,13 @@ Importing this package is cheap: megatron-core is imported only when an indexed 
     dataset = IndexedDocumentDataset(IndexedDataConfig(prefixes=("data/stdlib",), max_doc_len=4096))
     sampler = GlobalBatchSampler(dataset.doc_lengths, SamplerConfig(max_tokens_per_batch=16384))
     batch = next(sampler)                        # same on every rank
-    # planning, and reading only this rank's shards, happen in dcp.trainer / dcp.dispatch
+    # planning, and reading only this rank's shards, happen in dcp.train / dcp.runtime.dispatch
 """
 
-from dcp.data.dataset import (
-    DocumentDataset,
-    IndexedDataConfig,
-    IndexedDocumentDataset,
-    IndexInfo,
-    build_document_dataset,
-    check_prefix,
-)
+from dcp.data.base import DocumentDataset
+from dcp.data.build import build_document_dataset
+from dcp.data.idx import IndexInfo, check_prefix
+from dcp.data.indexed import IndexedDataConfig, IndexedDocumentDataset
 from dcp.data.sampler import (
     GlobalBatch,
     GlobalBatchSampler,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dcp.data.base import check_token_slice
+
 LENGTH_DISTS: tuple[str, ...] = ("lognormal", "uniform", "fixed", "choice")
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -205,17 +207,3 @@ class SyntheticDocumentDataset:
             tokens = np.where(noisy, noise_ids, tokens)
         tokens[pos == doc_len - 1] = self.eod
         return tokens
-
-
-def check_token_slice(doc_id: int, start: int, length: int | None, lengths: np.ndarray) -> int:
-    """Validate a ``get_tokens`` request against ``lengths``; return the document's length."""
-    if not 0 <= doc_id < lengths.size:
-        raise IndexError(f"doc_id {doc_id} out of range [0, {lengths.size})")
-    doc_len = int(lengths[doc_id])
-    if start < 0 or start > doc_len:
-        raise IndexError(f"start {start} outside document {doc_id} of length {doc_len}")
-    if length is not None and (length < 0 or start + length > doc_len):
-        raise IndexError(
-            f"slice [{start}, {start + length}) outside document {doc_id} of length {doc_len}"
-        )
-    return doc_len

@@ -1,7 +1,7 @@
 """Run a test body on N ranks in spawned processes, with real process groups.
 
-``RankPool`` keeps N ranks alive across tests (importing megatron-core costs seconds per process,
-DESIGN §6), runs picklable top-level functions ``fn(*args)`` on every rank and returns the per-rank
+``RankPool`` keeps N ranks alive across tests (importing megatron-core costs seconds per process),
+runs picklable top-level functions ``fn(*args)`` on every rank and returns the per-rank
 results. The rendezvous goes through a ``FileStore`` in a fresh temp dir, so no TCP port has to be
 guessed. If any rank raises, the pool re-raises that rank's traceback in the caller and tears the
 ranks down (the others may be stuck in a collective); a call that outlives its timeout is killed
@@ -62,6 +62,9 @@ def _worker(
     except Exception:  # noqa: BLE001 - reported to the parent
         results.put(("error", rank, traceback.format_exc()))
         return
+    import megatron_patches
+
+    megatron_patches.apply()  # what every entry point does at start-up
     results.put(("ready", rank, None))
     while True:
         task = tasks.get()

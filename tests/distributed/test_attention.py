@@ -16,9 +16,12 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from dcp.layout import ShardLayout
+from dcp.runtime.layout import ShardLayout
 from tests.distributed.harness import run_on_ranks
-from tests.unit.test_attention_local import assert_close_to_reference, dense_causal_reference
+from tests.unit.attention.test_attention_local import (
+    assert_close_to_reference,
+    dense_causal_reference,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -101,38 +104,40 @@ def test_cp_attention_matches_dense_reference(world_size):
 
 
 # Ways dcp.attention may split a rank's queries into kernel calls; each must give the exact result.
+# (module of dcp.attention, attribute) -> value.
 _KERNEL_SETTINGS = {
     "default": {},
     # Every block with a key prefix through the split + log-sum-exp merge.
-    "lse_merge": {"_MASKED_MAX_PAIRS": 0},
+    "lse_merge": {("cp", "_MASKED_MAX_PAIRS"): 0},
     # Every block with a key prefix batched with an explicit mask.
-    "masked": {"_MASKED_MAX_PAIRS": 1 << 62},
+    "masked": {("cp", "_MASKED_MAX_PAIRS"): 1 << 62},
     # The merge's blocks as they run where the CPU flash ops are missing (explicit mask).
-    "no_flash_ops": {"_MASKED_MAX_PAIRS": 0, "_FLASH_CPU": False},
+    "no_flash_ops": {("cp", "_MASKED_MAX_PAIRS"): 0, ("kernels", "_FLASH_CPU"): False},
 }
 
 
 def _kernel_parity(cases, seed) -> dict[str, set[str]]:
     """Every case under every kernel setting; returns the kernels each setting used on this rank."""
-    from dcp import attention
+    from dcp.attention import cp, kernels
 
+    modules = {"cp": cp, "kernels": kernels}
     world = dist.group.WORLD
     used: dict[str, set[str]] = {}
     for name, overrides in _KERNEL_SETTINGS.items():
-        saved = {attr: getattr(attention, attr) for attr in overrides}
+        saved = {key: getattr(modules[key[0]], key[1]) for key in overrides}
         try:
-            for attr, value in overrides.items():
-                setattr(attention, attr, value)
-            attention._rank_plan.cache_clear()  # plans depend on the settings
+            for (module, attr), value in overrides.items():
+                setattr(modules[module], attr, value)
+            cp._rank_plan.cache_clear()  # plans depend on the settings
             for i, (doc_lens, hq, hkv) in enumerate(cases):
                 _check_case(doc_lens, hq, hkv, world, seed + i, scaled_tol=True)
                 layout = ShardLayout(doc_lens=doc_lens, cp_size=world.size())
-                batches = attention._rank_plan(layout, world.rank()).batches
+                batches = cp._rank_plan(layout, world.rank()).batches
                 used.setdefault(name, set()).update(b.kernel for b in batches)
         finally:
-            for attr, value in saved.items():
-                setattr(attention, attr, value)
-            attention._rank_plan.cache_clear()
+            for (module, attr), value in saved.items():
+                setattr(modules[module], attr, value)
+            cp._rank_plan.cache_clear()
     return used
 
 
@@ -157,7 +162,7 @@ def _module_follows_pg_collection_cp() -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     from dcp.attention import DCPCoreAttention
-    from tests.unit.test_attention_local import _rotate_reference, _tiny_config
+    from tests.unit.attention.test_attention_local import _rotate_reference, _tiny_config
 
     rank, world = dist.get_rank(), dist.get_world_size()
     singles = [dist.new_group([r]) for r in range(world)]
@@ -227,10 +232,8 @@ def _gpt_model_cp_parity(doc_lens, recompute: dict) -> tuple[float, float, float
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from dcp.attention import DCPCoreAttention
-    from megatron_patches import cpu
-    from tests.unit.test_attention_local import _tiny_config
+    from tests.unit.attention.test_attention_local import _tiny_config
 
-    cpu.apply()
     rank, world = dist.get_rank(), dist.get_world_size()
     singles = [dist.new_group([r]) for r in range(world)]
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)

@@ -10,7 +10,12 @@ from tests.distributed.harness import run_on_ranks
 def _save_and_load(root: str) -> dict:
     import torch.distributed as dist
 
-    from dcp.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
+    from dcp.train.checkpoint import (
+        capture_rng_state,
+        load_latest,
+        restore_rng_state,
+        save_checkpoint,
+    )
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)  # RNG differs per rank, as in a real run

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
-from tests.distributed import megatron_bodies as bodies
 from tests.distributed.harness import RankError, RankPool, run_on_ranks
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_runs_on_every_rank(world_size):
-    results = run_on_ranks(world_size, bodies.rank_and_world)
+    results = run_on_ranks(world_size, rank_and_world)
     assert [r[0] for r in results] == list(range(world_size))
     assert all(r[1] == world_size for r in results)
     assert all(r[2] in ("gloo", "nccl") for r in results)
@@ -20,13 +20,13 @@ def test_failing_rank_traceback_is_reraised_without_hanging():
     pool = RankPool(2)
     try:
         with pytest.raises(RankError) as info:
-            pool.run(bodies.raise_on_rank, 1, timeout_s=60)
+            pool.run(raise_on_rank, 1, timeout_s=60)
         message = str(info.value)
         assert "rank 1 of 2 raised" in message
         assert "deliberate failure on rank 1" in message
         assert "Traceback" in message
         # The pool recovers: the next call gets fresh ranks.
-        assert [r[0] for r in pool.run(bodies.rank_and_world)] == [0, 1]
+        assert [r[0] for r in pool.run(rank_and_world)] == [0, 1]
     finally:
         pool.shutdown()
 
@@ -35,13 +35,25 @@ def test_timeout_tears_down_and_names_missing_ranks():
     pool = RankPool(2)
     try:
         with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 2s"):
-            pool.run(bodies.sleep_forever, 600, timeout_s=2)
+            pool.run(sleep_forever, 600, timeout_s=2)
     finally:
         pool.shutdown()
 
 
-def test_logged_peak_memory_is_the_max_over_ranks():
-    """The metrics' peak_mem_bytes is the worst rank's, not rank 0's."""
-    (own0, max0), (own1, max1) = run_on_ranks(2, bodies.step_peak_memory, 1)
-    assert max0 == max1 == max(own0, own1)
-    assert own1 > own0  # rank 1's 96 MiB shows in its own window, not in rank 0's
+# -- rank bodies ------------------------------------------------------------------------------
+def raise_on_rank(bad_rank: int) -> int:
+    """Rank ``bad_rank`` raises; the others wait in a collective that never completes."""
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    dist.barrier()
+    return dist.get_rank()
+
+
+def sleep_forever(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def rank_and_world() -> tuple[int, int, str]:
+    return dist.get_rank(), dist.get_world_size(), dist.get_backend()

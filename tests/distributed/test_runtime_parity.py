@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 
-from tests.distributed import parity_bodies as bodies
+from dcp.model import ModelConfig, build_gpt_model
+from dcp.optim import build_adamw, lr_at, set_lr
+from dcp.plan import Plan
+from dcp.runtime.dispatch import InMemorySource
+from dcp.runtime.runtime import Runtime, init_megatron_parallel
 from tests.distributed.harness import run_on_ranks
+from tests.distributed.tiny import OPTIM, SEED, TINY, cleanup, make_docs, to_numpy
 
 RTOL = 1e-5
 
@@ -34,7 +41,7 @@ def assert_parity(ref: dict, got: dict, *, what: str) -> None:
 
 # Lengths chosen so that CP groups see docs shorter than 2*cp, 1-token docs and odd lengths.
 LENGTHS = [37, 1, 5, 64, 3, 22, 9, 2]
-DOCS = bodies.make_docs(LENGTHS, seed=3)
+DOCS = make_docs(LENGTHS, seed=3)
 
 PLANS_2 = {
     "all_cp1_uneven": plan(
@@ -72,25 +79,25 @@ PLANS_4 = {
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_on_ranks(1, bodies.reference, DOCS)[0]
+    return run_on_ranks(1, reference_run, DOCS)[0]
 
 
 @pytest.mark.parametrize("name", sorted(PLANS_2))
 def test_parity_2_ranks(reference, name):
-    got = run_on_ranks(2, bodies.dcp_run, DOCS, [PLANS_2[name]])[0]
+    got = run_on_ranks(2, dcp_run, DOCS, [PLANS_2[name]])[0]
     assert_parity(reference, got, what=name)
 
 
 @pytest.mark.parametrize("name", sorted(PLANS_4))
 def test_parity_4_ranks(reference, name):
-    got = run_on_ranks(4, bodies.dcp_run, DOCS, [PLANS_4[name]], timeout_s=300)[0]
+    got = run_on_ranks(4, dcp_run, DOCS, [PLANS_4[name]], timeout_s=300)[0]
     assert_parity(reference, got, what=name)
 
 
 def test_weights_after_three_steps_match_reference():
-    ref = run_on_ranks(1, bodies.reference, DOCS, train_steps=3)[0]
+    ref = run_on_ranks(1, reference_run, DOCS, train_steps=3)[0]
     plans = [PLANS_2["mixed_recompute"], PLANS_2["all_cp1_uneven"], PLANS_2["all_cp2"]]
-    got = run_on_ranks(2, bodies.dcp_run, DOCS, plans, train_steps=3)[0]
+    got = run_on_ranks(2, dcp_run, DOCS, plans, train_steps=3)[0]
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL)
     for name, w_ref in ref["weights"].items():
         w = got["weights"][name]
@@ -101,14 +108,130 @@ def test_weights_after_three_steps_match_reference():
 def test_mismatched_plan_raises_on_every_rank():
     a = plan(step([0, 1], list(range(8))))
     b = plan(step([0], [0, 1, 2, 3]), step([1], [4, 5, 6, 7]))
-    messages = run_on_ranks(2, bodies.mismatched_plans, DOCS, [a, b], timeout_s=120)
+    messages = run_on_ranks(2, mismatched_plans, DOCS, [a, b], timeout_s=120)
     assert all("disagree on the plan" in m for m in messages), messages
 
 
 def test_nonfinite_loss_skip_or_stop():
-    results = run_on_ranks(2, bodies.nonfinite_loss, DOCS, PLANS_2["mixed_recompute"])
+    results = run_on_ranks(2, nonfinite_loss, DOCS, PLANS_2["mixed_recompute"])
     for out in results:
         assert out["skipped"] and out["loss"] != out["loss"]  # NaN
         assert out["unchanged"], "a skipped step changed the weights"
         assert "non-finite loss nan at step 1" in out["raised"]
         assert "on_nonfinite=skip" in out["raised"]
+
+
+# -- rank bodies (module level, so spawned ranks can unpickle them) ---------------------------
+# The reference is deliberately independent of DCP's attention and layout code: one process,
+# megatron-core's own DotProductAttention (core_attention="megatron_local"), each sequence
+# forwarded on its own as a plain [1, L] batch, loss = sum of token losses / total tokens.
+
+
+def reference_run(docs: list[np.ndarray], *, train_steps: int = 0) -> dict:
+    """Single process: loss and grads of the whole batch (and weights after ``train_steps``)."""
+    assert dist.get_world_size() == 1
+    init_megatron_parallel()
+    try:
+        model = build_gpt_model(ModelConfig(**TINY, core_attention="megatron_local"), seed=SEED)
+        optimizer = build_adamw(model, OPTIM)
+        total = sum(len(d) - 1 for d in docs)
+
+        def loss_and_grads():
+            model.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for doc in docs:
+                tokens = torch.as_tensor(doc, dtype=torch.long)
+                inputs, labels = tokens[:-1].unsqueeze(0), tokens[1:].unsqueeze(0)
+                pos = torch.arange(inputs.size(1)).unsqueeze(0)
+                token_loss = model(inputs, pos, None, labels=labels)
+                part = token_loss.float().sum()
+                (part / total).backward()
+                loss_sum += part.detach().double()
+            return float(loss_sum) / total
+
+        loss = loss_and_grads()
+        out = {"loss": loss, "grads": to_numpy((n, p.grad) for n, p in model.named_parameters())}
+        params = [p for p in model.parameters() if p.requires_grad]
+        losses = []
+        for step in range(train_steps):
+            if step > 0:
+                losses.append(loss_and_grads())
+            torch.nn.utils.clip_grad_norm_(params, OPTIM.clip_grad, foreach=False)
+            set_lr(optimizer, lr_at(step, OPTIM))
+            optimizer.step()
+        if train_steps:
+            out["losses"] = [loss, *losses]
+            out["weights"] = to_numpy(model.named_parameters())
+        return out
+    finally:
+        cleanup()
+
+
+def dcp_run(docs: list[np.ndarray], plans: list[dict], *, train_steps: int = 0) -> dict | None:
+    """DCP runtime on this rank: grads for ``plans[0]``; optionally ``train_steps`` optimizer
+    steps, step i executing ``plans[i % len(plans)]``. Rank 0 returns the results."""
+    try:
+        runtime = Runtime.from_config(ModelConfig(**TINY, core_attention="dcp"), OPTIM, seed=SEED)
+        source = InMemorySource(docs)
+        first = Plan.from_dict(plans[0])
+        result = runtime.forward_backward(first, source)
+        loss_sum = torch.tensor([result.loss_sum], dtype=torch.float64)
+        dist.all_reduce(loss_sum)
+        out = {
+            "loss": float(loss_sum) / result.global_loss_tokens,
+            "grads": to_numpy(runtime.grads().items()),
+        }
+        if train_steps:
+            losses = []
+            for step in range(train_steps):
+                plan = Plan.from_dict(plans[step % len(plans)])
+                losses.append(runtime.train_step(plan, source).loss)
+            out["losses"] = losses
+            out["weights"] = to_numpy(runtime.named_parameters())
+        return out if dist.get_rank() == 0 else None
+    finally:
+        cleanup()
+
+
+def mismatched_plans(docs: list[np.ndarray], plans: list[dict]) -> str:
+    """Each rank executes ``plans[rank]``; returns the error message it raised."""
+    try:
+        runtime = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED)
+        plan = Plan.from_dict(plans[dist.get_rank()])
+        try:
+            runtime.forward_backward(plan, InMemorySource(docs))
+        except RuntimeError as exc:
+            return str(exc)
+        raise AssertionError("a mismatched plan did not raise")
+    finally:
+        cleanup()
+
+
+def nonfinite_loss(docs: list[np.ndarray], plan: dict) -> dict:
+    """A NaN in the output layer: ``skip`` leaves the weights alone, the default raises."""
+    try:
+        runtime = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED)
+        source, parsed = InMemorySource(docs), Plan.from_dict(plan)
+        inner = runtime.model.module
+        with torch.no_grad():
+            inner.output_layer.weight[0, 0] = float("nan")
+        before = {n: p.detach().clone() for n, p in inner.named_parameters()}
+        stats = runtime.train_step(parsed, source, skip_nonfinite=True)
+        unchanged = all(  # NaN compares unequal to itself: compare with NaNs zeroed
+            torch.equal(torch.nan_to_num(p), torch.nan_to_num(before[n]))
+            for n, p in inner.named_parameters()
+        )
+        try:
+            runtime.train_step(parsed, source)
+            raised = ""
+        except FloatingPointError as exc:
+            raised = str(exc)
+        return {
+            "skipped": stats.skipped,
+            "loss": stats.loss,
+            "unchanged": unchanged,
+            "step_after": runtime.step,
+            "raised": raised,
+        }
+    finally:
+        cleanup()

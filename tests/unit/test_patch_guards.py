@@ -53,3 +53,29 @@ def test_cpu_shim_targets_exist():
     assert callable(mcore_random._set_cuda_rng_state)
     assert callable(utils.get_default_causal_mask)
     assert callable(fused_softmax.get_default_causal_mask)
+
+
+def test_apply_is_explicit_and_idempotent():
+    """The test session applied the patches at start-up (tests/conftest.py), as entry points do;
+    applying again changes nothing."""
+    import torch
+
+    import megatron_patches
+
+    first = torch.cuda.current_device
+    assert megatron_patches.apply() == (not torch.cuda.is_available())
+    assert megatron_patches.apply() == (not torch.cuda.is_available())
+    assert torch.cuda.current_device is first
+    assert megatron_patches.applied()
+
+
+def test_runtime_refuses_to_start_without_the_patches(monkeypatch):
+    import torch.distributed as dist
+
+    import megatron_patches
+    from dcp.runtime import runtime
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(megatron_patches, "applied", lambda: False)
+    with pytest.raises(RuntimeError, match=r"call dcp.init\(\)"):
+        runtime.init_megatron_parallel()

@@ -1,4 +1,4 @@
-"""The Plan contract (DESIGN §5): JSON round trip, validation, checksum, per-rank view."""
+"""The Plan contract (docs/design.md): JSON round trip, validation, checksum, per-rank view."""
 
 from __future__ import annotations
 

@@ -1,0 +1,91 @@
+"""The one way to get a cost model: a preset name, a spec JSON path or a spec dict.
+
+Presets are the JSON files in ``dcp/costmodel/profiles``; ``a+b`` merges several left to right
+(``h200x32+llama3-8b``: a cluster and a model). A name ending in ``.json`` or naming an existing
+file is a path. With ``world_size``, the spec's cluster must have exactly that many planner
+ranks (the launch and the spec describe the same job).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dcp.costmodel.model import CostModel
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+
+def available_presets() -> list[str]:
+    """Names of the JSON files in ``dcp/costmodel/profiles`` (combine with ``+``)."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> dict:
+    """The spec dict of a preset: ``"cpu-tiny"`` or ``"<cluster>+<model>"``.
+
+    Parts are merged left to right (``options`` and ``calibration`` merge key by key, later parts
+    win).
+    """
+    spec: dict = {}
+    for part in name.split("+"):
+        path = PROFILES_DIR / f"{part.strip()}.json"
+        if not path.is_file():
+            raise ValueError(
+                f"unknown preset {part!r} in {name!r}; available: {', '.join(available_presets())}"
+            )
+        data = json.loads(path.read_text())
+        for key, value in data.items():
+            if isinstance(value, dict) and isinstance(spec.get(key), dict):
+                spec[key] = {**spec[key], **value}
+            else:
+                spec[key] = value
+    spec.setdefault("name", name)
+    return spec
+
+
+def load_spec(source: str | Path | dict) -> dict:
+    """A spec dict from a preset name, a spec JSON path, or a dict (returned as a copy)."""
+    if isinstance(source, dict):
+        return dict(source)
+    path = Path(source)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"no such cost-model spec file: {path}")
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read cost-model spec {path}: {exc}") from exc
+        if not isinstance(spec, dict):
+            raise ValueError(f"cost-model spec {path} must hold a JSON object")
+        spec.setdefault("name", path.stem)
+        return spec
+    return load_preset(str(source))
+
+
+def load_cost_model(
+    source: str | Path | dict | CostModel, *, world_size: int | None = None
+) -> CostModel:
+    """A ``CostModel`` from any spec source; with ``world_size``, check it matches the job."""
+    model = source if isinstance(source, CostModel) else CostModel.from_spec(load_spec(source))
+    if world_size is not None and model.num_ranks != world_size:
+        raise ValueError(
+            f"cost-model spec {model.name!r} describes {model.num_ranks} ranks but the job has "
+            f"{world_size}; use a spec whose cluster.num_gpus matches the launch"
+        )
+    return model
+
+
+def write_preset_calibration(
+    name: str, calibration: dict, *, description: str, profiles_dir: Path = PROFILES_DIR
+) -> Path:
+    """Replace the calibration block and description of the single preset ``name`` (a file in
+    ``profiles_dir``); every other key is kept, in order."""
+    path = Path(profiles_dir) / f"{name}.json"
+    if "+" in name or not path.is_file():
+        raise ValueError(f"a calibration is written to one preset of {profiles_dir}, got {name!r}")
+    raw = json.loads(path.read_text())
+    raw["description"] = description
+    raw["calibration"] = dict(calibration)
+    path.write_text(json.dumps(raw, indent=2) + "\n")
+    return path

@@ -1,0 +1,378 @@
+"""Spec parsing and analytic coefficients for ``dcp.costmodel``.
+
+``parse_spec`` validates a spec dict into frozen configs; ``analytic_coefficients`` derives the
+numbers the cost model evaluates from model dims and the hardware datasheet. Every default below
+is documented on its field; a spec's ``"options"`` block overrides them, its ``"calibration"``
+block overrides the derived ``Coefficients`` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+
+from dcp.plan import RECOMPUTE_LEVELS
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _positive(obj: object, names: tuple[str, ...], section: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClusterSpec:
+    num_gpus: int
+    """GPUs in the DP×CP(×TP) domain."""
+    gpus_per_node: int
+    """GPUs sharing the fast intra-node fabric (NVLink)."""
+    gpu_memory_gb: float
+    """Device memory per GPU in GB (1e9 bytes)."""
+    peak_tflops: float
+    """Dense bf16 peak per GPU, TFLOP/s."""
+    intra_node_gbps: float
+    """Per-GPU, per-direction intra-node bandwidth in gigabits/s (H200 NVLink: 3600)."""
+    inter_node_gbps: float
+    """Per-GPU, per-direction inter-node bandwidth in gigabits/s (NDR InfiniBand: 400)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, tuple(f.name for f in fields(self)), "cluster")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSpec:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        _positive(self, tuple(f.name for f in fields(self)), "model")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("model.hidden_size must be divisible by model.num_attention_heads")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError("model.num_attention_heads must be divisible by num_query_groups")
+
+    @property
+    def kv_hidden_size(self) -> int:
+        return self.hidden_size * self.num_query_groups // self.num_attention_heads
+
+
+@dataclass(kw_only=True, frozen=True)
+class Options:
+    """Optional spec keys (``"options"`` block) with their defaults."""
+
+    dtype: str = "bf16"
+    """Activation/weight dtype: bf16, fp16 or fp32."""
+    gated_mlp: bool = True
+    """SwiGLU-style MLP (three ffn matrices) as in Llama."""
+    tied_embeddings: bool = False
+    """Input embedding shared with the output layer."""
+    tensor_parallel_size: int = 1
+    """GPUs per DP×CP rank (TP with sequence parallel); a planner rank is one TP group."""
+    distributed_optimizer: bool = True
+    """Optimizer state sharded over all DP×CP ranks (Megatron distributed optimizer)."""
+    grad_bytes_per_param: float = 4.0
+    """Main-grad bytes per parameter (fp32 main grads)."""
+    optimizer_bytes_per_param: float = 12.0
+    """fp32 master copy + Adam m and v."""
+    logits_bytes_per_vocab: float = 6.0
+    """Bytes per token per vocab entry for logits + fp32 loss workspace (bf16 + fp32)."""
+    linear_efficiency: float = 0.70
+    """Fraction of peak the linear layers (GEMMs) reach on large chunks."""
+    attention_efficiency: float = 0.50
+    """Fraction of peak causal flash attention (fwd + bwd) reaches on long chunks."""
+    tensor_parallel_efficiency: float = 0.85
+    """Compute efficiency kept under TP > 1 (TP collectives not overlapped)."""
+    attention_backward_ratio: float = 2.5
+    """Attention backward FLOPs / forward FLOPs (flash attention recomputes scores)."""
+    linear_half_tokens: float = 128.0
+    """Tokens per rank at which GEMMs run at half efficiency: a per-micro-step cost."""
+    attention_half_tokens: float = 512.0
+    """Per-rank chunk length (L/c) at which attention runs at half efficiency."""
+    step_overhead_s: float = 0.008
+    """Fixed cost of one micro-step: launches, data, Python, CP group switch."""
+    sequence_overhead_s: float = 0.0
+    """Fixed cost per sequence per micro-step on each rank of its group (per-document work
+    outside the kernels, e.g. megatron's unfused packed-sequence RoPE loops over documents)."""
+    comm_overlap: float = 0.9
+    """Fraction of CP communication that can hide behind attention compute."""
+    link_efficiency: float = 0.8
+    """Achieved / nominal link bandwidth."""
+    link_latency_s: float = 10e-6
+    """Latency of one point-to-point CP transfer (per layer, per ring hop, per pass)."""
+    memory_headroom_frac: float = 0.05
+    """Device memory kept free for fragmentation."""
+    memory_reserved_gb: float = 3.0
+    """Device memory taken by the CUDA context, NCCL and workspaces, in GB."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(
+                f"options.dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"options.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        for name in (
+            "linear_efficiency",
+            "attention_efficiency",
+            "tensor_parallel_efficiency",
+            "link_efficiency",
+        ):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"options.{name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("comm_overlap", "memory_headroom_frac"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"options.{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in (
+            "grad_bytes_per_param",
+            "optimizer_bytes_per_param",
+            "logits_bytes_per_vocab",
+            "attention_backward_ratio",
+            "linear_half_tokens",
+            "attention_half_tokens",
+            "step_overhead_s",
+            "sequence_overhead_s",
+            "link_latency_s",
+            "memory_reserved_gb",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"options.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Coefficients:
+    """The numbers the cost model evaluates (per planner rank); all overridable by calibration."""
+
+    step_overhead_s: float
+    """Fixed seconds per micro-step."""
+    sequence_overhead_s: float = 0.0
+    """Fixed seconds per sequence in a micro-step (each rank of the group pays it)."""
+    linear_s_per_token: float
+    """Seconds per local token for all linear layers, forward + backward, no recompute."""
+    linear_half_tokens: float
+    """Extra token-equivalents each micro-step pays for GEMM ramp-up."""
+    attention_s_per_token2: float
+    """Seconds per L² of causal attention forward + backward (divided by CP size per rank)."""
+    attention_half_tokens: float
+    """Small-chunk attention loss: adds ``attention_half_tokens · L`` to each sequence's L²/c."""
+    logits_s_per_token: float
+    """Seconds per local token for the output layer and loss, forward + backward."""
+    recompute_linear_frac: dict[str, float]
+    """Extra linear time per recompute level, as a fraction of fwd+bwd linear time."""
+    recompute_attention_frac: dict[str, float]
+    """Extra attention time per recompute level."""
+    recompute_comm_frac: dict[str, float]
+    """Extra CP traffic per recompute level (full recompute repeats the forward exchange)."""
+    cp_bytes_per_token: float
+    """Bytes a rank sends per local token to each ring peer (K, V forward; K, V, dK, dV back)."""
+    cp_hop_latency_s: float
+    """Latency per ring hop summed over layers and passes."""
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    comm_overlap: float
+    """Fraction of CP communication hidden behind attention."""
+    static_mem_bytes: float
+    """Weights + main grads + optimizer shard per rank."""
+    activation_bytes_per_token: dict[str, float]
+    """Activation bytes kept per local token, all layers, per recompute level."""
+    logits_bytes_per_token: float
+    mem_budget_bytes: float
+    """Usable bytes per rank (device memory minus headroom and reserved)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                if set(value) != set(RECOMPUTE_LEVELS):
+                    raise ValueError(
+                        f"{f.name} must have keys {RECOMPUTE_LEVELS}, got {sorted(value)}"
+                    )
+                if any(v < 0 for v in value.values()):
+                    raise ValueError(f"{f.name} values must be >= 0, got {value}")
+            elif value < 0:
+                raise ValueError(f"coefficient {f.name} must be >= 0, got {value}")
+        if not 0.0 <= self.comm_overlap < 1.0:
+            raise ValueError(f"comm_overlap must be in [0, 1), got {self.comm_overlap}")
+        for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "mem_budget_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"coefficient {name} must be > 0")
+        act = self.activation_bytes_per_token
+        if not act["none"] >= act["selective"] >= act["full"]:
+            raise ValueError(f"activation_bytes_per_token must not grow with recompute, got {act}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParamCounts:
+    """Parameter counts of a Llama-style GPT (RMSNorm, no biases): the one formula."""
+
+    attention_per_layer: int
+    mlp_per_layer: int
+    linear: int
+    """All layers' attention + MLP matrices."""
+    total: int
+    """Linear + embeddings (+ output layer unless tied) + norms."""
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        num_layers: int,
+        hidden_size: int,
+        kv_hidden_size: int,
+        ffn_hidden_size: int,
+        vocab_size: int,
+        gated_mlp: bool = True,
+        tied_embeddings: bool = False,
+    ) -> ParamCounts:
+        h = hidden_size
+        attention = h * (h + 2 * kv_hidden_size) + h * h
+        mlp = (3 if gated_mlp else 2) * h * ffn_hidden_size
+        linear = num_layers * (attention + mlp)
+        embedding = vocab_size * h * (1 if tied_embeddings else 2)
+        # Two RMSNorms per layer and the final one.
+        return cls(
+            attention_per_layer=attention,
+            mlp_per_layer=mlp,
+            linear=linear,
+            total=linear + embedding + num_layers * 2 * h + h,
+        )
+
+
+_TOP_KEYS = {"name", "description", "cluster", "model", "options", "calibration"}
+
+
+def _build(cls: type, data: object, section: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"spec.{section} must be an object, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {sorted(unknown)} in spec.{section}; known: {', '.join(sorted(known))}"
+        )
+    required = {f.name for f in fields(cls) if f.default is MISSING}
+    missing = required - set(data)
+    if missing:
+        raise ValueError(f"spec.{section} is missing {sorted(missing)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ValueError(f"spec.{section}: {exc}") from exc
+
+
+def parse_spec(spec: dict) -> tuple[ClusterSpec, ModelSpec, Options, dict]:
+    """Validate a spec dict: (cluster, model, options, calibration overrides)."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"a cost-model spec must be a JSON object, got {type(spec).__name__}")
+    unknown = set(spec) - _TOP_KEYS
+    if unknown:
+        raise ValueError(f"unknown spec key(s) {sorted(unknown)}; known: {sorted(_TOP_KEYS)}")
+    for key in ("cluster", "model"):
+        if key not in spec:
+            raise ValueError(f"spec is missing the {key!r} block")
+    cluster = _build(ClusterSpec, spec["cluster"], "cluster")
+    model = _build(ModelSpec, spec["model"], "model")
+    options = _build(Options, spec.get("options", {}), "options")
+    calibration = spec.get("calibration", {})
+    if not isinstance(calibration, dict):
+        raise ValueError("spec.calibration must be an object")
+    return cluster, model, options, calibration
+
+
+def analytic_coefficients(
+    cluster: ClusterSpec, model: ModelSpec, options: Options, *, num_ranks: int
+) -> Coefficients:
+    """Coefficients from model dims and datasheet numbers (see ``Options`` for assumptions)."""
+    h, hkv, ffn = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    layers, vocab = model.num_layers, model.vocab_size
+    tp = options.tensor_parallel_size
+    dt = _DTYPE_BYTES[options.dtype]
+
+    params = ParamCounts.of(
+        num_layers=layers,
+        hidden_size=h,
+        kv_hidden_size=hkv,
+        ffn_hidden_size=ffn,
+        vocab_size=vocab,
+        gated_mlp=options.gated_mlp,
+        tied_embeddings=options.tied_embeddings,
+    )
+    attn_params, mlp_params = params.attention_per_layer, params.mlp_per_layer
+    linear_params, total_params = params.linear, params.total
+
+    # One planner rank is a TP group of ``tp`` GPUs; TP collectives cost a fixed fraction.
+    tp_eff = options.tensor_parallel_efficiency if tp > 1 else 1.0
+    rank_flops = cluster.peak_tflops * 1e12 * tp * tp_eff
+    lin_rate = rank_flops * options.linear_efficiency
+    att_rate = rank_flops * options.attention_efficiency
+    fwd_bwd = 3.0  # backward = 2x forward for GEMMs
+    att_passes = 1.0 + options.attention_backward_ratio
+
+    # Causal attention forward: QK^T and PV, 2·L²·h FLOPs each, halved by the causal mask.
+    attention_s_per_token2 = att_passes * 2.0 * h * layers / att_rate
+    linear_s_per_token = fwd_bwd * 2.0 * linear_params / lin_rate
+    logits_s_per_token = fwd_bwd * 2.0 * h * vocab / lin_rate
+
+    # Selective = core attention + MLP recomputed (megatron_patches/recompute.py: recompute
+    # modules ["core_attn", "mlp"]); full = the whole layer forward again.
+    mlp_share = mlp_params / (attn_params + mlp_params)
+    recompute_linear = {"none": 0.0, "selective": mlp_share / fwd_bwd, "full": 1.0 / fwd_bwd}
+    recompute_attention = {"none": 0.0, "selective": 1.0 / att_passes, "full": 1.0 / att_passes}
+    recompute_comm = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}
+
+    # Ring attention: forward sends K,V once per peer; backward sends K,V and dK,dV.
+    kv_bytes = 2 * hkv * dt / tp
+    cp_bytes_per_token = 3.0 * kv_bytes * layers
+    cp_hop_latency_s = 3.0 * layers * options.link_latency_s
+    # gigabits/s -> bytes/s; under TP each GPU sends its own 1/tp of the heads over its own link.
+    link = options.link_efficiency * 1e9 / 8.0
+
+    # Activations kept per token and layer (in elements): layer input, both norm outputs, q/k/v,
+    # attention output, pre-MLP residual, MLP intermediates (fc1 output and activation).
+    # Selective drops the MLP intermediates (flash attention keeps no score matrix, so core
+    # attention recompute frees little); full keeps each layer's input plus one layer's working
+    # set during its recompute.
+    mlp_act = (2 * ffn if options.gated_mlp else ffn) + ffn
+    per_layer_none = 6 * h + 2 * hkv + mlp_act
+    per_layer_selective = 6 * h + 2 * hkv
+    act = {
+        "none": dt * layers * per_layer_none / tp,
+        "selective": dt * layers * per_layer_selective / tp,
+        "full": dt * (layers * h + per_layer_none) / tp,
+    }
+    weight_bytes = (dt + options.grad_bytes_per_param) * total_params / tp
+    opt_shards = num_ranks if options.distributed_optimizer else 1
+    static_mem = weight_bytes + options.optimizer_bytes_per_param * total_params / tp / opt_shards
+    # Memory is per GPU: weights, activations (sequence parallel) and logits split over TP.
+    budget = (
+        cluster.gpu_memory_gb * 1e9 * (1.0 - options.memory_headroom_frac)
+        - options.memory_reserved_gb * 1e9
+    )
+    return Coefficients(
+        step_overhead_s=options.step_overhead_s,
+        sequence_overhead_s=options.sequence_overhead_s,
+        linear_s_per_token=linear_s_per_token,
+        linear_half_tokens=options.linear_half_tokens,
+        attention_s_per_token2=attention_s_per_token2,
+        attention_half_tokens=options.attention_half_tokens,
+        logits_s_per_token=logits_s_per_token,
+        recompute_linear_frac=recompute_linear,
+        recompute_attention_frac=recompute_attention,
+        recompute_comm_frac=recompute_comm,
+        cp_bytes_per_token=cp_bytes_per_token,
+        cp_hop_latency_s=cp_hop_latency_s,
+        intra_node_bytes_per_s=cluster.intra_node_gbps * link,
+        inter_node_bytes_per_s=cluster.inter_node_gbps * link,
+        comm_overlap=options.comm_overlap,
+        static_mem_bytes=static_mem,
+        activation_bytes_per_token=act,
+        logits_bytes_per_token=options.logits_bytes_per_vocab * vocab / tp,
+        mem_budget_bytes=budget,
+    )

@@ -1,0 +1,42 @@
+"""What every document dataset provides (``dcp.data.build`` opens one from its config)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class DocumentDataset(Protocol):
+    """What sampler, dispatch and trainer use; the synthetic and indexed datasets provide it."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def doc_lengths(self) -> np.ndarray: ...
+
+    @property
+    def vocab_size(self) -> int | None: ...
+
+    @property
+    def eod(self) -> int | None: ...
+
+    @property
+    def stats(self) -> dict: ...
+
+    def get_tokens(self, doc_id: int, start: int = 0, length: int | None = None) -> np.ndarray: ...
+
+
+def check_token_slice(doc_id: int, start: int, length: int | None, lengths: np.ndarray) -> int:
+    """Validate a ``get_tokens`` request against ``lengths``; return the document's length."""
+    if not 0 <= doc_id < lengths.size:
+        raise IndexError(f"doc_id {doc_id} out of range [0, {lengths.size})")
+    doc_len = int(lengths[doc_id])
+    if start < 0 or start > doc_len:
+        raise IndexError(f"start {start} outside document {doc_id} of length {doc_len}")
+    if length is not None and (length < 0 or start + length > doc_len):
+        raise IndexError(
+            f"slice [{start}, {start + length}) outside document {doc_id} of length {doc_len}"
+        )
+    return doc_len

@@ -1,0 +1,299 @@
+"""Document-level dataset over megatron indexed datasets (``.bin``/``.idx``), with blending.
+
+A *document* here is what the sampler batches and the planner sees as one sequence. Source
+documents come from one or more megatron-core ``IndexedDataset`` prefixes (memory-mapped, read
+with megatron's own reader). Before anything is read, each prefix is checked
+(``dcp.data.idx.check_prefix``): a missing, truncated or corrupt ``.idx``/``.bin`` raises an error
+that names the file.
+
+Source documents are then turned into dataset documents:
+
+- empty documents (zero tokens) are skipped and counted;
+- documents longer than ``max_doc_len`` are split into chunks of ``max_doc_len`` tokens plus a
+  remainder, counted and logged (never dropped);
+- with ``weights``, sources are blended by *token* share: each source's documents are visited in
+  a seed-shuffled order (reshuffled whenever a source is exhausted and reused) and the next
+  document always comes from the source furthest below its target share, until
+  ``blend_num_tokens`` tokens are reached. Without weights the sources are concatenated in order.
+
+``doc_lengths`` comes from the index alone; ``get_tokens(doc_id, start, length)`` reads only that
+slice of the ``.bin`` file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcp.data.base import check_token_slice
+from dcp.data.idx import IndexInfo, check_prefix
+
+logger = logging.getLogger(__name__)
+
+META_SUFFIX = ".meta.json"
+"""``tools/prepare_data.py`` writes the tokenizer and corpus stats next to the .bin/.idx pair."""
+
+
+def megatron_indexed_dataset():
+    """megatron-core's ``indexed_dataset`` module, imported on first use (it takes seconds).
+
+    Its import chain warns that Transformer Engine/apex/absl are absent, which is expected on CPU
+    and irrelevant to reading or writing token files, so those warnings are silenced here.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"megatron\..*")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+@dataclass(kw_only=True, frozen=True)
+class IndexedDataConfig:
+    """Which indexed datasets to read and how to turn their documents into training documents."""
+
+    prefixes: tuple[str, ...]
+    """Path prefixes of ``.bin``/``.idx`` pairs (``data/stdlib`` for ``data/stdlib.bin``)."""
+    weights: tuple[float, ...] = ()
+    """Token-share blend weight per prefix (normalised); empty = concatenate sources once."""
+    blend_num_tokens: int | None = None
+    """Tokens in the blended corpus (weights only); default: all tokens of all sources."""
+    max_doc_len: int | None = None
+    """Split documents longer than this many tokens into chunks that share one boundary token
+    (every next-token prediction is kept, no chunk is shorter than 2); ``None`` = never split."""
+    seed: int = 0
+    """Seed of the per-source shuffles used by blending."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefixes", tuple(str(p) for p in self.prefixes))
+        object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
+        if not self.prefixes:
+            raise ValueError("IndexedDataConfig.prefixes: give at least one dataset prefix")
+        if self.weights:
+            if len(self.weights) != len(self.prefixes):
+                raise ValueError(
+                    f"IndexedDataConfig.weights: {len(self.weights)} weights for "
+                    f"{len(self.prefixes)} prefixes; give one weight per prefix"
+                )
+            if any(not (w > 0 and math.isfinite(w)) for w in self.weights):
+                raise ValueError(f"IndexedDataConfig.weights={self.weights}: each must be > 0")
+        elif self.blend_num_tokens is not None:
+            raise ValueError("IndexedDataConfig.blend_num_tokens: only used together with weights")
+        if self.blend_num_tokens is not None and self.blend_num_tokens < 1:
+            raise ValueError(f"IndexedDataConfig.blend_num_tokens={self.blend_num_tokens}: >= 1")
+        if self.max_doc_len is not None and self.max_doc_len < 2:
+            raise ValueError(f"IndexedDataConfig.max_doc_len={self.max_doc_len}: must be >= 2")
+        if self.seed < 0:
+            raise ValueError(f"IndexedDataConfig.seed={self.seed}: must be >= 0")
+
+
+class _Source:
+    """One prefix: megatron's reader plus per-document token offsets from its index."""
+
+    def __init__(self, prefix: str) -> None:
+        self.info: IndexInfo = check_prefix(prefix)
+        indexed_dataset = megatron_indexed_dataset()
+        try:
+            with warnings.catch_warnings():
+                # Outside torch.distributed megatron warns that it assumes rank 0 for its logging.
+                warnings.filterwarnings("ignore", message="Could not determine rank")
+                self.reader = indexed_dataset.IndexedDataset(
+                    prefix, multimodal=self.info.multimodal, mmap=True
+                )
+        except (AssertionError, ValueError, OSError, IndexError) as exc:
+            raise RuntimeError(
+                f"megatron could not open indexed dataset {self.info.idx_path} / "
+                f"{self.info.bin_path}: {exc!r}"
+            ) from exc
+        seq_lengths = np.asarray(self.reader.sequence_lengths, dtype=np.int64)
+        doc_index = np.asarray(self.reader.document_indices, dtype=np.int64)
+        cum = np.concatenate([[0], np.cumsum(seq_lengths)])
+        self.first_seq = doc_index[:-1]
+        self.doc_lengths = cum[doc_index[1:]] - cum[doc_index[:-1]]
+        self.meta = _read_meta(prefix)
+
+    def read(self, local_doc: int, offset: int, length: int) -> np.ndarray:
+        if length == 0:
+            return np.zeros(0, dtype=np.int64)
+        # Sequences of one document are contiguous in .bin (check_prefix verified the pointers),
+        # so a read starting in the document's first sequence may run across the following ones.
+        out = self.reader.get(int(self.first_seq[local_doc]), offset=offset, length=length)
+        return np.asarray(out, dtype=np.int64)
+
+
+def _read_meta(prefix: str) -> dict:
+    path = prefix + META_SUFFIX
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: unreadable dataset metadata ({exc})") from exc
+
+
+def _chunk(lengths: np.ndarray, max_doc_len: int | None) -> tuple[np.ndarray, ...]:
+    """(local doc id, start, length) of every non-empty chunk of every document.
+
+    Consecutive chunks share one token (chunk k starts at k·(max_doc_len − 1)): a chunk of n
+    tokens trains n − 1 next-token predictions, so with the shared boundary token every
+    prediction of the document is trained exactly once, and no chunk is shorter than 2 tokens.
+    """
+    nonempty = np.flatnonzero(lengths > 0)
+    lens = lengths[nonempty]
+    if max_doc_len is None:
+        return nonempty, np.zeros_like(lens), lens
+    stride = max_doc_len - 1
+    n_chunks = np.maximum(1, -(-(lens - 1) // stride))
+    docs = np.repeat(nonempty, n_chunks)
+    first = np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+    starts = (np.arange(docs.size) - first) * stride
+    chunk_lens = np.minimum(max_doc_len, lengths[docs] - starts)
+    return docs, starts, chunk_lens
+
+
+class IndexedDocumentDataset:
+    """Documents of one or more megatron indexed datasets, chunked and (optionally) blended."""
+
+    def __init__(self, config: IndexedDataConfig) -> None:
+        self.config = config
+        self._sources = [_Source(p) for p in config.prefixes]
+        self._check_tokenizers()
+        docs, starts, lens, srcs = [], [], [], []
+        self._stats: dict = {"empty_docs_skipped": 0, "docs_split": 0, "extra_chunks": 0}
+        for k, (prefix, src) in enumerate(zip(config.prefixes, self._sources, strict=True)):
+            d, st, ln = _chunk(src.doc_lengths, config.max_doc_len)
+            empty = int((src.doc_lengths == 0).sum())
+            split = int((src.doc_lengths > (config.max_doc_len or np.inf)).sum())
+            extra = int(d.size - (src.doc_lengths.size - empty))
+            self._stats["empty_docs_skipped"] += empty
+            self._stats["docs_split"] += split
+            self._stats["extra_chunks"] += extra
+            if empty:
+                logger.warning("%s: skipped %d empty documents", prefix, empty)
+            if split:
+                logger.info(
+                    "%s: %d documents longer than max_doc_len=%d split into %d chunks",
+                    prefix,
+                    split,
+                    config.max_doc_len,
+                    split + extra,
+                )
+            docs.append(d)
+            starts.append(st)
+            lens.append(ln)
+            srcs.append(np.full(d.size, k, dtype=np.int32))
+        if config.weights:
+            order = self._blend(lens)
+        else:
+            order = np.arange(sum(d.size for d in docs))
+        self._src = np.concatenate(srcs)[order]
+        self._doc = np.concatenate(docs)[order]
+        self._start = np.concatenate(starts)[order]
+        self._lengths = np.concatenate(lens)[order].astype(np.int64)
+        if self._lengths.size == 0:
+            raise ValueError(f"datasets {config.prefixes} contain no non-empty documents")
+        self._lengths.setflags(write=False)
+        self._stats.update(
+            num_docs=int(self._lengths.size),
+            num_tokens=int(self._lengths.sum()),
+            min_len=int(self._lengths.min()),
+            median_len=float(np.median(self._lengths)),
+            max_len=int(self._lengths.max()),
+            tokens_per_source=[
+                int(self._lengths[self._src == k].sum()) for k in range(len(self._sources))
+            ],
+        )
+
+    def _check_tokenizers(self) -> None:
+        names = {s.meta.get("tokenizer") for s in self._sources if s.meta}
+        if len(names) > 1:
+            raise ValueError(
+                f"datasets {self.config.prefixes} were tokenized with different tokenizers "
+                f"{sorted(map(str, names))}; blend only datasets built with the same tokenizer"
+            )
+
+    def _blend(self, source_lengths: list[np.ndarray]) -> np.ndarray:
+        """Interleave sources so each one's token share tracks its weight.
+
+        Returns indices into the concatenation of all sources' chunks (a source may repeat).
+        """
+        weights = np.asarray(self.config.weights) / sum(self.config.weights)
+        target = self.config.blend_num_tokens or int(
+            sum(int(lens.sum()) for lens in source_lengths)
+        )
+        for k, lens in enumerate(source_lengths):
+            if lens.size == 0:
+                raise ValueError(
+                    f"{self.config.prefixes[k]}: has weight but no non-empty documents"
+                )
+        tokens = [0] * len(source_lengths)
+        cursors = [0] * len(source_lengths)
+        passes = [0] * len(source_lengths)
+        perms = [self._perm(k, 0, lens.size) for k, lens in enumerate(source_lengths)]
+        offsets = np.cumsum([0] + [lens.size for lens in source_lengths])
+        picks: list[int] = []
+        total = 0
+        while total < target:
+            # The source furthest below its share; ties go to the lower index (deterministic).
+            k = min(range(len(tokens)), key=lambda i: (tokens[i] / weights[i], i))
+            if cursors[k] == perms[k].size:
+                passes[k] += 1
+                perms[k] = self._perm(k, passes[k], perms[k].size)
+                cursors[k] = 0
+            idx = int(perms[k][cursors[k]])
+            cursors[k] += 1
+            n = int(source_lengths[k][idx])
+            tokens[k] += n
+            total += n
+            picks.append(int(offsets[k]) + idx)
+        return np.asarray(picks, dtype=np.int64)
+
+    def _perm(self, source: int, pass_id: int, n: int) -> np.ndarray:
+        return np.random.default_rng([self.config.seed, source, pass_id]).permutation(n)
+
+    # -- the document-dataset interface ------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self._lengths.size)
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        """Length of every dataset document in tokens (int64, read-only), from the index only."""
+        return self._lengths
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self._stats["num_tokens"])
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The tokenizer's vocabulary size from the ``.meta.json`` sidecar, if there is one."""
+        sizes = [s.meta["vocab_size"] for s in self._sources if "vocab_size" in s.meta]
+        return int(max(sizes)) if sizes else None
+
+    @property
+    def eod(self) -> int | None:
+        eods = [s.meta["eod"] for s in self._sources if "eod" in s.meta]
+        return int(eods[0]) if eods else None
+
+    @property
+    def stats(self) -> dict:
+        """Corpus counts: docs, tokens, min/median/max length, empty skipped, split, chunks."""
+        return dict(self._stats)
+
+    def source_of(self, doc_id: int) -> tuple[str, int, int]:
+        """(prefix, source document index, token offset in it) of dataset document ``doc_id``."""
+        check_token_slice(doc_id, 0, None, self._lengths)
+        k = int(self._src[doc_id])
+        return self.config.prefixes[k], int(self._doc[doc_id]), int(self._start[doc_id])
+
+    def get_tokens(self, doc_id: int, start: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[start, start+length)`` of ``doc_id`` (int64); reads only that slice."""
+        doc_len = check_token_slice(doc_id, start, length, self._lengths)
+        n = doc_len - start if length is None else length
+        src = self._sources[int(self._src[doc_id])]
+        return src.read(int(self._doc[doc_id]), int(self._start[doc_id]) + start, n)

@@ -1,0 +1,266 @@
+"""Compare runs' metrics without a W&B server: one PNG, one self-contained HTML page, one JSON.
+
+``compare_runs`` writes ``comparison.png`` (loss vs step, tokens/s, step time with the predicted
+step time dashed, MFU and peak memory when logged, and every plan stat under ``plan/``),
+``comparison.html`` (the PNG embedded, plus a summary table) and ``comparison.json`` (the
+table's numbers). Ratios and loss differences are relative to the first run. Each run is a run
+directory holding ``metrics.jsonl`` or the file itself. ``python -m tools.compare_runs`` is the
+command line.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dcp.observability.metrics import METRICS_FILENAME, read_metrics
+
+# Panels drawn whenever any run logs the key (plan/* keys are discovered from the data).
+_FIXED_PANELS = (
+    ("loss", "loss"),
+    ("tokens_per_s", "tokens/s"),
+    ("step_time_s", "step time (s)"),
+    ("mfu", "MFU"),
+    ("peak_mem_bytes", "peak memory (bytes)"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMetrics:
+    label: str
+    path: Path
+    records: list[dict[str, Any]]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """``(steps, values)`` where ``key`` holds a number (non-finite values kept)."""
+        steps, values = [], []
+        for r in self.records:
+            v = r.get(key)
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                steps.append(int(r["step"]))
+                values.append(float(v))
+        return steps, values
+
+
+def load_run(path: str | Path, *, label: str | None = None) -> RunMetrics:
+    """A run's records; ``ValueError``/``FileNotFoundError`` naming the file when unusable."""
+    p = Path(path)
+    file = p / METRICS_FILENAME if p.is_dir() else p
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"no metrics file at {file} (give a run directory holding "
+            f"{METRICS_FILENAME}, or the file itself)"
+        )
+    records = [r for r in read_metrics(file) if isinstance(r.get("step"), int)]
+    if not records:
+        raise ValueError(f"{file} holds no per-step records; did the run log any step?")
+    # A resumed run may have logged a step twice; the later record wins.
+    by_step = {r["step"]: r for r in records}
+    name = label or (p.name if p.is_dir() else p.parent.name)
+    return RunMetrics(label=name, path=file, records=[by_step[s] for s in sorted(by_step)])
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.fmean(finite) if finite else math.nan
+
+
+def summarize(runs: Sequence[RunMetrics], *, skip_first_steps: int = 0) -> list[dict[str, Any]]:
+    """One row per run; throughput means skip each run's first ``skip_first_steps`` steps."""
+    base = runs[0]
+    base_loss = dict(zip(*base.series("loss"), strict=True))
+    rows = []
+    base_tps = base_step_time = math.nan
+    for i, run in enumerate(runs):
+        steps, tps = run.series("tokens_per_s")
+        mean_tps = _mean([v for s, v in zip(steps, tps, strict=True) if s > skip_first_steps])
+        steps, st = run.series("step_time_s")
+        mean_st = _mean([v for s, v in zip(steps, st, strict=True) if s > skip_first_steps])
+        if i == 0:
+            base_tps, base_step_time = mean_tps, mean_st
+        loss_steps, losses = run.series("loss")
+        loss = dict(zip(loss_steps, losses, strict=True))
+        common = sorted(set(loss) & set(base_loss))
+        diffs = [abs(loss[s] - base_loss[s]) for s in common]
+        rows.append(
+            {
+                "run": run.label,
+                "steps": len(run.records),
+                "mean_tokens_per_s": mean_tps,
+                "tokens_per_s_ratio": mean_tps / base_tps if base_tps else math.nan,
+                "mean_step_time_s": mean_st,
+                "step_time_ratio": mean_st / base_step_time if base_step_time else math.nan,
+                "final_loss": losses[-1] if losses else math.nan,
+                # NaN in either run makes the difference NaN: a diverged run is not "close".
+                "max_abs_loss_diff": (
+                    math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=math.nan)
+                ),
+                "common_steps": len(common),
+            }
+        )
+    return rows
+
+
+def _plan_panels(runs: Sequence[RunMetrics]) -> tuple[list[str], list[str]]:
+    """Plan keys to draw: scalar ones as lines; grouped ones (``plan/x/<int>`` or lists) as bars."""
+    scalars: set[str] = set()
+    groups: set[str] = set()
+    for run in runs:
+        for r in run.records:
+            for key, value in r.items():
+                if not key.startswith("plan/"):
+                    continue
+                head, _, last = key.rpartition("/")
+                if isinstance(value, list):
+                    groups.add(key)
+                elif last.isdigit() and head != "plan":
+                    groups.add(head)
+                elif isinstance(value, int | float) and not isinstance(value, bool):
+                    scalars.add(key)
+    return sorted(scalars), sorted(groups)
+
+
+def _group_means(run: RunMetrics, group: str) -> dict[str, float]:
+    """Mean over steps of each member of a grouped plan stat (missing members count as 0)."""
+    totals: dict[str, float] = {}
+    for r in run.records:
+        members: dict[str, Any] = {}
+        if isinstance(r.get(group), list):
+            members = {str(i): v for i, v in enumerate(r[group])}
+        else:
+            prefix = group + "/"
+            members = {k[len(prefix) :]: v for k, v in r.items() if k.startswith(prefix)}
+        for member, v in members.items():
+            if isinstance(v, int | float) and math.isfinite(v):
+                totals[member] = totals.get(member, 0.0) + float(v)
+    n = max(len(run.records), 1)
+    return {k: totals[k] / n for k in sorted(totals, key=lambda m: (len(m), m))}
+
+
+def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = {k for run in runs for r in run.records for k in r}
+    line_panels = [(k, t) for k, t in _FIXED_PANELS if k in present]
+    plan_scalars, plan_groups = _plan_panels(runs)
+    line_panels += [(k, k) for k in plan_scalars]
+    n_panels = len(line_panels) + len(plan_groups)
+    cols = 2 if n_panels > 1 else 1
+    rows = math.ceil(n_panels / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.6 * rows), squeeze=False)
+    flat_axes = list(axes.flat)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, title) in zip(flat_axes, line_panels, strict=False):
+        for i, run in enumerate(runs):
+            color = colors[i % len(colors)]
+            ax.plot(*run.series(key), label=run.label, color=color, linewidth=1.2)
+            if key == "step_time_s" and "predicted_step_time_s" in present:
+                pred = run.series("predicted_step_time_s")
+                if pred[0]:
+                    ax.plot(
+                        *pred,
+                        color=color,
+                        linestyle="--",
+                        linewidth=1.0,
+                        label=f"{run.label} (predicted)",
+                    )
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax, group in zip(flat_axes[len(line_panels) :], plan_groups, strict=False):
+        means = [_group_means(run, group) for run in runs]
+        members = sorted({m for d in means for m in d}, key=lambda m: (len(m), m))
+        width = 0.8 / len(runs)
+        for i, (run, d) in enumerate(zip(runs, means, strict=True)):
+            xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(members))]
+            ax.bar(
+                xs,
+                [d.get(m, 0.0) for m in members],
+                width=width,
+                label=run.label,
+                color=colors[i % len(colors)],
+            )
+        ax.set_xticks(range(len(members)), members)
+        ax.set_title(f"{group} (mean per step)")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    for ax in flat_axes[n_panels:]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return html.escape(str(value))
+
+
+def write_html(rows: list[dict[str, Any]], png_path: Path, html_path: Path, runs) -> None:
+    image = base64.b64encode(png_path.read_bytes()).decode("ascii")
+    headers = list(rows[0])
+    table = "\n".join(
+        "<tr>" + "".join(f"<td>{format_value(row[h])}</td>" for h in headers) + "</tr>"
+        for row in rows
+    )
+    sources = "".join(f"<li>{html.escape(r.label)}: {html.escape(str(r.path))}</li>" for r in runs)
+    html_path.write_text(
+        f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>DCP run comparison</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #bbb;padding:4px 8px;text-align:right}} td:first-child{{text-align:left}}
+</style></head><body>
+<h1>Run comparison</h1>
+<p>Ratios and loss differences are relative to the first run, <b>{html.escape(rows[0]["run"])}
+</b>. max_abs_loss_diff is over the steps both runs logged (common_steps).</p>
+<table><tr>{"".join(f"<th>{html.escape(h)}</th>" for h in headers)}</tr>
+{table}
+</table>
+<p><img alt="comparison plots" src="data:image/png;base64,{image}"></p>
+<h2>Sources</h2><ul>{sources}</ul>
+</body></html>
+""",
+        encoding="utf-8",
+    )
+
+
+def compare_runs(
+    run_paths: Sequence[str | Path],
+    out_dir: str | Path,
+    *,
+    labels: Sequence[str] | None = None,
+    skip_first_steps: int = 0,
+) -> dict[str, Any]:
+    """Write the PNG/HTML/JSON report into ``out_dir``; return ``{"rows", "png", "html"}``."""
+    if not run_paths:
+        raise ValueError("give at least one run directory or metrics.jsonl file")
+    if labels is not None and len(labels) != len(run_paths):
+        raise ValueError(f"got {len(labels)} labels for {len(run_paths)} runs")
+    runs = [load_run(p, label=labels[i] if labels else None) for i, p in enumerate(run_paths)]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(runs, skip_first_steps=skip_first_steps)
+    png, page = out / "comparison.png", out / "comparison.html"
+    plot(runs, png)
+    write_html(rows, png, page, runs)
+    # JSON has no NaN: write null for "not available".
+    clean = [
+        {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        for row in rows
+    ]
+    (out / "comparison.json").write_text(json.dumps(clean, indent=1), encoding="utf-8")
+    return {"rows": rows, "png": png, "html": page}

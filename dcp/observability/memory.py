@@ -1,0 +1,50 @@
+"""The one memory probe: a step's peak bytes (CUDA peak stats on GPU, the resident-set
+high-water mark on Linux CPU), and its maximum over ranks."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window (per step): CUDA's peak stats, or on Linux the process's
+    resident-set high-water mark (writing 5 to ``/proc/self/clear_refs`` resets ``VmHWM``)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        _PROC_CLEAR_REFS.write_text("5")
+    except OSError:
+        pass  # not Linux, or not permitted: the peak then spans the process's lifetime
+
+
+def peak_memory_bytes() -> int:
+    """Peak GPU memory allocated (CUDA) or peak resident set size of this process (CPU) since
+    the last ``reset_peak_memory``."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    try:
+        for line in _PROC_STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def max_peak_memory_bytes() -> int:
+    """This step's peak memory, maximum over all ranks (one scalar all-reduce)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    return int(peak.item())

@@ -1,0 +1,99 @@
+"""The per-step metrics record: what one training step did and how long it took.
+
+``StepRecord`` is the schema of every line of ``runs/<name>/metrics.jsonl`` (and of the W&B
+run): the trainer builds one per step, the metrics logger writes ``to_dict()``, the benchmark
+reads the records back. Keys are the same for every planner, so runs overlay.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from dcp.plan import Plan
+
+if TYPE_CHECKING:
+    from dcp.model import ModelConfig
+
+
+def model_flops(lengths: list[int], cfg: ModelConfig) -> float:
+    """Training FLOPs of one batch: 6·N per token + causal attention (12·layers·h·L²/2)."""
+    tokens = sum(lengths)
+    attn = sum(12 * cfg.num_layers * cfg.hidden_size * n * n / 2 for n in lengths)
+    return 6.0 * cfg.num_params() * tokens + attn
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanStats:
+    """What the plan of one step looked like (logged under ``plan/``)."""
+
+    cp_hist: dict[str, int]
+    """Sequences per CP degree (``"1"``, ``"2"``, ...)."""
+    recompute_fraction: float
+    """Share of the batch's tokens in micro-steps with any recompute."""
+    micro_steps_per_rank: list[int]
+    micro_steps_max: int
+    micro_steps_min: int
+    num_micro_steps: int
+    predicted_imbalance: float
+    """Max over ranks of predicted busy time / mean busy time (1.0 = perfectly balanced)."""
+
+    @classmethod
+    def of(
+        cls, plan: Plan, lengths: list[int], *, world_size: int, predicted_imbalance: float
+    ) -> PlanStats:
+        cp_hist = Counter()
+        recompute_tokens = 0
+        for step in plan.steps:
+            for sid in step.seq_ids:
+                cp_hist[step.cp_size] += 1
+                if step.recompute != "none":
+                    recompute_tokens += lengths[sid]
+        per_rank = Counter(r for step in plan.steps for r in step.ranks)
+        counts = [per_rank.get(r, 0) for r in range(world_size)]
+        return cls(
+            cp_hist={str(k): v for k, v in sorted(cp_hist.items())},
+            recompute_fraction=recompute_tokens / max(1, sum(lengths)),
+            micro_steps_per_rank=counts,
+            micro_steps_max=max(counts),
+            micro_steps_min=min(counts),
+            num_micro_steps=len(plan.steps),
+            predicted_imbalance=predicted_imbalance,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One line of ``metrics.jsonl``."""
+
+    step: int
+    loss: float
+    """Mean loss over the batch's loss tokens (all ranks)."""
+    tokens: int
+    """Loss tokens of the global batch."""
+    sequences: int
+    """Sequences trained (dropped ones excluded)."""
+    step_time_s: float
+    tokens_per_s: float
+    compute_time_s: float
+    """Slowest rank's wall time for its micro-steps (what the planner predicts)."""
+    predicted_step_time_s: float
+    plan_time_s: float
+    lr: float
+    grad_norm: float
+    skipped: bool
+    """A non-finite loss skipped the optimizer step."""
+    dropped_sequences: int
+    peak_mem_bytes: int
+    """The step's peak memory, max over ranks (``dcp.observability.memory``)."""
+    planner: str
+    plan: PlanStats
+    mfu: float | None = None
+    """Model FLOPs utilisation against the spec's peak (absent when the spec has none)."""
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        if self.mfu is None:
+            del out["mfu"]
+        return out

@@ -1,0 +1,238 @@
+"""The DCP planner: one global batch's lengths -> a Plan that minimises the predicted step time.
+
+Decisions, per batch: the CP degree and recompute level of every sequence (jointly, from the cost
+model), which short sequences share a micro-step, which aligned power-of-two rank block runs each
+micro-step, and so how many micro-steps each rank runs.
+
+Why aligned power-of-two blocks: they nest, so if every rank runs its steps from the largest group
+down to CP=1, no rank ever waits for a group member: a rank finishes at the sum of the work on
+the blocks that contain it (its root-to-leaf path). The planner balances those path sums:
+
+1. For every sequence and CP size, the cheapest feasible recompute level and the step time alone.
+2. Short sequences (fit one rank without recompute) go to CP=1 and are packed; the others are
+   "solo" jobs whose CP size is chosen against a target makespan ``T``: the least rank-seconds
+   config whose block finishes by ``T``, else the one that finishes first.
+3. Solo jobs are placed largest first on the least-loaded block; short sequences are dealt
+   longest-first to the least-loaded rank, opening a new micro-step when the current one is full.
+4. ``T`` is searched from the lower bound upwards; the best schedule wins.
+
+Deterministic: ties break on indices; no RNG, no unordered iteration.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from dcp.costmodel import CostModel
+from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan
+from dcp.planning.bounds import lower_bound_s
+from dcp.planning.common import check_lengths, drop_meta, find_oversize, pow2_sizes
+
+_TARGET_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35)
+# A packable sequence longer than this share of the target makespan is placed before the
+# short ones, on whichever CP size finishes it by the target.
+_SOLO_SHARE = 0.5
+
+
+class _Schedule:
+    """One placement of all sequences: per-level block loads kept as a max-tree over ranks."""
+
+    def __init__(self, num_ranks: int, num_levels: int) -> None:
+        # maxes[k][j]: latest finish over the ranks of block j of size 2**k.
+        self.maxes = [np.zeros(num_ranks >> k) for k in range(num_levels)]
+        self.solo: list[tuple[int, int, int, int]] = []  # (level, block, seq id, recompute idx)
+
+    def place(self, level: int, block: int, duration: float) -> None:
+        maxes = self.maxes
+        for m in range(level + 1):
+            span = 1 << (level - m)
+            maxes[m][block * span : (block + 1) * span] += duration
+        j = block
+        for m in range(level + 1, len(maxes)):
+            j >>= 1
+            if j >= len(maxes[m]):
+                break
+            maxes[m][j] = max(maxes[m - 1][2 * j], maxes[m - 1][2 * j + 1])
+
+
+def plan_dcp(
+    lengths: Sequence[int],
+    *,
+    cost_model: CostModel,
+    on_oversize: str = "error",
+    max_cp_size: int | None = None,
+    recompute_levels: Sequence[str] = RECOMPUTE_LEVELS,
+) -> Plan:
+    """Plan one global batch with DCP (see module docstring). Options:
+
+    on_oversize: "error" (default) or "drop" sequences no plan can fit (ids in meta["dropped"]).
+    max_cp_size: cap on the CP group size (default: the whole cluster).
+    recompute_levels: levels the planner may use (default all; ``full`` is always allowed for
+    sequences nothing else fits).
+    """
+    lens = check_lengths(lengths)
+    num_ranks = cost_model.num_ranks
+    if max_cp_size is not None and max_cp_size < 1:
+        raise ValueError(f"max_cp_size must be >= 1, got {max_cp_size}")
+    sizes = pow2_sizes(num_ranks, max_cp_size)
+    unknown = set(recompute_levels) - set(RECOMPUTE_LEVELS)
+    if unknown:
+        raise ValueError(f"recompute_levels: unknown {sorted(unknown)}; use {RECOMPUTE_LEVELS}")
+    levels_allowed = [lv for lv in RECOMPUTE_LEVELS if lv in set(recompute_levels) | {"full"}]
+    dropped = find_oversize(lens, cost_model, max_cp_size=sizes[-1], on_oversize=on_oversize)
+    keep = np.setdiff1d(np.arange(len(lens)), np.asarray(dropped, dtype=np.int64))
+    if keep.size == 0:
+        return Plan(steps=(), planner="dcp", predicted_step_time_s=0.0, meta=drop_meta(dropped))
+    kept = lens[keep].astype(np.float64)
+
+    # 1. Per sequence and level (CP = 2**k): step time alone at the fastest feasible recompute.
+    num_levels = len(sizes)
+    dur = np.full((keep.size, num_levels), np.inf)
+    rec = np.zeros((keep.size, num_levels), dtype=np.int64)
+    for k, cp in enumerate(sizes):
+        for lv in levels_allowed:
+            fits = cost_model.solo_mem_bytes(kept, cp, lv) <= cost_model.mem_budget_bytes
+            t = np.where(fits, cost_model.solo_step_time_s(kept, cp, lv), np.inf)
+            better = t < dur[:, k]
+            dur[:, k] = np.where(better, t, dur[:, k])
+            rec[:, k] = np.where(better, RECOMPUTE_LEVELS.index(lv), rec[:, k])
+    area = dur * np.asarray(sizes, dtype=np.float64)
+
+    # 2. Short sequences pack at CP=1 without recompute when that is their cheapest option.
+    cap_none = cost_model.max_tokens_per_rank("none") if "none" in levels_allowed else 0
+    marginal = cost_model.packed_marginal_s(kept, "none")
+    const_none = cost_model.step_constant_s("none")
+    packed_area = np.where(
+        kept <= cap_none, marginal + const_none * kept / max(cap_none, 1), np.inf
+    )
+    packable = packed_area <= area.min(axis=1)
+    solo_time = dur[:, 0]  # CP=1 alone: a packable sequence that is big for the target goes solo
+    by_area = np.argsort(-np.minimum(area.min(axis=1), packed_area), kind="stable")
+    by_length = np.argsort(-kept, kind="stable")
+    prefs = np.argsort(area, axis=1, kind="stable")
+
+    def run(target_s: float) -> tuple[float, _Schedule, list[list[list[int]]]]:
+        sched = _Schedule(num_ranks, num_levels)
+        solo = ~packable | (solo_time > _SOLO_SHARE * target_s)
+        for i in by_area[solo[by_area]]:
+            best = None
+            for k in prefs[i]:
+                d = dur[i, k]
+                if not np.isfinite(d):
+                    break
+                block = int(np.argmin(sched.maxes[k]))
+                finish = sched.maxes[k][block] + d
+                if finish <= target_s:
+                    best = (finish, k, block)
+                    break
+                if best is None or finish < best[0]:
+                    best = (finish, k, block)
+            _, k, block = best
+            sched.place(int(k), block, float(dur[i, k]))
+            sched.solo.append((int(k), block, int(i), int(rec[i, k])))
+        # Deal short sequences longest first to the least-loaded rank, packing up to cap_none.
+        loads = sched.maxes[0].tolist()
+        heap = [(load, r) for r, load in enumerate(loads)]
+        heapq.heapify(heap)
+        packs: list[list[list[int]]] = [[] for _ in range(num_ranks)]
+        room = [0] * num_ranks
+        for i in by_length[~solo[by_length]]:
+            length = int(kept[i])
+            load, r = heapq.heappop(heap)
+            if room[r] >= length:
+                room[r] -= length
+                packs[r][-1].append(int(i))
+                load += marginal[i]
+            else:
+                room[r] = cap_none - length
+                packs[r].append([int(i)])
+                load += const_none + marginal[i]
+            heapq.heappush(heap, (load, r))
+        return max(load for load, _ in heap), sched, packs
+
+    best = run(np.inf)
+    if not packable.all() or solo_time.max() > _SOLO_SHARE * best[0]:
+        bound = lower_bound_s(kept, cost_model, cp_sizes=sizes)
+        for factor in _TARGET_FACTORS:
+            if bound * factor >= best[0]:
+                break
+            trial = run(bound * factor)
+            if trial[0] < best[0]:
+                best = trial
+    makespan, sched, packs = best
+    steps = _to_steps(sched, packs, sizes, keep)
+    if sched.solo:
+        # Few-sequence batches: when one long job sets the makespan, the short ones are better
+        # off riding in its CP group than queueing behind it. Try that uniform plan too.
+        level, _, _, r = max(sched.solo, key=lambda s: (s[0], -s[2]))
+        cp = sizes[level]
+        # The top job's recompute, raised until the longest sequence fits alongside.
+        fitting = [lv for lv in RECOMPUTE_LEVELS[r:] if cost_model.fits([kept.max()], cp, lv)]
+        if level > 0 and fitting:
+            uniform = _uniform_plan(kept, keep, cost_model, cp, fitting[0])
+            if uniform[0] < makespan:
+                makespan, steps = uniform
+    return Plan(
+        steps=tuple(steps),
+        planner="dcp",
+        predicted_step_time_s=float(makespan),
+        meta=drop_meta(dropped),
+    )
+
+
+def _uniform_plan(
+    kept: np.ndarray, keep: np.ndarray, cost_model: CostModel, cp: int, level: str
+) -> tuple[float, list[MicroStep]]:
+    """Every sequence at one (CP size, recompute): cost-balanced over the aligned blocks, packed
+    up to the memory capacity. Returns (makespan, steps)."""
+    num_blocks = cost_model.num_ranks // cp
+    capacity = cp * cost_model.max_tokens_per_rank(level)
+    marginal = cost_model.solo_step_time_s(kept, cp, level) - cost_model.step_constant_s(level)
+    heap = [(0.0, j) for j in range(num_blocks)]
+    packs: list[list[list[int]]] = [[] for _ in range(num_blocks)]
+    room = [0] * num_blocks
+    for i in np.argsort(-marginal, kind="stable"):
+        load, j = heapq.heappop(heap)
+        length = int(kept[i])
+        if room[j] >= length:
+            packs[j][-1].append(int(i))
+            room[j] -= length
+        else:
+            packs[j].append([int(i)])
+            room[j] = capacity - length
+        heapq.heappush(heap, (load + marginal[i], j))
+    steps, makespan = [], 0.0
+    for j, block_packs in enumerate(packs):
+        ranks = tuple(range(j * cp, (j + 1) * cp))
+        load = 0.0
+        for pack in block_packs:
+            load += cost_model.step_time_s([int(kept[i]) for i in pack], cp, level, ranks)
+            seq_ids = tuple(sorted(int(keep[i]) for i in pack))
+            steps.append(MicroStep(ranks=ranks, seq_ids=seq_ids, recompute=level))
+        makespan = max(makespan, load)
+    return makespan, steps
+
+
+def _to_steps(
+    sched: _Schedule, packs: list[list[list[int]]], sizes: list[int], keep: np.ndarray
+) -> list[MicroStep]:
+    """Largest groups first, so every rank reaches each block when its members do."""
+    steps = []
+    for level, block, i, r in sorted(sched.solo, key=lambda s: (-s[0], s[1])):
+        cp = sizes[level]
+        steps.append(
+            MicroStep(
+                ranks=tuple(range(block * cp, (block + 1) * cp)),
+                seq_ids=(int(keep[i]),),
+                recompute=RECOMPUTE_LEVELS[r],
+            )
+        )
+    for rank, rank_packs in enumerate(packs):
+        for pack in rank_packs:
+            steps.append(
+                MicroStep(ranks=(rank,), seq_ids=tuple(sorted(int(keep[i]) for i in pack)))
+            )
+    return steps

@@ -1,0 +1,184 @@
+"""The static baseline: what a static Megatron run does, as a ``Plan``.
+
+``plan_static``: One CP size and one recompute level for the
+  whole run, sized so the run's longest sequence fits one micro-batch; sequences packed into
+  micro-batches of that capacity (the run's max length: Megatron's ``--seq-length``) and dealt to
+  the DP replicas, every replica running the same number of micro-batches. A static run has no
+  cost model, so packing and dealing balance *tokens* (longest first into the emptiest bin: the
+  best a cost-blind packer does). Without ``cp_size``/``recompute`` the fastest config for the
+  batch is returned. ``tuned=True`` is a stronger variant than any static Megatron run: it also
+  tries micro-batches up to the memory limit (a ``--seq-length`` beyond the longest document)
+  and balances predicted time with the cost model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from dcp.costmodel import CostModel
+from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan
+from dcp.planning.common import drop_meta, pow2_sizes, split_oversize
+from dcp.planning.simulate import simulate
+
+
+def static_configs(cost_model: CostModel, max_seq_len: int) -> list[tuple[int, str]]:
+    """Every (CP size, recompute) a static run sized for ``max_seq_len`` can use."""
+    return [
+        (cp, lv)
+        for cp in pow2_sizes(cost_model.num_ranks)
+        for lv in RECOMPUTE_LEVELS
+        if cost_model.fits([max_seq_len], cp, lv)
+    ]
+
+
+def plan_static(
+    lengths: Sequence[int],
+    *,
+    cost_model: CostModel,
+    cp_size: int | None = None,
+    recompute: str | None = None,
+    max_seq_len: int | None = None,
+    tuned: bool = False,
+    on_oversize: str = "error",
+) -> Plan:
+    """Static CP baseline. ``max_seq_len``: the run's longest sequence (default: this batch's).
+
+    With ``cp_size`` and/or ``recompute`` given, only matching configs (``ValueError`` if none can
+    hold ``max_seq_len``); of those, the fastest for this batch. Micro-batches hold
+    ``max_seq_len`` tokens (Megatron's ``--seq-length``), packed and dealt by token counts as a
+    static run without a cost model does. ``tuned=True``: also micro-batches up to the memory
+    limit, packed and dealt by predicted time (an oracle no static Megatron run has).
+    """
+    if not isinstance(tuned, bool):
+        raise ValueError(f"tuned must be true or false, got {tuned!r}")
+    lens, dropped, keep = split_oversize(lengths, cost_model, on_oversize=on_oversize)
+    if keep.size == 0:
+        return Plan(steps=(), planner="static", meta=drop_meta(dropped))
+    longest = int(lens[keep].max())
+    max_seq_len = longest if max_seq_len is None else int(max_seq_len)
+    if on_oversize == "drop":
+        # The run drops what no config can hold, so it is sized for the longest it keeps.
+        holdable = pow2_sizes(cost_model.num_ranks)[-1] * cost_model.max_tokens_per_rank("full")
+        max_seq_len = max(longest, min(max_seq_len, holdable))
+    if max_seq_len < longest:
+        raise ValueError(f"max_seq_len={max_seq_len} is below this batch's longest {longest}")
+    configs = static_configs(cost_model, max_seq_len)
+    if cp_size is not None or recompute is not None:
+        configs = [
+            (c, r)
+            for c, r in configs
+            if (cp_size is None or c == cp_size) and (recompute is None or r == recompute)
+        ]
+        if not configs:
+            raise ValueError(
+                f"static config cp_size={cp_size}, recompute={recompute} cannot hold a "
+                f"{max_seq_len}-token sequence in {cost_model.mem_budget_bytes / 1e9:.1f} GB/rank; "
+                f"feasible: {static_configs(cost_model, max_seq_len)}"
+            )
+    if not configs:
+        raise ValueError(f"no static config holds a {max_seq_len}-token sequence")
+    best = None
+    for cp, level in configs:
+        capacities = {max_seq_len}
+        if tuned:
+            capacities.add(cp * cost_model.max_tokens_per_rank(level))
+        for capacity in sorted(capacities):
+            plan = _static_for_config(lens, keep, cost_model, cp, level, capacity, tuned)
+            if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
+                best = plan
+    assert best is not None
+    return Plan(
+        steps=best.steps,
+        planner="static",
+        predicted_step_time_s=best.predicted_step_time_s,
+        meta={**best.meta, **drop_meta(dropped)},
+    )
+
+
+def _static_for_config(
+    lens: np.ndarray,
+    keep: np.ndarray,
+    cost_model: CostModel,
+    cp: int,
+    level: str,
+    cap: int,
+    tuned: bool,
+) -> Plan:
+    replicas = cost_model.num_ranks // cp
+    kept = lens[keep].astype(np.float64)
+    if tuned:
+        # Marginal cost of each sequence in a micro-batch (solo time minus the step constant).
+        cost = cost_model.solo_step_time_s(kept, cp, level) - cost_model.step_constant_s(level)
+    else:
+        cost = kept
+    order = np.argsort(-cost, kind="stable")
+    per_replica = max(1, math.ceil(math.ceil(kept.sum() / cap) / replicas))
+    while True:
+        bins = _pack(kept, cost, order, cap, replicas * per_replica)
+        if bins is not None:
+            break
+        per_replica += 1
+    bins = [b for b in bins if b]
+    if tuned:
+        times = [
+            cost_model.step_time_s([int(kept[i]) for i in b], cp, level, tuple(range(cp)))
+            for b in bins
+        ]
+    else:
+        times = [float(kept[b].sum()) for b in bins]
+    # Deal micro-batches to replicas: biggest first to the least-loaded replica with room.
+    heap = [(0.0, j) for j in range(replicas)]
+    counts = [0] * replicas
+    owned: list[list[int]] = [[] for _ in range(replicas)]
+    for b in sorted(range(len(bins)), key=lambda b: (-times[b], b)):
+        load, j = heapq.heappop(heap)
+        owned[j].append(b)
+        counts[j] += 1
+        if counts[j] < per_replica:
+            heapq.heappush(heap, (load + times[b], j))
+    steps = []
+    for j, owned_bins in enumerate(owned):
+        ranks = tuple(range(j * cp, (j + 1) * cp))
+        for b in owned_bins:
+            seq_ids = tuple(sorted(int(keep[i]) for i in bins[b]))
+            steps.append(MicroStep(ranks=ranks, seq_ids=seq_ids, recompute=level))
+    plan = Plan(steps=tuple(steps), planner="static")
+    makespan = simulate(plan, lens.tolist(), cost_model).makespan_s
+    return Plan(
+        steps=plan.steps,
+        planner="static",
+        predicted_step_time_s=makespan,
+        meta={
+            "cp_size": cp,
+            "recompute": level,
+            "capacity_tokens": cap,
+            "micro_batches_per_replica": per_replica,
+            "tuned": tuned,
+        },
+    )
+
+
+def _pack(
+    kept: np.ndarray, cost: np.ndarray, order: np.ndarray, cap: int, num_bins: int
+) -> list[list[int]] | None:
+    """Costliest first into the cheapest bin with room; None if some sequence finds none."""
+    heap = [(0.0, b) for b in range(num_bins)]
+    room = [float(cap)] * num_bins
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i in order:
+        skipped = []
+        while heap and room[heap[0][1]] < kept[i]:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        load, b = heapq.heappop(heap)
+        bins[b].append(int(i))
+        room[b] -= kept[i]
+        heapq.heappush(heap, (load + cost[i], b))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return bins

@@ -1,0 +1,146 @@
+"""Run this rank's micro-steps of a DCP ``Plan`` on a megatron-core model, then reduce once.
+
+Why not megatron's own: megatron-core's schedules (``forward_backward_no_pipelining`` and friends)
+run the same number of equally shaped micro-batches on every rank with one fixed CP group, and
+build a ``device="cuda"`` token counter. A DCP plan gives each rank its own list of micro-steps,
+each with its own CP group and recompute level. This schedule, for each of this rank's steps in
+plan order: reads only its shard of the step's sequences, points the model at the step's CP group
+(``use_cp_group``) and recompute level (``use_recompute``), and runs forward and backward under
+DDP's ``no_sync``. After the last step, one gradient reduction (``finish_grad_sync``) runs over
+DDP's fixed DP×CP group. The loss is the sum of token losses divided by the *global* number of
+loss tokens of the whole batch — never by a micro-step count — so uneven micro-step counts per
+rank give exactly the gradient of the full-batch mean loss.
+
+Guards: before the first collective every rank all-reduces (plan checksum, loss-token count); if
+any rank holds a different plan or batch, every rank raises ``RuntimeError`` instead of hanging in
+mismatched collectives. Each step's group must exist in the registry. A plan may list step
+indices in ``plan.meta["barriers"]``: all ranks synchronise before those steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dcp.plan import RECOMPUTE_LEVELS, Plan
+from dcp.runtime.dispatch import SequenceSource, local_batch
+from dcp.runtime.groups import GroupRegistry
+from dcp.runtime.layout import ShardLayout
+from megatron_patches.parallel_state import use_cp_group
+from megatron_patches.recompute import use_recompute
+
+# DCP's recompute levels (dcp.plan.RECOMPUTE_LEVELS) in megatron's recompute_granularity terms.
+_GRANULARITY = {"none": None, "selective": "selective", "full": "full"}
+assert tuple(_GRANULARITY) == RECOMPUTE_LEVELS
+
+
+@dataclass
+class ScheduleResult:
+    """What one rank observed while running its part of a plan."""
+
+    loss_sum: float = 0.0
+    """Sum of this rank's token losses (unnormalised)."""
+    loss_tokens: int = 0
+    """Loss tokens this rank computed (its shards)."""
+    global_loss_tokens: int = 0
+    """Loss tokens of the whole batch (the divisor)."""
+    step_times_s: list[tuple[int, float]] = field(default_factory=list)
+    """(plan step index, seconds of forward+backward) for each of this rank's steps."""
+    tokens_read: int = 0
+    """Tokens this rank read from the source (its shards only)."""
+    compute_time_s: float = 0.0
+    """Wall seconds from the first micro-step to the end of the last (waits included)."""
+
+
+def verify_plan_agreement(plan: Plan, global_loss_tokens: int, *, group=None) -> None:
+    """Raise on every rank unless all ranks hold the same plan and batch size."""
+    checksum = plan.checksum()
+    mine = torch.tensor(
+        [checksum, global_loss_tokens, -checksum, -global_loss_tokens], dtype=torch.int64
+    )
+    if dist.get_backend(group) == "nccl":
+        mine = mine.cuda()
+    agreed = mine.clone()
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(agreed[:2], -agreed[2:]):
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: ranks disagree on the plan or batch "
+            f"(this rank: checksum {checksum}, {global_loss_tokens} loss tokens; "
+            f"max over ranks: checksum {int(agreed[0])}, {int(agreed[1])} tokens). "
+            "Every rank must plan the same global batch with the same planner and config."
+        )
+
+
+def run_plan(
+    model,
+    plan: Plan,
+    *,
+    source: SequenceSource,
+    registry: GroupRegistry,
+    rank: int | None = None,
+) -> ScheduleResult:
+    """Forward/backward this rank's micro-steps of ``plan``; gradients end up reduced in ``model``.
+
+    ``model`` is a megatron DDP-wrapped GPTModel (``no_sync``/``finish_grad_sync``) or a bare
+    module (then no reduction happens: single-process references).
+    """
+    rank = dist.get_rank() if rank is None else rank
+    lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
+    result = ScheduleResult(global_loss_tokens=sum(lengths.values()))
+    missing = registry.missing(plan.group_shapes())
+    if missing:
+        raise RuntimeError(
+            f"plan uses CP groups {missing[:4]} that were not created at start "
+            f"(created: {len(registry.shapes)} aligned blocks)"
+        )
+    verify_plan_agreement(plan, result.global_loss_tokens)
+
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+    barriers = {int(b) for b in plan.meta.get("barriers", ())}
+    loop_start = time.perf_counter()
+    with no_sync:
+        for index, step in enumerate(plan.steps):
+            if index in barriers:
+                # A schedule that syncs every rank between rounds (megatron's Hybrid-CP) keeps it.
+                dist.barrier()
+            if rank not in step.ranks:
+                continue
+            start = time.perf_counter()
+            group = registry.get(step.ranks)
+            cp_rank = step.ranks.index(rank)
+            layout = ShardLayout(
+                doc_lens=[lengths[i] for i in step.seq_ids], cp_size=len(step.ranks)
+            )
+            batch = local_batch(source, step.seq_ids, layout=layout, cp_rank=cp_rank, device=device)
+            params = layout.packed_seq_params(device=device, cp_group=group)
+            with (
+                use_cp_group(model, group=group, ranks=step.ranks),
+                use_recompute(model, _GRANULARITY[step.recompute]),
+            ):
+                token_loss = model(
+                    batch.input_ids,
+                    batch.position_ids,
+                    None,
+                    labels=batch.labels,
+                    packed_seq_params=params,
+                )
+                loss_sum = (token_loss.float() * batch.loss_mask).sum()
+                (loss_sum / result.global_loss_tokens).backward()
+            elapsed = time.perf_counter() - start
+            result.loss_sum += float(loss_sum.detach())
+            result.loss_tokens += batch.num_loss_tokens
+            result.tokens_read += batch.tokens_read
+            result.step_times_s.append((index, elapsed))
+    result.compute_time_s = time.perf_counter() - loop_start
+    if hasattr(model, "finish_grad_sync"):
+        model.finish_grad_sync()
+    return result

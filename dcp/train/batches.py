@@ -1,0 +1,96 @@
+"""Global batches as the trainer sees them: the dataset they come from, the plan each gets, and
+the ``SequenceSource`` the runtime reads this rank's shards through.
+
+A dataset document of n tokens (EOD included) is a training sequence of length n - 1 (inputs
+tokens[0:n-1], labels tokens[1:n]); see ``dcp.runtime.dispatch.train_len``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcp.costmodel import load_cost_model, load_spec
+from dcp.data import build_document_dataset
+from dcp.data.sampler import GlobalBatch
+from dcp.plan import Plan
+from dcp.planning import plan_batch, simulate
+from dcp.runtime.dispatch import train_len
+
+
+def build_dataset(data_cfg, *, vocab_size: int):
+    """The document dataset a ``DataConfig`` names (checked against the model's vocabulary)."""
+    config = data_cfg.synthetic if data_cfg.source == "synthetic" else data_cfg.indexed
+    return build_document_dataset(config, vocab_size=vocab_size)
+
+
+class DatasetSource:
+    """``SequenceSource`` over the documents of one ``GlobalBatch`` (seq id = index in batch)."""
+
+    def __init__(self, dataset, batch: GlobalBatch) -> None:
+        self._dataset = dataset
+        self._batch = batch
+
+    def seq_len(self, seq_id: int) -> int:
+        return train_len(self._batch.lengths[seq_id])
+
+    def read(self, seq_id: int, start: int, stop: int) -> np.ndarray:
+        doc = self._batch.doc_ids[seq_id]
+        return np.asarray(self._dataset.get_tokens(doc, start, stop - start), dtype=np.int64)
+
+
+def seq_lengths(batch: GlobalBatch) -> list[int]:
+    """The planner's input: training length of each sequence of the batch."""
+    return [train_len(n) for n in batch.lengths]
+
+
+def longest_seq_len(dataset) -> int:
+    """The run's longest training sequence (what a static configuration must be sized for)."""
+    return train_len(dataset.doc_lengths.max())
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    plan: Plan
+    lengths: list[int]
+    predicted_step_time_s: float
+    predicted_imbalance: float
+    """Max over ranks of busy time / mean busy time (1.0 = perfectly balanced)."""
+    dropped: tuple[int, ...]
+
+
+class BatchPlanner:
+    """Deterministic planning of global batches (identical on every rank)."""
+
+    def __init__(self, dcp_cfg, *, world_size: int, max_seq_len: int | None = None) -> None:
+        """``max_seq_len``: the run's longest sequence; the static baseline is sized for it
+        (as a static Megatron run must be), not for each batch's longest."""
+        self.cfg = dcp_cfg
+        self.world_size = world_size
+        self.max_seq_len = max_seq_len
+        spec = load_spec(dcp_cfg.spec)
+        self.cost_model = load_cost_model(spec, world_size=world_size)
+        self.peak_tflops_per_rank = float(spec["cluster"]["peak_tflops"])
+
+    def plan(self, batch: GlobalBatch) -> PlannedBatch:
+        lengths = seq_lengths(batch)
+        options = {"on_oversize": self.cfg.on_oversize}
+        if self.cfg.planner == "static":
+            if self.max_seq_len is not None:
+                options["max_seq_len"] = max(self.max_seq_len, max(lengths))
+            options["cp_size"] = self.cfg.static_cp_size
+            options["recompute"] = self.cfg.static_recompute
+        plan = plan_batch(lengths, cost_model=self.cost_model, planner=self.cfg.planner, **options)
+        dropped = tuple(int(i) for i in plan.meta.get("dropped", ()))
+        plan.validate(num_sequences=len(lengths), num_ranks=self.world_size, dropped=dropped)
+        sim = simulate(plan, lengths, self.cost_model)
+        mean_busy = sum(sim.busy_s) / len(sim.busy_s)
+        imbalance = max(sim.busy_s) / mean_busy if mean_busy > 0 else 1.0
+        return PlannedBatch(
+            plan=plan,
+            lengths=lengths,
+            predicted_step_time_s=float(plan.predicted_step_time_s or sim.makespan_s),
+            predicted_imbalance=float(imbalance),
+            dropped=dropped,
+        )

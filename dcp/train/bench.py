@@ -1,0 +1,178 @@
+"""The end-to-end comparison behind ``python -m tools.bench_e2e``: the same run trained by
+static CP, Megatron Hybrid-CP and DCP, through the real trainer, on the same batches and seeds.
+
+Static runs every fixed (CP size, recompute) configuration that holds the run's longest
+sequence (as a static Megatron setup must be sized) and the fastest is the baseline. Rounds run
+every planner in alternating (forward, reversed) order and pool their throughput, so machine
+speed drift during a benchmark does not favour whoever runs first. Must run under
+torch.distributed (every rank calls ``run_benchmark``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import gc
+import shutil
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dcp.costmodel import load_cost_model
+from dcp.observability.record import StepRecord
+from dcp.planning import static_configs
+from dcp.train.batches import build_dataset, longest_seq_len
+from dcp.train.config import PretrainConfig
+from dcp.train.trainer import Trainer
+
+BENCH_PLANNERS = ("static", "megatron", "dcp")
+"""The order planners run in (dcp.plan.PLANNERS, baselines first)."""
+
+
+def static_variants(base_cfg: PretrainConfig) -> list[tuple[str, dict]]:
+    """Every fixed (CP size, recompute) a static run can use: sized for the run's longest
+    sequence (the dataset's longest document), as in Megatron's static setup."""
+    dataset = build_dataset(base_cfg.data, vocab_size=base_cfg.model.vocab_size)
+    cost_model = load_cost_model(base_cfg.dcp.spec, world_size=dist.get_world_size())
+    return [
+        (f"static-cp{cp}-{level}", {"static_cp_size": cp, "static_recompute": level})
+        for cp, level in static_configs(cost_model, longest_seq_len(dataset))
+    ]
+
+
+def release_memory() -> None:
+    """Free the previous planner's model and hand glibc's freed heap back to the OS, so the next
+    planner's per-step peak resident memory starts from the same baseline."""
+    gc.collect()
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:
+        libc = ctypes.CDLL(libc_name)
+        if hasattr(libc, "malloc_trim"):  # glibc only
+            libc.malloc_trim(0)
+
+
+def run_planner(
+    base_cfg: PretrainConfig, planner: str, *, name: str, steps: int, prefix: str, options: dict
+) -> list[StepRecord]:
+    """Train a fresh model for ``steps`` steps with ``planner`` (run name ``<prefix>-<name>``)."""
+    name = f"{prefix}-{name}"
+    cfg = dataclasses.replace(
+        base_cfg,
+        name=name,
+        dcp=dataclasses.replace(base_cfg.dcp, planner=planner, **options),
+        train=dataclasses.replace(base_cfg.train, steps=steps),
+        checkpoint=dataclasses.replace(base_cfg.checkpoint, interval_steps=0, resume=False),
+        metrics=dataclasses.replace(
+            base_cfg.metrics, wandb_group=prefix, wandb_tags=(planner,), progress_bar=False
+        ),
+    )
+    if dist.get_rank() == 0:
+        shutil.rmtree(Path(cfg.runs_dir) / name, ignore_errors=True)
+    release_memory()
+    dist.barrier()
+    return Trainer(cfg).train()
+
+
+def summarize(name: str, rounds: list[list[StepRecord]], warmup: int) -> dict:
+    """Throughput and prediction error pooled over all rounds; losses from the first round
+    (every round trains the same model on the same batches)."""
+    records = rounds[0]
+    measured = [r for run in rounds for r in run[warmup:]]
+    tokens = sum(r.tokens for r in measured)
+    seconds = sum(r.step_time_s for r in measured)
+    errors = [
+        abs(r.predicted_step_time_s - r.compute_time_s) / r.compute_time_s
+        for r in measured
+        if r.compute_time_s > 0
+    ]
+    return {
+        "planner": name,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "step_time_s": seconds / len(measured),
+        "compute_time_s": statistics.fmean(r.compute_time_s for r in measured),
+        "predicted_step_time_s": statistics.fmean(r.predicted_step_time_s for r in measured),
+        "prediction_error": statistics.median(errors) if errors else None,
+        "micro_steps": statistics.fmean(r.plan.num_micro_steps for r in measured),
+        "recompute_fraction": statistics.fmean(r.plan.recompute_fraction for r in measured),
+        "peak_mem_gb": max(r.peak_mem_bytes for r in records) / 1e9,
+        "losses": [r.loss for r in records],
+    }
+
+
+def ratio(a: dict | None, b: dict | None) -> float | None:
+    """Throughput of ``a`` over ``b`` (None when either did not run)."""
+    if not a or not b or "error" in a or "error" in b or not b["tokens_per_s"]:
+        return None
+    return a["tokens_per_s"] / b["tokens_per_s"]
+
+
+def run_benchmark(
+    base_cfg: PretrainConfig,
+    *,
+    planners: Sequence[str] = BENCH_PLANNERS,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    prefix: str,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, dict]:
+    """Per planner (and per static variant) its ``summarize`` row, or ``{"error": ...}`` when
+    the runtime could not execute its plans; ``"static"`` is the fastest static variant."""
+    runs = [
+        (planner, name, options)
+        for planner in planners
+        for name, options in (static_variants(base_cfg) if planner == "static" else [(planner, {})])
+    ]
+    results: dict[str, dict] = {}
+    records: dict[str, list[list[StepRecord]]] = {name: [] for _, name, _ in runs}
+    for round_index in range(rounds):
+        for planner, name, options in runs if round_index % 2 == 0 else runs[::-1]:
+            if name in results:  # failed in an earlier round
+                continue
+            log(f"[bench] round {round_index + 1}: {name}")
+            try:
+                records[name].append(
+                    run_planner(
+                        base_cfg,
+                        planner,
+                        name=name,
+                        steps=warmup + steps,
+                        prefix=prefix,
+                        options=options,
+                    )
+                )
+            except (ValueError, RuntimeError) as exc:  # deterministic: same on every rank
+                results[name] = {"planner": name, "error": f"{type(exc).__name__}: {exc}"}
+    for _, name, _ in runs:
+        if name not in results:
+            results[name] = summarize(name, records[name], warmup)
+    if "static" in planners:
+        ok = [
+            results[n] for _, n, _ in runs if n.startswith("static-") and "error" not in results[n]
+        ]
+        if ok:  # the best fixed static configuration is the baseline
+            results["static"] = {**max(ok, key=lambda r: r["tokens_per_s"])}
+        else:
+            results["static"] = {"planner": "static", "error": "no static config ran"}
+    return results
+
+
+def bench_summary(results: dict[str, dict], *, steps: int, warmup: int, rounds: int) -> dict:
+    """The benchmark's JSON result (the last line ``tools.bench_e2e`` prints)."""
+    dcp, static = results.get("dcp"), results.get("static")
+    loss_diff = None
+    if dcp and static and "error" not in dcp and "error" not in static:
+        loss_diff = max(abs(a - b) for a, b in zip(dcp["losses"], static["losses"], strict=True))
+    return {
+        "speedup_vs_static": ratio(dcp, static),
+        "speedup_vs_megatron": ratio(dcp, results.get("megatron")),
+        "max_abs_loss_diff": loss_diff,
+        "step_time_prediction_error": dcp.get("prediction_error") if dcp else None,
+        "steps": steps,
+        "warmup": warmup,
+        "rounds": rounds,
+        "planners": results,
+    }

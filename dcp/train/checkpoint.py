@@ -1,0 +1,487 @@
+"""Atomic checkpoints: model, optimizer, scheduler, sampler position, RNG state.
+
+Layout under ``root``::
+
+    step_000120/            a complete checkpoint (it has manifest.json)
+        model.pt optimizer.pt scheduler.pt sampler.pt extra.pt     written by rank 0
+        rng.rank00000.pt rng.rank00001.pt ...                       written by each rank
+        manifest.json                                               written last, by rank 0
+    .tmp-step_000123/       a save in progress (or one that crashed): never loaded
+    latest                  "step_000120", replaced atomically
+
+Save protocol (``save_checkpoint``): rank 0 creates ``.tmp-step_N``; barrier; every rank writes
+and fsyncs its files; barrier; rank 0 checks every expected file exists, writes
+``manifest.json`` (file sizes), fsyncs, renames the directory to ``step_N``, replaces
+``latest`` via ``os.replace`` and prunes to the newest ``keep_last``; barrier. A crash at any
+point leaves either the previous checkpoints untouched or a ``.tmp-*`` directory that
+``load_latest`` skips; a ``step_*`` directory whose manifest is missing, unreadable or lists a
+file of the wrong size is skipped too, falling back to the next older one. The directory must
+be on a filesystem every rank sees (a shared filesystem on multi-node runs).
+
+Which state is per rank: components named in ``per_rank`` (default: ``rng_state``) are written
+by every rank to its own file; the others must be identical on all ranks (replicated DP model
+and ``torch.optim`` state) and only rank 0 writes them. Put ``optimizer_state`` in ``per_rank``
+for a sharded (distributed) optimizer.
+
+Files are ``torch.save`` files, not megatron-core's ``dist_checkpointing`` (docs/design.md says
+why).
+
+Files are loaded with ``torch.load(weights_only=True)`` by default: RNG state is stored as plain
+tensors, ints and lists (see ``capture_rng_state``), and torch.optim/LR-scheduler state dicts
+load that way. Pass ``weights_only=False`` only for checkpoints you wrote yourself whose
+``extra``/sampler state holds other Python objects (it unpickles arbitrary code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CheckpointConfig",
+    "LoadedCheckpoint",
+    "capture_rng_state",
+    "find_latest",
+    "is_complete",
+    "load_checkpoint",
+    "load_latest",
+    "restore_rng_state",
+    "save_checkpoint",
+]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+COMPONENTS = (
+    "model_state",
+    "optimizer_state",
+    "scheduler_state",
+    "sampler_state",
+    "rng_state",
+    "extra",
+)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """When and where the trainer checkpoints, and how many checkpoints it keeps."""
+
+    root_dir: str | None = None
+    """Directory holding ``step_*`` checkpoints; null = the run directory's ``checkpoints/``."""
+    interval_steps: int = 0
+    """Save every this many steps (and after the last step); 0 = never save."""
+    keep_last: int = 2
+    """Keep the newest this many complete checkpoints; 0 = keep all."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint under ``root_dir`` when there is one."""
+
+    def __post_init__(self) -> None:
+        if self.root_dir is not None and (not isinstance(self.root_dir, str) or not self.root_dir):
+            raise ValueError(
+                f"checkpoint.root_dir must be a non-empty path or null, got {self.root_dir!r}"
+            )
+        for name in ("interval_steps", "keep_last"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"checkpoint.{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.resume, bool):
+            raise ValueError(f"checkpoint.resume must be true or false, got {self.resume!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedCheckpoint:
+    """The state one rank gets back from a checkpoint (components never saved are ``None``)."""
+
+    step: int
+    path: Path
+    model_state: Any
+    optimizer_state: Any
+    scheduler_state: Any
+    sampler_state: Any
+    rng_state: Any
+    extra: Any
+
+
+# ---------------------------------------------------------------------------- RNG state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG state: Python, NumPy global, torch CPU, CUDA (all devices, if any).
+
+    Also megatron-core's model-parallel RNG tracker when megatron is imported and the tracker
+    holds states (dropout inside tensor-parallel regions draws from it). The numpy and Python
+    states are stored as tensors/ints/lists so the dict loads with ``weights_only=True``.
+    NumPy ``Generator`` objects (``default_rng``) are not global: keep their state in the
+    sampler's own state dict.
+    """
+    py_version, py_internal, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py_version, torch.tensor(py_internal, dtype=torch.int64), py_gauss],
+        "numpy": [
+            np_kind,
+            torch.from_numpy(np_keys.astype(np.int64)),
+            np_pos,
+            np_has_gauss,
+            np_gauss,
+        ],
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": None,
+        "megatron_tracker": None,
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    tracker = _megatron_tracker()
+    if tracker is not None:
+        states = tracker.get_states()
+        if all(isinstance(v, torch.Tensor) for v in states.values()):
+            state["megatron_tracker"] = {k: v.clone().cpu() for k, v in states.items()}
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back a state from ``capture_rng_state`` (same process layout and device count)."""
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(int(x) for x in py_internal.tolist()), py_gauss))
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state(
+        (
+            np_kind,
+            np_keys.numpy().astype(np.uint32),
+            int(np_pos),
+            int(np_has_gauss),
+            float(np_gauss),
+        )
+    )
+    torch.set_rng_state(state["torch_cpu"])
+    cuda_states = state.get("torch_cuda")
+    if cuda_states is not None:
+        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda_states):
+            raise RuntimeError(
+                f"checkpoint holds CUDA RNG state for {len(cuda_states)} device(s) but this "
+                f"process sees {torch.cuda.device_count() if torch.cuda.is_available() else 0}; "
+                "resume on the same GPU layout for a bit-exact continuation"
+            )
+        torch.cuda.set_rng_state_all(cuda_states)
+    tracker_states = state.get("megatron_tracker")
+    if tracker_states is not None:
+        tracker = _megatron_tracker(require=True)
+        tracker.set_states({k: v.clone() for k, v in tracker_states.items()})
+
+
+def _megatron_tracker(require: bool = False) -> Any:
+    # Only look if megatron is already loaded: importing it just to save RNG costs seconds.
+    module = sys.modules.get("megatron.core.tensor_parallel.random")
+    if module is None or not getattr(module, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
+        if require:
+            raise RuntimeError(
+                "checkpoint holds megatron's model-parallel RNG tracker state, but the tracker "
+                "is not initialised in this process; call model_parallel_cuda_manual_seed "
+                "(model setup does) before restoring RNG state"
+            )
+        return None
+    tracker = module.get_cuda_rng_tracker()
+    return tracker if tracker.is_initialized() else None
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _file_name(component: str, rank: int | None) -> str:
+    stem = component.removesuffix("_state")  # model_state -> model.pt
+    return f"{stem}.pt" if rank is None else f"{stem}.rank{rank:05d}.pt"
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _default_barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    model_state: Any,
+    optimizer_state: Any,
+    scheduler_state: Any,
+    sampler_state: Any,
+    rng_state: Any,
+    extra: Any = None,
+    rank: int,
+    world_size: int,
+    barrier_fn: Callable[[], None] | None = None,
+    per_rank: Collection[str] = ("rng_state",),
+    keep_last: int = 0,
+) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically; every rank calls this together.
+
+    ``barrier_fn`` synchronises all ranks (default: ``torch.distributed.barrier`` when a
+    process group is initialised, else nothing). ``per_rank`` names the components each rank
+    writes itself; the rest are taken from rank 0. ``keep_last`` > 0 deletes all but the newest
+    that many complete checkpoints. Returns the final ``root/step_XXXXXX`` path.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    unknown = sorted(set(per_rank) - set(COMPONENTS))
+    if unknown:
+        raise ValueError(f"per_rank names unknown component(s) {unknown}; known: {COMPONENTS}")
+    barrier = barrier_fn or _default_barrier
+    root_path = Path(root)
+    name = step_dir_name(step)
+    tmp = root_path / f".tmp-{name}"
+    final = root_path / name
+    values = {
+        "model_state": model_state,
+        "optimizer_state": optimizer_state,
+        "scheduler_state": scheduler_state,
+        "sampler_state": sampler_state,
+        "rng_state": rng_state,
+        "extra": extra,
+    }
+
+    if rank == 0:
+        root_path.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
+        tmp.mkdir()
+    barrier()  # nobody writes before the temp dir exists (and is empty)
+
+    for component, value in values.items():
+        if component in per_rank:
+            _save_file(value, tmp / _file_name(component, rank))
+        elif rank == 0:
+            _save_file(value, tmp / _file_name(component, None))
+    barrier()  # every rank's files are on disk
+
+    if rank == 0:
+        expected = [
+            _file_name(c, r)
+            for c in COMPONENTS
+            for r in (range(world_size) if c in per_rank else [None])
+        ]
+        missing = [f for f in expected if not (tmp / f).is_file()]
+        if missing:
+            raise RuntimeError(
+                f"checkpoint {tmp}: files {missing} missing after all ranks wrote theirs; is "
+                f"{root_path} on a filesystem every rank shares?"
+            )
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": world_size,
+            "per_rank": sorted(per_rank),
+            "files": {f: (tmp / f).stat().st_size for f in expected},
+            "saved_unix_s": time.time(),
+        }
+        _write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after resuming from it): replace it
+            trash = root_path / f".old-{name}-{os.getpid()}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _write_text_atomic(root_path / LATEST, name + "\n")
+        _fsync_dir(root_path)
+        if keep_last > 0:
+            _prune(root_path, keep_last=keep_last, keep=final)
+    barrier()  # nobody reads `latest` or moves on before the rename
+    return final
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(root: Path, *, keep_last: int, keep: Path) -> None:
+    complete = [p for _, p in _step_dirs(root) if is_complete(p)]
+    for old in complete[:-keep_last]:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+    # Temp dirs of crashed saves: the current save is already renamed, so none is live.
+    for leftover in root.glob(".tmp-step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in root.glob(".old-step_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_*`` directory, oldest first (complete or not)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        return None
+    return manifest
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a finished checkpoint: a manifest, and every file it lists at
+    the recorded size."""
+    p = Path(path)
+    manifest = _read_manifest(p)
+    if manifest is None or not isinstance(manifest.get("files"), dict):
+        return False
+    for file, size in manifest["files"].items():
+        try:
+            if (p / file).stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def find_latest(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``root``, or ``None``.
+
+    ``latest`` is tried first; when it is missing or points at an incomplete directory, the
+    ``step_*`` directories are scanned newest first. ``.tmp-*`` directories are never used.
+    """
+    root_path = Path(root)
+    try:
+        pointer = (root_path / LATEST).read_text(encoding="utf-8").strip()
+    except OSError:
+        pointer = ""
+    if _STEP_DIR.match(pointer) and is_complete(root_path / pointer):
+        return root_path / pointer
+    for _, path in reversed(_step_dirs(root_path)):
+        if is_complete(path):
+            if pointer:
+                logger.warning(
+                    "checkpoint pointer %s/latest -> %r is not a complete checkpoint; using %s",
+                    root_path,
+                    pointer,
+                    path.name,
+                )
+            return path
+    return None
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    rank: int,
+    world_size: int | None = None,
+    map_location: str | torch.device = "cpu",
+    weights_only: bool = True,
+) -> LoadedCheckpoint:
+    """Load one complete checkpoint directory for ``rank``.
+
+    Raises ``ValueError`` if the directory is incomplete, or if it was written by a different
+    number of ranks than ``world_size`` while holding per-rank state.
+    """
+    p = Path(path)
+    if not is_complete(p):
+        raise ValueError(
+            f"{p} is not a complete checkpoint (manifest missing or files "
+            "incomplete); it may be a save that crashed"
+        )
+    manifest = _read_manifest(p)
+    assert manifest is not None
+    saved_world = manifest["world_size"]
+    per_rank = set(manifest["per_rank"])
+    if per_rank and world_size is not None and world_size != saved_world:
+        raise ValueError(
+            f"{p} was written by {saved_world} ranks with per-rank state {sorted(per_rank)}; "
+            f"this run has {world_size}. Resume with {saved_world} ranks."
+        )
+    if per_rank and not 0 <= rank < saved_world:
+        raise ValueError(f"{p} has per-rank state for ranks 0..{saved_world - 1}, not {rank}")
+    values = {}
+    for component in COMPONENTS:
+        file = p / _file_name(component, rank if component in per_rank else None)
+        try:
+            values[component] = torch.load(
+                file, map_location=map_location, weights_only=weights_only
+            )
+        except Exception as exc:
+            hint = (
+                " (it holds objects weights_only=True refuses; if you wrote this "
+                "checkpoint yourself, load with weights_only=False)"
+                if weights_only
+                else ""
+            )
+            raise RuntimeError(f"cannot load {file}: {exc}{hint}") from exc
+    return LoadedCheckpoint(step=int(manifest["step"]), path=p, **values)
+
+
+def load_latest(
+    root: str | os.PathLike[str],
+    *,
+    rank: int,
+    world_size: int | None = None,
+    map_location: str | torch.device = "cpu",
+    weights_only: bool = True,
+) -> LoadedCheckpoint | None:
+    """The newest complete checkpoint under ``root`` for ``rank``, or ``None`` if none exists.
+
+    Half-written checkpoints (``.tmp-*`` directories, or ``step_*`` without a complete
+    manifest) are never returned.
+    """
+    path = find_latest(root)
+    if path is None:
+        return None
+    return load_checkpoint(
+        path,
+        rank=rank,
+        world_size=world_size,
+        map_location=map_location,
+        weights_only=weights_only,
+    )

@@ -1,0 +1,174 @@
+"""Cost model: spec parsing, calibration overrides, presets, and the shape of time and memory."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from dcp.costmodel import CostModel, available_presets, load_cost_model, load_preset
+from dcp.plan import MicroStep, Plan
+
+H200_8B = "h200x8+llama3-8b"
+
+
+@pytest.fixture(scope="module")
+def cm() -> CostModel:
+    return load_cost_model(H200_8B)
+
+
+def test_presets_cover_the_required_clusters_and_models():
+    names = set(available_presets())
+    for n in (8, 32, 64, 256, 1024):
+        assert f"h200x{n}" in names
+        assert load_cost_model(f"h200x{n}+llama3-8b").num_ranks == n
+    assert {"llama3-8b", "llama3-70b", "cpu-tiny"} <= names
+    # 70B runs TP=8 inside a node: one planner rank per node.
+    big = load_cost_model("h200x256+llama3-70b")
+    assert big.num_ranks == 32 and big.ranks_per_node == 1
+
+
+def test_cpu_tiny_matches_the_two_rank_tiny_gpt():
+    spec = load_preset("cpu-tiny")
+    assert spec["cluster"]["num_gpus"] == 2
+    # The preset describes exactly the model the CPU demo trains.
+    demo = yaml.safe_load(
+        (Path(__file__).resolve().parents[3] / "pretrain/configs/tiny_cpu.yaml").read_text()
+    )["model"]
+    assert spec["model"] == {key: demo[key] for key in spec["model"]}
+    tiny = CostModel.from_spec(spec)
+    assert tiny.num_ranks == 2
+    assert tiny.max_tokens_per_rank("none") > 4096
+
+
+def test_unknown_preset_lists_the_available_ones():
+    with pytest.raises(ValueError, match="available: .*cpu-tiny"):
+        load_preset("h200x8+gpt5")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda s: s.pop("model"), "missing the 'model' block"),
+        (lambda s: s["cluster"].pop("peak_tflops"), r"cluster is missing \['peak_tflops'\]"),
+        (lambda s: s["cluster"].update(num_gpus=0), "cluster.num_gpus must be > 0"),
+        (lambda s: s["model"].update(num_query_groups=3), "num_query_groups"),
+        (lambda s: s.update(extra=1), r"unknown spec key\(s\) \['extra'\]"),
+        (lambda s: s.setdefault("options", {}).update(dtype="int8"), "options.dtype"),
+        (lambda s: s.setdefault("options", {}).update(bogus=1), r"\['bogus'\] in spec.options"),
+        (lambda s: s.update(calibration={"nope": 1.0}), "calibration.nope"),
+        (lambda s: s.update(calibration={"activation_bytes_per_token": {"x": 1}}), "levels"),
+        (lambda s: s["options"].update(tensor_parallel_size=3), "tensor_parallel_size"),
+    ],
+)
+def test_bad_specs_raise_value_error_naming_the_field(mutate, match):
+    spec = copy.deepcopy(load_preset(H200_8B))
+    mutate(spec)
+    with pytest.raises(ValueError, match=match):
+        CostModel.from_spec(spec)
+
+
+def test_calibration_overrides_analytic_coefficients(cm):
+    spec = copy.deepcopy(load_preset(H200_8B))
+    spec["calibration"] = {
+        "step_overhead_s": cm.coefficients.step_overhead_s + 0.5,
+        "activation_bytes_per_token": {"none": 5e6},
+    }
+    calibrated = CostModel.from_spec(spec)
+    assert calibrated.step_time_s([4096], 1, "none") == pytest.approx(
+        cm.step_time_s([4096], 1, "none") + 0.5
+    )
+    assert calibrated.coefficients.activation_bytes_per_token["none"] == 5e6
+    # Per-level dicts merge: untouched levels keep their analytic values.
+    assert (
+        calibrated.coefficients.activation_bytes_per_token["full"]
+        == cm.coefficients.activation_bytes_per_token["full"]
+    )
+
+
+def test_one_loader_takes_a_preset_a_path_or_a_dict(tmp_path, cm):
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(load_preset(H200_8B)))
+    assert load_cost_model(path).coefficients == cm.coefficients
+    assert load_cost_model(str(path)).num_ranks == 8
+    assert load_cost_model(H200_8B).num_ranks == 8
+    assert load_cost_model(load_preset(H200_8B)).coefficients == cm.coefficients
+    assert load_cost_model(cm) is cm
+    assert load_cost_model(H200_8B, world_size=8).num_ranks == 8
+    with pytest.raises(ValueError, match="describes 8 ranks but the job has 2"):
+        load_cost_model(H200_8B, world_size=2)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_cost_model(tmp_path / "bad.json")
+    # A missing spec file is reported as such, not as an unknown preset.
+    with pytest.raises(ValueError, match="no such cost-model spec file"):
+        load_cost_model(tmp_path / "missing.json")
+
+
+def test_time_grows_with_work_and_cp_splits_it(cm):
+    assert cm.step_time_s([8192], 1, "none") < cm.step_time_s([16384], 1, "none")
+    assert cm.step_time_s([4096, 4096], 1, "none") < cm.step_time_s([8192], 1, "none")  # L²
+    long = 131072
+    assert cm.step_time_s([long], 8, "full") < cm.step_time_s([long], 4, "full")
+    for level in ("none", "selective"):
+        assert cm.step_time_s([8192], 2, level) < cm.step_time_s([8192], 2, "full")
+    # Recompute costs time; memory shrinks with recompute and CP.
+    assert cm.step_time_s([8192], 1, "none") < cm.step_time_s([8192], 1, "selective")
+    assert cm.step_mem_bytes([8192], 1, "none") > cm.step_mem_bytes([8192], 1, "selective")
+    assert cm.step_mem_bytes([8192], 1, "selective") > cm.step_mem_bytes([8192], 1, "full")
+    assert cm.step_mem_bytes([8192], 2, "none") < cm.step_mem_bytes([8192], 1, "none")
+
+
+def test_cp_group_across_nodes_pays_the_slower_links():
+    cm = load_cost_model("h200x32+llama3-8b")
+    inside = cm.step_time_s([32768], 4, "none", (0, 1, 2, 3))
+    across = cm.step_time_s([32768], 4, "none", (6, 7, 8, 9))
+    assert across > inside
+    assert cm.step_time_s([32768], 4, "none") == inside  # aligned block of 4 sits in a node
+    assert cm.step_terms([32768], 1, "none")[1] == 0.0  # no CP, no communication
+
+
+def test_vectorised_helpers_agree_with_step_time(cm):
+    lengths = np.array([100, 4096, 30000])
+    for cp in (1, 2, 8):
+        for level in ("none", "selective", "full"):
+            solo = cm.solo_step_time_s(lengths, cp, level)
+            for x, t in zip(lengths, solo, strict=True):
+                assert t == pytest.approx(cm.step_time_s([int(x)], cp, level))
+    # CP=1 time is additive: constant + sum of marginals.
+    packed = [100, 4096, 3000]
+    expect = cm.step_constant_s("none") + cm.packed_marginal_s(np.array(packed)).sum()
+    assert cm.step_time_s(packed, 1, "none") == pytest.approx(expect)
+
+
+def test_token_cap_is_exact(cm):
+    for level in ("none", "selective", "full"):
+        cap = cm.max_tokens_per_rank(level)
+        assert cap > 0
+        assert cm.fits([cap], 1, level)
+        assert not cm.fits([cap + 1], 1, level)
+        assert cm.fits([4 * cap], 4, level)
+
+
+def test_check_plan_memory_names_the_step(cm):
+    cap = cm.max_tokens_per_rank("none")
+    plan = Plan(
+        steps=(
+            MicroStep(ranks=(0,), seq_ids=(0,)),
+            MicroStep(ranks=(1,), seq_ids=(1,), recompute="none"),
+        )
+    )
+    cm.check_plan_memory(plan, [cap, 10])
+    with pytest.raises(ValueError, match="step 0 .*budget"):
+        cm.check_plan_memory(plan, [cap + 1, 10])
+
+
+def test_unknown_recompute_level_is_rejected(cm):
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        cm.step_time_s([10], 1, "some")
+    with pytest.raises(ValueError, match="cp_size"):
+        cm.step_time_s([10], 0, "none")

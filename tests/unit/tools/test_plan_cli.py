@@ -1,0 +1,124 @@
+"""CLIs: ``python -m tools.plan`` round trip and a quick ``python -m tools.simulate`` run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dcp.costmodel import load_cost_model, load_preset
+from dcp.plan import Plan
+from dcp.planning import simulate
+from tools import plan as plan_cli
+from tools import simulate as simulate_cli
+
+LENGTHS = [1000, 20000, 300, 131072, 5000, 700, 64000]
+
+
+@pytest.fixture()
+def lengths_file(tmp_path):
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(LENGTHS))
+    return path
+
+
+@pytest.mark.parametrize("planner", ["dcp", "static"])
+@pytest.mark.parametrize("spec_kind", ["preset", "file"])
+def test_plan_cli_round_trip(tmp_path, lengths_file, planner, spec_kind):
+    preset = "h200x8+llama3-8b"
+    spec = preset
+    if spec_kind == "file":
+        spec = tmp_path / "spec.json"
+        spec.write_text(json.dumps(load_preset(preset)))
+    out = tmp_path / "sub" / "plan.json"
+    rc = plan_cli.main(
+        [
+            "--lengths",
+            str(lengths_file),
+            "--spec",
+            str(spec),
+            "--planner",
+            planner,
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    data = json.loads(out.read_text())
+    expected_keys = {"planner", "predicted_step_time_s", "steps"}
+    assert expected_keys <= set(data) <= expected_keys | {"meta"}
+    if planner == "dcp":
+        assert set(data) == expected_keys  # no meta when there is nothing to report
+    for step in data["steps"]:
+        assert set(step) == {"ranks", "seq_ids", "recompute"}
+    plan = Plan.from_dict(data)
+    assert plan.planner == planner
+    cm = load_cost_model(preset)
+    plan.validate(num_sequences=len(LENGTHS), num_ranks=cm.num_ranks)
+    cm.check_plan_memory(plan, LENGTHS)
+    assert plan.predicted_step_time_s == pytest.approx(simulate(plan, LENGTHS, cm).makespan_s)
+
+
+def test_plan_cli_stdout_and_options(lengths_file, capsys):
+    rc = plan_cli.main(
+        ["--lengths", str(lengths_file), "--spec", "cpu-tiny", "--option", "max_cp_size=1"]
+    )
+    captured = capsys.readouterr()
+    assert rc == 0
+    plan = Plan.from_json(captured.out)
+    assert {s.cp_size for s in plan.steps} == {1}
+    assert "predicted" in captured.err and "lower bound" in captured.err
+
+
+def test_plan_cli_drop_policy(tmp_path, capsys):
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps([100, 10**9, 200]))
+    assert plan_cli.main(["--lengths", str(path), "--spec", "cpu-tiny"]) == 2
+    assert "sequence 1 (length 1000000000) fits no plan" in capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    args = ["--lengths", str(path), "--spec", "cpu-tiny", "--out", str(out)]
+    assert plan_cli.main([*args, "--option", "on_oversize=drop"]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"] == {"dropped": [1], "num_dropped": 1}
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "message"),
+    [
+        ("[1, 2.5]", [], "JSON list of integers"),
+        ("{not json", [], "cannot read lengths"),
+        ("[]", [], "empty batch"),
+        ("[1, -2]", [], "non-positive length"),
+        ("[10, 20]", ["--option", "colour=red"], "colour"),
+        ("[10, 20]", ["--option", "nokey"], "key=value"),
+    ],
+)
+def test_plan_cli_reports_bad_input(tmp_path, capsys, content, extra, message):
+    path = tmp_path / "lengths.json"
+    path.write_text(content)
+    assert plan_cli.main(["--lengths", str(path), "--spec", "cpu-tiny", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_cli_unknown_spec(lengths_file, capsys):
+    assert plan_cli.main(["--lengths", str(lengths_file), "--spec", "no-such-cluster"]) == 2
+    assert "unknown preset" in capsys.readouterr().err
+
+
+def test_simulate_cli_quick(tmp_path, capsys):
+    out_dir = tmp_path / "sim"
+    rc = simulate_cli.main(["--quick", "--workloads", "lognormal,sft", "--out-dir", str(out_dir)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "SIMULATED" in captured.out and "GEOMEAN" in captured.out
+    assert "[1/4]" in captured.err  # progress
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["simulated"] is True
+    assert [c["preset"] for c in results["clusters"]] == ["h200x8", "h200x32"]
+    for cluster in results["clusters"]:
+        for row in cluster["rows"]:
+            assert {"dcp", "static", "static-oracle", "megatron"} <= set(row)
+            assert row["dcp_over_lower_bound"] >= 1.0 - 1e-9
+    assert results["plan_time"][0]["num_sequences"] == 512
+    assert (out_dir / "speedups.png").stat().st_size > 1000
+    assert (out_dir / "table.txt").read_text().startswith("SIMULATED")

@@ -1,0 +1,86 @@
+"""Config plumbing: YAML + key.sub=value overrides, unknown keys and bad values name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dcp.config import apply_overrides, from_dict, load_config, to_dict
+from dcp.model import ModelConfig
+from dcp.optim import OptimConfig, lr_at
+from dcp.train.config import PretrainConfig
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_tiny_cpu_yaml_loads_and_round_trips():
+    cfg = load_config(PretrainConfig, REPO / "pretrain/configs/tiny_cpu.yaml")
+    assert cfg.name == "demo" and cfg.dcp.planner == "dcp"
+    assert cfg.data.indexed.prefixes == ("data/stdlib",)
+    assert from_dict(PretrainConfig, to_dict(cfg)) == cfg
+
+
+def test_overrides_beat_yaml_and_parse_values():
+    cfg = load_config(
+        PretrainConfig,
+        REPO / "pretrain/configs/tiny_cpu.yaml",
+        ["train.steps=7", "dcp.planner=static", "optim.lr=1e-3", "metrics.wandb_tags=[a, b]"],
+    )
+    assert cfg.train.steps == 7 and cfg.dcp.planner == "static"
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert cfg.metrics.wandb_tags == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("model.hiden_size=64", r"unknown config key model\.hiden_size"),
+        ("trian.steps=3", r"unknown config key trian"),
+        ("train.steps=0", r"train\.steps must be >= 1"),
+        ("model.num_query_groups=3", r"num_query_groups"),
+        ("dcp.planner=fast", r"dcp\.planner must be one of .*got 'fast'"),
+        ("dcp.on_oversize=raise", r"dcp\.on_oversize must be one of \('error', 'drop'\)"),
+        ("dcp.static_recompute=some", r"dcp\.static_recompute must be one of"),
+        ("optim.lr=abc", r"optim\.lr: expected a number"),
+        ("metrics.wandb_mode=sometimes", r"metrics\.wandb_mode must be one of"),
+        ("train.steps", r"must look like key\.sub=value"),
+    ],
+)
+def test_bad_config_names_the_key(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(PretrainConfig, REPO / "pretrain/configs/tiny_cpu.yaml", [override])
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(PretrainConfig, tmp_path / "nope.yaml")
+
+
+def test_apply_overrides_does_not_mutate_input():
+    data = {"a": {"b": 1}}
+    out = apply_overrides(data, ["a.c=2"])
+    assert data == {"a": {"b": 1}} and out == {"a": {"b": 1, "c": 2}}
+
+
+def test_model_config_validation_and_param_count():
+    with pytest.raises(ValueError, match="divisible by num_attention_heads"):
+        ModelConfig(hidden_size=130, num_attention_heads=4)
+    cfg = ModelConfig()
+    h, f, v, kv = 128, 352, 257, 2 * 32
+    expected = 4 * (h * (h + 2 * kv) + h * h + 3 * h * f + 2 * h) + 2 * v * h + h
+    assert cfg.num_params() == expected
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14)
+    assert [lr_at(s, cfg) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lr_at(9, cfg) == pytest.approx(0.55)
+    assert lr_at(14, cfg) == pytest.approx(0.1) and lr_at(100, cfg) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="min_lr"):
+        OptimConfig(lr=1.0, min_lr=2.0)
+
+
+def test_h200_recipe_is_a_valid_config():
+    cfg = load_config(PretrainConfig, REPO / "pretrain/configs/llama3_8b_h200.yaml")
+    assert cfg.model.dtype == "bf16" and cfg.dcp.spec == "h200x8+llama3-8b"
