@@ -67,38 +67,22 @@ class CostModel:
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         c = self.coefficients
+
         # Per-level rates: the hot paths index these tuples instead of looking up dicts.
-        object.__setattr__(
-            self,
-            "_linear_rate",
-            tuple(
-                c.linear_s_per_token * (1.0 + c.recompute_linear_frac[lv])
-                for lv in RECOMPUTE_LEVELS
-            ),
-        )
-        object.__setattr__(
-            self,
-            "_attention_rate",
-            tuple(
-                c.attention_s_per_token2 * (1.0 + c.recompute_attention_frac[lv])
-                for lv in RECOMPUTE_LEVELS
-            ),
-        )
-        object.__setattr__(
-            self,
-            "_comm_rate",
-            tuple(
-                c.cp_bytes_per_token * (1.0 + c.recompute_comm_frac[lv]) for lv in RECOMPUTE_LEVELS
-            ),
-        )
-        object.__setattr__(
-            self,
-            "_mem_per_token",
-            tuple(
+        def per_level(base: float, extra: dict[str, float]) -> tuple[float, ...]:
+            return tuple(base * (1.0 + extra[lv]) for lv in RECOMPUTE_LEVELS)
+
+        rates = {
+            "_linear_rate": per_level(c.linear_s_per_token, c.recompute_linear_frac),
+            "_attention_rate": per_level(c.attention_s_per_token2, c.recompute_attention_frac),
+            "_comm_rate": per_level(c.cp_bytes_per_token, c.recompute_comm_frac),
+            "_mem_per_token": tuple(
                 c.activation_bytes_per_token[lv] + c.logits_bytes_per_token
                 for lv in RECOMPUTE_LEVELS
             ),
-        )
+        }
+        for name, value in rates.items():
+            object.__setattr__(self, name, value)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
