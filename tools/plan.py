@@ -9,6 +9,10 @@ passes planner options (e.g. ``on_oversize=drop``, ``max_cp_size=8``, ``recomput
 values are parsed as JSON when they can be. Writes ``{"planner", "predicted_step_time_s",
 "steps"}`` (plus ``meta`` when the planner reports any) to ``--out`` or stdout; a summary goes to
 stderr.
+
+``--measurements FILE``: micro-step records of a run (``runs/<name>/microsteps.jsonl``, see
+``dcp.costmodel.records``); the cost model is refitted on them with ``--spec`` as the prior
+(``dcp.costmodel.online``) before planning.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import time
 from pathlib import Path
 
 from dcp.costmodel import available_presets, load_cost_model
+from dcp.costmodel.online import fit_records
+from dcp.costmodel.records import read_records
 from dcp.plan import PLANNERS
 from dcp.planning import lower_bound_s, plan_batch
 
@@ -58,10 +64,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--planner", default="dcp", choices=PLANNERS)
     parser.add_argument("--out", default=None, help="output path (default: stdout)")
     parser.add_argument("--option", action="append", default=[], help="planner option key=value")
+    parser.add_argument(
+        "--measurements", default=None, help="micro-step records (JSONL) to refit the spec on"
+    )
     args = parser.parse_args(argv)
     try:
         lengths = read_lengths(args.lengths)
         cost_model = load_cost_model(args.spec)
+        if args.measurements:
+            fit = fit_records(read_records(args.measurements), prior=args.spec)
+            cost_model = fit.cost_model
+            print(
+                f"refitted {args.spec} on {fit.num_used} of {fit.num_records} micro-step records "
+                f"({len(fit.rejected)} rejected as outliers): rms error {fit.rms_rel_error:.1%} "
+                f"(prior {fit.prior_rms_rel_error:.1%})",
+                file=sys.stderr,
+            )
         options = parse_options(args.option)
         start = time.perf_counter()
         plan = plan_batch(lengths, cost_model=cost_model, planner=args.planner, **options)

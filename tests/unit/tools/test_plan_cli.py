@@ -7,7 +7,9 @@ import json
 import pytest
 
 from dcp.costmodel import load_cost_model, load_preset
-from dcp.plan import Plan
+from dcp.costmodel.online import fit_records
+from dcp.costmodel.records import MicroStepRecord, append_records, read_records
+from dcp.plan import RECOMPUTE_LEVELS, Plan
 from dcp.planning import simulate
 from tools import plan as plan_cli
 from tools import simulate as simulate_cli
@@ -103,6 +105,44 @@ def test_plan_cli_reports_bad_input(tmp_path, capsys, content, extra, message):
 def test_plan_cli_unknown_spec(lengths_file, capsys):
     assert plan_cli.main(["--lengths", str(lengths_file), "--spec", "no-such-cluster"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+def test_plan_cli_refits_on_measurements(tmp_path, capsys):
+    truth = load_cost_model("cpu-tiny")
+    records = [
+        MicroStepRecord(
+            step=i,
+            ranks=tuple(range(cp)),
+            seq_lens=tuple(shape),
+            recompute=lv,
+            time_s=truth.step_time_s(shape, cp, lv),
+        )
+        for i, (shape, cp, lv) in enumerate(
+            (s, cp, lv)
+            for s in ([128], [1024], [4096], [64] * 16, [300, 2000])
+            for cp in (1, 2)
+            for lv in RECOMPUTE_LEVELS
+        )
+    ]
+    measurements = tmp_path / "run" / "microsteps.jsonl"
+    append_records(measurements, records)
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([100, 3000, 700, 9000, 50, 2500]))
+    out = tmp_path / "plan.json"
+    prior = "cpu-tiny-uncalibrated+cpu-wrong"
+    args = ["--lengths", str(lengths), "--spec", prior, "--out", str(out)]
+    assert plan_cli.main([*args, "--measurements", str(measurements)]) == 0
+    err = capsys.readouterr().err
+    assert "on 30 of 30 micro-step records" in err and "rms error" in err
+    plan = Plan.from_json(out.read_text())
+    fitted = fit_records(read_records(measurements), prior=prior).cost_model
+    lens = json.loads(lengths.read_text())
+    assert plan.predicted_step_time_s == pytest.approx(simulate(plan, lens, fitted).makespan_s)
+    assert plan.predicted_step_time_s == pytest.approx(simulate(plan, lens, truth).makespan_s, 0.1)
+    with measurements.open("a") as handle:
+        handle.write('{"step": 1}\n')
+    assert plan_cli.main([*args, "--measurements", str(measurements)]) == 2
+    assert "microsteps.jsonl line 31" in capsys.readouterr().err
 
 
 def test_simulate_cli_quick(tmp_path, capsys):

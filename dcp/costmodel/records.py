@@ -1,0 +1,142 @@
+"""Measured micro-steps of a training run: the record the trainer appends, one JSON line each.
+
+``runs/<name>/microsteps.jsonl`` holds one object per executed micro-step. The record is a stable
+contract (extended only compatibly; readers ignore keys they do not know)::
+
+    {"step": int,             # global step (optimizer step) the micro-step belonged to
+     "ranks": [int],          # its CP group: global ranks of the DP×CP domain, ascending
+     "seq_lens": [int],       # training lengths of the sequences packed in it
+     "recompute": str,        # one of dcp.plan.RECOMPUTE_LEVELS
+     "time_s": float,         # forward + backward wall seconds (slowest rank of the group)
+     "mem_bytes": int | null} # peak bytes on its ranks; optional (absent or null: not measured)
+
+``dcp.costmodel.online`` refits a cost model from these records. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcp.plan import RECOMPUTE_LEVELS, check_choice
+
+_REQUIRED = ("step", "ranks", "seq_lens", "recompute", "time_s")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroStepRecord:
+    """One executed micro-step, as measured by the trainer."""
+
+    step: int
+    """Global (optimizer) step the micro-step belonged to, >= 0."""
+    ranks: tuple[int, ...]
+    """The CP group: distinct non-negative global ranks, ascending."""
+    seq_lens: tuple[int, ...]
+    """Training lengths (tokens) of the sequences packed together, each >= 1."""
+    recompute: str
+    """Recompute level (``dcp.plan.RECOMPUTE_LEVELS``)."""
+    time_s: float
+    """Forward + backward wall seconds on the slowest rank of the group, > 0 and finite."""
+    mem_bytes: int | None = None
+    """Peak bytes on the group's ranks; ``None`` when not measured."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.step) or self.step < 0:
+            raise ValueError(f"step must be an int >= 0, got {self.step!r}")
+        ranks = tuple(self.ranks)
+        if not ranks or not all(_is_int(r) and r >= 0 for r in ranks):
+            raise ValueError(f"ranks must be a non-empty list of ints >= 0, got {list(ranks)}")
+        if any(a >= b for a, b in zip(ranks, ranks[1:], strict=False)):
+            raise ValueError(f"ranks must be distinct and ascending, got {list(ranks)}")
+        lens = tuple(self.seq_lens)
+        if not lens or not all(_is_int(x) and x >= 1 for x in lens):
+            raise ValueError(f"seq_lens must be a non-empty list of ints >= 1, got {list(lens)}")
+        check_choice(self.recompute, RECOMPUTE_LEVELS, "recompute")
+        time_s = self.time_s
+        if _is_int(time_s):
+            time_s = float(time_s)
+        if not isinstance(time_s, float) or not math.isfinite(time_s) or time_s <= 0:
+            raise ValueError(f"time_s must be a finite number > 0, got {self.time_s!r}")
+        if self.mem_bytes is not None and (not _is_int(self.mem_bytes) or self.mem_bytes < 0):
+            raise ValueError(f"mem_bytes must be null or an int >= 0, got {self.mem_bytes!r}")
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "seq_lens", lens)
+        object.__setattr__(self, "time_s", time_s)
+
+    @property
+    def cp_size(self) -> int:
+        """Size of the CP group the micro-step ran on."""
+        return len(self.ranks)
+
+    def to_dict(self) -> dict:
+        """The JSON object of the contract (``mem_bytes`` is always present, null if unknown)."""
+        return {
+            "step": self.step,
+            "ranks": list(self.ranks),
+            "seq_lens": list(self.seq_lens),
+            "recompute": self.recompute,
+            "time_s": self.time_s,
+            "mem_bytes": self.mem_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> MicroStepRecord:
+        """Parse one contract object; unknown keys are ignored (the contract only grows).
+        Raises ``ValueError`` naming the missing or invalid field."""
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"a micro-step record must be a JSON object, got {type(data).__name__}"
+            )
+        missing = [key for key in _REQUIRED if key not in data]
+        if missing:
+            raise ValueError(f"micro-step record is missing {missing}")
+        for key in ("ranks", "seq_lens"):
+            if not isinstance(data[key], list):
+                raise ValueError(f"{key} must be a list of ints, got {data[key]!r}")
+        return cls(
+            step=data["step"],
+            ranks=tuple(data["ranks"]),
+            seq_lens=tuple(data["seq_lens"]),
+            recompute=data["recompute"],
+            time_s=data["time_s"],
+            mem_bytes=data.get("mem_bytes"),
+        )
+
+
+def read_records(path: str | Path) -> list[MicroStepRecord]:
+    """All records of a JSONL file, in file order; blank lines are skipped. Raises
+    ``ValueError`` naming the file and the 1-based line of the first malformed record."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read micro-step records from {path}: {exc}") from exc
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(MicroStepRecord.from_dict(json.loads(line)))
+        except (json.JSONDecodeError, ValueError, TypeError) as exc:
+            raise ValueError(f"{path} line {number}: {exc}") from exc
+    return records
+
+
+def append_records(path: str | Path, records: Iterable[MicroStepRecord]) -> None:
+    """Append ``records`` as JSON lines: one write and one flush per call, so a call's lines land
+    together rather than line by line (parent directories are created)."""
+    text = "".join(json.dumps(r.to_dict(), separators=(",", ":")) + "\n" for r in records)
+    if not text:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(text)
+        handle.flush()

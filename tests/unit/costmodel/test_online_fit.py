@@ -1,0 +1,316 @@
+"""Online refit from a run's micro-step records: the record contract, recovery of known
+coefficients, noise and outliers, the prior kept where records say nothing, determinism, memory
+that only ever grows, and plans that get close to optimal under the true costs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from dcp.costmodel import CostModel, load_cost_model, load_preset
+from dcp.costmodel.online import fit_records
+from dcp.costmodel.records import MicroStepRecord, append_records, read_records
+from dcp.plan import RECOMPUTE_LEVELS
+from dcp.planning import lower_bound_s, plan_dcp, simulate
+
+PRIOR = "cpu-tiny-uncalibrated+cpu-wrong"
+SHAPES = [[64], [256], [1024], [4096], [8192], [32] * 16, [128] * 8, [512] * 4, [100, 700, 3000]]
+# The fitted time coefficients; from index 5 on, the ones CP=1 'none' records cannot see.
+TIME_KEYS = (
+    "step_overhead_s sequence_overhead_s linear_s_per_token logits_s_per_token "
+    "attention_s_per_token2 recompute_linear_frac recompute_attention_frac recompute_comm_frac "
+    "intra_node_bytes_per_s inter_node_bytes_per_s cp_hop_latency_s comm_overlap"
+).split()
+
+
+def _truth() -> CostModel:
+    """cpu-tiny with a calibration the refit can represent exactly (the prior's half-token
+    terms and logits/linear ratio, no overlap)."""
+    spec = load_preset("cpu-tiny-uncalibrated")
+    analytic = CostModel.from_spec(spec).coefficients
+    kappa = analytic.logits_s_per_token / analytic.linear_s_per_token
+    spec["calibration"] = {
+        "step_overhead_s": 0.01,
+        "sequence_overhead_s": 0.002,
+        "linear_s_per_token": 1.2e-4,
+        "logits_s_per_token": kappa * 1.2e-4,
+        "attention_s_per_token2": 2e-7,
+        "recompute_linear_frac": {"none": 0.0, "selective": 0.25, "full": 0.4},
+        "recompute_attention_frac": {"none": 0.0, "selective": 0.3, "full": 0.35},
+        "recompute_comm_frac": {"none": 0.0, "selective": 0.2, "full": 0.5},
+        "intra_node_bytes_per_s": 4e8,
+        "inter_node_bytes_per_s": 4e8,
+        "cp_hop_latency_s": 0.004,
+        "comm_overlap": 0.0,
+    }
+    return CostModel.from_spec(spec)
+
+
+def _records(truth: CostModel, *, noise: float = 0.0, seed: int = 0, cps=(1, 2), levels=None):
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape in SHAPES:
+        for cp in cps:
+            for level in levels or RECOMPUTE_LEVELS:
+                time_s = truth.step_time_s(shape, cp, level) * (1 + noise * rng.standard_normal())
+                out.append(
+                    MicroStepRecord(
+                        step=len(out),
+                        ranks=tuple(range(cp)),
+                        seq_lens=tuple(shape),
+                        recompute=level,
+                        time_s=time_s,
+                    )
+                )
+    return out
+
+
+def _rel_errors(model: CostModel, truth: CostModel, records) -> np.ndarray:
+    return np.array(
+        [
+            model.step_time_s(r.seq_lens, r.cp_size, r.recompute)
+            / truth.step_time_s(r.seq_lens, r.cp_size, r.recompute)
+            - 1.0
+            for r in records
+        ]
+    )
+
+
+def _assert_coefficients(got: CostModel, want: CostModel, rel: float) -> None:
+    for key in TIME_KEYS:
+        a, b = getattr(got.coefficients, key), getattr(want.coefficients, key)
+        assert a == pytest.approx(b, rel=rel, abs=1e-12), key
+
+
+# -- the record ----------------------------------------------------------------------------------
+def test_record_round_trip_and_files(tmp_path):
+    record = MicroStepRecord(
+        step=3, ranks=(0, 1), seq_lens=(100, 7), recompute="full", time_s=0.5, mem_bytes=10
+    )
+    assert record.cp_size == 2
+    assert MicroStepRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    bare = {"step": 0, "ranks": [1], "seq_lens": [5], "recompute": "none", "time_s": 1}
+    assert MicroStepRecord.from_dict({**bare, "future_key": 1}).mem_bytes is None
+    assert MicroStepRecord.from_dict({**bare, "mem_bytes": None}).time_s == 1.0
+    path = tmp_path / "run" / "microsteps.jsonl"
+    append_records(path, [record])
+    append_records(path, [])
+    with path.open("a") as handle:
+        handle.write("\n   \n")
+    append_records(path, [record, MicroStepRecord.from_dict(bare)])
+    assert read_records(path) == [record, record, MicroStepRecord.from_dict(bare)]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"step": -1}, "step"),
+        ({"ranks": []}, "ranks"),
+        ({"ranks": [1, 0]}, "ascending"),
+        ({"ranks": [0, 0]}, "distinct"),
+        ({"ranks": [-1]}, "ranks"),
+        ({"seq_lens": [0]}, "seq_lens"),
+        ({"seq_lens": [1.5]}, "seq_lens"),
+        ({"recompute": "some"}, "recompute"),
+        ({"time_s": 0.0}, "time_s"),
+        ({"time_s": float("inf")}, "time_s"),
+        ({"time_s": "1"}, "time_s"),
+        ({"mem_bytes": -1}, "mem_bytes"),
+        ({"ranks": "0"}, "ranks"),
+    ],
+)
+def test_record_validation(change, message):
+    data = {"step": 0, "ranks": [0], "seq_lens": [5], "recompute": "none", "time_s": 1.0}
+    with pytest.raises(ValueError, match=message):
+        MicroStepRecord.from_dict({**data, **change})
+
+
+def test_read_records_names_file_and_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    good = MicroStepRecord(step=0, ranks=(0,), seq_lens=(5,), recompute="none", time_s=1.0)
+    append_records(path, [good])
+    with path.open("a") as handle:
+        handle.write("\n" + json.dumps({**good.to_dict(), "time_s": -1}) + "\n")
+    with pytest.raises(ValueError, match=r"m\.jsonl line 3: time_s"):
+        read_records(path)
+    path.write_text("{not json\n")
+    with pytest.raises(ValueError, match="line 1"):
+        read_records(path)
+    path.write_text(json.dumps({"step": 0}) + "\n")
+    with pytest.raises(ValueError, match=r"line 1: .*missing"):
+        read_records(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        read_records(tmp_path / "absent.jsonl")
+
+
+# -- the time fit --------------------------------------------------------------------------------
+def test_recovers_known_coefficients_from_exact_records():
+    truth = _truth()
+    records = _records(truth)
+    fit = fit_records(records, prior=PRIOR)
+    assert fit.num_used == len(records) and not fit.rejected
+    assert fit.rms_rel_error < 1e-3 < 0.1 < fit.prior_rms_rel_error
+    # The pull toward the prior biases weakly measured terms (the comm recompute extras) by
+    # under 1%; without it the recovery is exact.
+    _assert_coefficients(fit.cost_model, truth, rel=1e-2)
+    exact = fit_records(records, prior=PRIOR, prior_weight=0.0)
+    _assert_coefficients(exact.cost_model, truth, rel=1e-9)
+    assert load_cost_model(exact.spec).coefficients == exact.cost_model.coefficients
+
+
+def test_bounded_error_with_noise():
+    truth = _truth()
+    records = _records(truth, noise=0.05, seed=1)
+    fit = fit_records(records, prior=PRIOR)
+    errors = np.abs(_rel_errors(fit.cost_model, truth, records))
+    assert np.median(errors) < 0.03 and errors.max() < 0.15
+    assert 0.02 < fit.rms_rel_error < 0.08
+
+
+def test_outliers_are_rejected():
+    truth = _truth()
+    records = _records(truth)
+    slow = set(range(3, len(records), 9))  # stalled steps, 10x slower than the truth
+    stalled = [
+        MicroStepRecord(**{**r.to_dict(), "time_s": r.time_s * (10.0 if i in slow else 1.0)})
+        for i, r in enumerate(records)
+    ]
+    fit = fit_records(stalled, prior=PRIOR)
+    assert {r.step for r in fit.rejected} == slow
+    assert np.abs(_rel_errors(fit.cost_model, truth, records)).max() < 0.02
+    naive = fit_records(stalled, prior=PRIOR, max_rounds=0)
+    assert np.abs(_rel_errors(naive.cost_model, truth, records)).max() > 0.05
+
+
+def test_prior_kept_where_records_say_nothing():
+    truth = _truth()
+    analytic = "cpu-tiny-uncalibrated"  # nonzero recompute fractions, unlike PRIOR
+    prior = load_cost_model(analytic)
+    fit = fit_records(_records(truth, cps=(1,), levels=("none",)), prior=analytic)
+    got, want = fit.cost_model.coefficients, prior.coefficients
+    assert "comm" not in fit.constrained and "linear_sel" not in fit.constrained
+    for key in TIME_KEYS[5:]:
+        assert getattr(got, key) == getattr(want, key), key
+    assert got.linear_s_per_token == pytest.approx(truth.coefficients.linear_s_per_token, 1e-2)
+    # Selective seen, full not: full keeps the prior's extra over selective.
+    partial = fit_records(_records(truth, levels=("none", "selective")), prior=analytic)
+    frac = partial.cost_model.coefficients.recompute_linear_frac
+    prior_frac = want.recompute_linear_frac
+    assert frac["selective"] == pytest.approx(0.25, rel=1e-2)
+    assert frac["full"] - frac["selective"] == pytest.approx(
+        prior_frac["full"] - prior_frac["selective"], rel=1e-9
+    )
+
+
+def test_fit_is_deterministic_and_order_free():
+    records = _records(_truth(), noise=0.05, seed=2)
+    first = fit_records(records, prior=PRIOR)
+    shuffled = list(records)
+    random.Random(0).shuffle(shuffled)
+    for again in (fit_records(records, prior=PRIOR), fit_records(shuffled, prior=PRIOR)):
+        assert again.spec == first.spec
+        assert again.cost_model.coefficients == first.cost_model.coefficients
+
+
+def test_too_few_records_and_foreign_ranks():
+    records = _records(_truth())
+    with pytest.raises(ValueError, match="at least 8 micro-step records.*got 5"):
+        fit_records(records[:5], prior=PRIOR)
+    foreign = MicroStepRecord(step=0, ranks=(2, 3), seq_lens=(9,), recompute="none", time_s=1.0)
+    with pytest.raises(ValueError, match="rank 3.*2 ranks"):
+        fit_records([*records, foreign], prior=PRIOR)
+
+
+# -- memory --------------------------------------------------------------------------------------
+def test_memory_is_never_lowered():
+    prior = load_cost_model(PRIOR)
+    truth = _truth()
+    base = _records(truth)
+
+    def with_memory(bytes_of):
+        out = []
+        for r in base:
+            tokens = sum(r.seq_lens) / r.cp_size
+            mem = int(bytes_of(r.recompute, tokens))
+            out.append(MicroStepRecord(**{**r.to_dict(), "mem_bytes": mem}))
+        return out
+
+    # Lighter than the prior everywhere: nothing moves.
+    light = fit_records(
+        with_memory(lambda lv, t: 0.5 * prior.step_mem_bytes([t], 1, lv)), prior=PRIOR
+    )
+    assert light.memory_raised == ()
+    assert light.cost_model.coefficients.static_mem_bytes == prior.static_mem_bytes
+    assert light.cost_model.coefficients.activation_bytes_per_token == (
+        prior.coefficients.activation_bytes_per_token
+    )
+
+    # 'full' steeper than the prior, plus 50 MB nobody predicted: raised where measured, and
+    # selective/none follow so that no level holds less than a lighter recompute.
+    def heavy(lv, t):
+        per_token = prior.mem_bytes_per_token(lv) * (2.0 if lv == "full" else 0.9)
+        return prior.static_mem_bytes + 5e7 + per_token * t
+
+    records = with_memory(heavy)
+    fit = fit_records(records, prior=PRIOR)
+    cm = fit.cost_model
+    assert "static_mem_bytes" in fit.memory_raised
+    assert cm.mem_bytes_per_token("full") == pytest.approx(2 * prior.mem_bytes_per_token("full"))
+    for lv in RECOMPUTE_LEVELS:
+        assert cm.mem_bytes_per_token(lv) >= prior.mem_bytes_per_token(lv)
+    assert cm.static_mem_bytes >= prior.static_mem_bytes + 5e7 - 1
+    for r in records:
+        assert cm.step_mem_bytes(r.seq_lens, r.cp_size, r.recompute) >= r.mem_bytes - 1e-6
+
+
+# -- the product: plans under the true costs -----------------------------------------------------
+def test_refit_plans_near_optimal_under_the_true_costs():
+    spec = load_preset("h200x8+llama3-8b")
+    prior = CostModel.from_spec(spec)
+    c = prior.coefficients
+    truth = CostModel.from_spec(
+        {
+            **spec,
+            "calibration": {
+                "attention_s_per_token2": 3 * c.attention_s_per_token2,
+                "intra_node_bytes_per_s": c.intra_node_bytes_per_s / 5,
+                "inter_node_bytes_per_s": c.inter_node_bytes_per_s / 5,
+                "cp_hop_latency_s": 5 * c.cp_hop_latency_s,
+                "comm_overlap": 0.0,
+                "recompute_linear_frac": {"none": 0.0, "selective": 0.6, "full": 0.9},
+                "recompute_attention_frac": {"none": 0.0, "selective": 0.8, "full": 1.0},
+                "recompute_comm_frac": {"none": 0.0, "selective": 0.3, "full": 1.0},
+            },
+        }
+    )
+    shapes = [[n] for n in (512, 2048, 8192, 32768, 65536, 131072)]
+    shapes += [[1024] * 8, [4096] * 4, [300, 5000, 20000], [16384, 16384]]
+    records = [
+        MicroStepRecord(
+            step=i,
+            ranks=tuple(range(cp)),
+            seq_lens=tuple(shape),
+            recompute=lv,
+            time_s=truth.step_time_s(shape, cp, lv),
+        )
+        for i, (shape, cp, lv) in enumerate(
+            (s, cp, lv) for s in shapes for cp in (1, 2, 4, 8) for lv in RECOMPUTE_LEVELS
+        )
+        if truth.fits(shape, cp, lv)
+    ]
+    fitted = fit_records(records, prior=spec).cost_model
+    rng = np.random.default_rng(0)
+    fitted_ratio, prior_ratio = [], []
+    for _ in range(3):
+        lengths = [int(x) for x in np.minimum(rng.lognormal(8.5, 1.5, 64), 131071) + 1]
+        lengths += [131072, 65536, 40000]
+        bound = lower_bound_s(lengths, truth)
+        for model, ratios in ((fitted, fitted_ratio), (prior, prior_ratio)):
+            plan = plan_dcp(lengths, cost_model=model)
+            ratios.append(simulate(plan, lengths, truth).makespan_s / bound)
+    report = f"fitted/bound {np.round(fitted_ratio, 4)}, prior/bound {np.round(prior_ratio, 4)}"
+    assert max(fitted_ratio) <= 1.05, report
+    assert min(np.array(prior_ratio) - np.array(fitted_ratio)) > 0.05, report
