@@ -17,8 +17,9 @@ logger = logging.getLogger(__name__)
 def build_document_dataset(config, *, vocab_size: int | None = None) -> DocumentDataset:
     """The dataset a config describes (``SyntheticDataConfig`` or ``IndexedDataConfig``).
 
-    With ``vocab_size`` (the model's), a dataset whose vocabulary is larger is refused. Every
-    document must have at least 2 tokens (one next-token prediction).
+    With ``vocab_size`` (the model's), a dataset whose vocabulary is larger, or whose files hold a
+    token id outside it, is refused naming the file and document. Every document must have at
+    least 2 tokens (one next-token prediction).
     """
     if isinstance(config, SyntheticDataConfig):
         dataset = SyntheticDocumentDataset(config)
@@ -32,6 +33,9 @@ def build_document_dataset(config, *, vocab_size: int | None = None) -> Document
             f"model.vocab_size={vocab_size} is smaller than the dataset's vocabulary "
             f"({data_vocab}); set model.vocab_size >= {data_vocab}"
         )
+    if vocab_size is not None and hasattr(dataset, "check_token_ids"):
+        # The corpus's own metadata may be missing or wrong: check the ids themselves.
+        dataset.check_token_ids(vocab_size)
     lengths = np.asarray(dataset.doc_lengths)
     if lengths.size == 0:
         raise ValueError("the dataset holds no documents")

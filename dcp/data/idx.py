@@ -107,3 +107,22 @@ def check_prefix(prefix: str) -> IndexInfo:
         num_tokens=num_tokens,
         multimodal=idx_size != expected,
     )
+
+
+def first_token_out_of_range(info: IndexInfo, vocab_size: int) -> tuple[int, int] | None:
+    """(document index, token id) of the first document holding an id >= ``vocab_size``, or
+    None. Reads the whole ``.bin`` once, memory-mapped (a scan, not a load)."""
+    tokens = np.memmap(info.bin_path, dtype=info.dtype, mode="r")
+    if tokens.size == 0 or int(tokens.max()) < vocab_size:
+        return None
+    with open(info.idx_path, "rb") as f:
+        n_seq, n_doc = struct.unpack("<QQ", f.read(_IDX_HEADER_BYTES)[18:34])
+    seq_lens = np.fromfile(info.idx_path, dtype=np.int32, count=n_seq, offset=_IDX_HEADER_BYTES)
+    doc_index = np.fromfile(
+        info.idx_path, np.int64, count=n_doc, offset=_IDX_HEADER_BYTES + 12 * n_seq
+    )
+    seq_starts = np.concatenate([[0], np.cumsum(seq_lens, dtype=np.int64)])
+    first_bad = int(np.flatnonzero(tokens >= vocab_size)[0])
+    doc_starts = seq_starts[doc_index[:-1]]
+    doc = int(np.searchsorted(doc_starts, first_bad, side="right") - 1)
+    return doc, int(tokens[first_bad])

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcp.data.base import check_token_slice
-from dcp.data.idx import IndexInfo, check_prefix
+from dcp.data.idx import IndexInfo, check_prefix, first_token_out_of_range
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,19 @@ class IndexedDocumentDataset:
                 int(self._lengths[self._src == k].sum()) for k in range(len(self._sources))
             ],
         )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the file and document of the first token id outside
+        ``[0, vocab_size)`` (a corpus tokenized for a bigger vocabulary than the model's)."""
+        for src in self._sources:
+            found = first_token_out_of_range(src.info, vocab_size)
+            if found is not None:
+                doc, token = found
+                raise ValueError(
+                    f"{src.info.bin_path}: document {doc} holds token id {token}, outside the "
+                    f"model's vocabulary [0, {vocab_size}); set model.vocab_size > {token} or "
+                    "re-tokenize the corpus"
+                )
 
     def _check_tokenizers(self) -> None:
         names = {s.meta.get("tokenizer") for s in self._sources if s.meta}

@@ -230,7 +230,9 @@ class MetricsLogger:
     ``start_step`` is the number of steps already completed (0 for a fresh run, the checkpoint's
     step on resume). A fresh run truncates ``metrics.jsonl``; a resumed one keeps the records up
     to ``start_step`` and drops later ones, which the crashed run logged after its last
-    checkpoint and which this run will produce again. W&B starts a new run in the same group.
+    checkpoint and which this run will produce again. With ``wandb_id`` (the id a checkpoint
+    recorded, ``wandb_id`` property of the earlier logger) the W&B run of the earlier attempt
+    continues instead of a new one starting.
     """
 
     def __init__(
@@ -242,6 +244,7 @@ class MetricsLogger:
         total_steps: int,
         run_config: Mapping[str, Any],
         start_step: int = 0,
+        wandb_id: str | None = None,
     ) -> None:
         if total_steps < 0 or start_step < 0:
             raise ValueError(
@@ -261,7 +264,7 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._open_jsonl(start_step)
         if config.wandb_mode != "disabled":
-            self._wandb_run = self._init_wandb(run_config)
+            self._wandb_run = self._init_wandb(run_config, wandb_id)
         if config.progress_bar:
             from tqdm.auto import tqdm
 
@@ -272,6 +275,20 @@ class MetricsLogger:
                 unit="step",
                 dynamic_ncols=True,
             )
+
+    @property
+    def wandb_id(self) -> str | None:
+        """The W&B run's id (rank 0, while W&B is on): what a checkpoint records."""
+        return getattr(self._wandb_run, "id", None)
+
+    def note(self, text: str) -> None:
+        """Print a line on rank 0 without breaking the progress bar."""
+        if self.rank != 0:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            logger.info("%s", text)
 
     @property
     def wandb_active(self) -> bool:
@@ -289,7 +306,7 @@ class MetricsLogger:
         else:
             self._file = open(self.metrics_path, "w", encoding="utf-8")
 
-    def _init_wandb(self, run_config: Mapping[str, Any]) -> Any:
+    def _init_wandb(self, run_config: Mapping[str, Any], wandb_id: str | None) -> Any:
         try:
             import wandb
         except Exception as exc:  # noqa: BLE001 - any import failure must not stop training
@@ -314,6 +331,9 @@ class MetricsLogger:
                 mode=cfg.wandb_mode,
                 config=to_plain(dict(run_config)),
                 reinit="create_new",
+                # A resumed run continues its W&B run: same id; steps it redoes are not new.
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
                 # console="off": W&B's stdout capture would fight the progress bar.
                 settings=wandb.Settings(console="off", silent=True),
             )

@@ -62,6 +62,12 @@ class PlanStats:
             predicted_imbalance=predicted_imbalance,
         )
 
+    def summary(self) -> str:
+        """One compact line: ``cp {1:7, 2:1} recompute 6% micro-steps [4,3]``."""
+        hist = ", ".join(f"{k}:{v}" for k, v in self.cp_hist.items())
+        counts = ",".join(str(c) for c in self.micro_steps_per_rank)
+        return f"cp {{{hist}}} recompute {self.recompute_fraction:.0%} micro-steps [{counts}]"
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:

@@ -11,6 +11,7 @@ plus the full world when W is not a power of two.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -33,7 +34,13 @@ def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
 class GroupRegistry:
     """Process groups by rank tuple, all created collectively at construction."""
 
-    def __init__(self, *, world_size: int | None = None, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int | None = None,
+        backend: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupRegistry needs torch.distributed to be initialised first")
         self.world_size = world_size or dist.get_world_size()
@@ -43,10 +50,11 @@ class GroupRegistry:
             )
         shapes = aligned_blocks(self.world_size)
         self.rank = dist.get_rank()
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for ranks in shapes:
             # Collective: every rank calls new_group for every shape, in this same order.
-            group = dist.new_group(ranks=list(ranks), backend=backend)
+            group = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
             self._groups[ranks] = group if self.rank in ranks else None
 
     @property
@@ -66,6 +74,10 @@ class GroupRegistry:
         if group is None:
             raise ValueError(f"rank {self.rank} is not a member of group {key}")
         return group
+
+    def member_groups(self) -> list[dist.ProcessGroup]:
+        """The groups this rank belongs to."""
+        return [g for g in self._groups.values() if g is not None]
 
     def missing(self, shapes: Iterable[Sequence[int]]) -> list[tuple[int, ...]]:
         """Shapes from ``shapes`` that were not created (a plan using them cannot run)."""

@@ -27,19 +27,21 @@ import megatron_patches
 from dcp.model import ModelConfig, build_gpt_model
 from dcp.optim import OptimConfig, build_adamw, lr_at, set_lr
 from dcp.plan import Plan
+from dcp.runtime.collectives import phase
 from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.schedule import run_plan
 
 
-def init() -> None:
+def init(*, timeout_s: float | None = None) -> None:
     """Prepare this process for DCP (idempotent): install the megatron patches this machine
-    needs (the CPU shim when there is no GPU) and initialise megatron's parallel state."""
+    needs (the CPU shim when there is no GPU) and initialise megatron's parallel state, its
+    groups created with ``timeout_s`` (default: torch's)."""
     megatron_patches.apply()
-    init_megatron_parallel()
+    init_megatron_parallel(timeout_s=timeout_s)
 
 
-def init_megatron_parallel() -> None:
+def init_megatron_parallel(*, timeout_s: float | None = None) -> None:
     """Initialise megatron's parallel_state with TP = PP = CP = 1 (idempotent)."""
     from megatron.core import parallel_state as ps
 
@@ -51,10 +53,14 @@ def init_megatron_parallel() -> None:
             "(or megatron_patches.apply()) once at start-up"
         )
     if not ps.model_parallel_is_initialized():
+        extra = {}
+        if timeout_s is not None:
+            extra["distributed_timeout_minutes"] = max(1, math.ceil(timeout_s / 60))
         ps.initialize_model_parallel(
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1,
             context_parallel_size=1,
+            **extra,
         )
 
 
@@ -207,8 +213,9 @@ class Runtime:
         slowest = torch.tensor([result.compute_time_s], dtype=torch.float64)
         if self.on_gpu:
             totals, slowest = totals.cuda(), slowest.cuda()
-        dist.all_reduce(totals)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        with phase(f"the loss reduction of step {self.step + 1}"):
+            dist.all_reduce(totals)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         loss = float(totals[0]) / result.global_loss_tokens
         lr = (
             self.lr_schedule(self.step)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.plan import RECOMPUTE_LEVELS, Plan
+from dcp.runtime.collectives import phase
 from dcp.runtime.dispatch import SequenceSource, local_batch
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.layout import ShardLayout
@@ -97,7 +98,8 @@ def run_plan(
             f"plan uses CP groups {missing[:4]} that were not created at start "
             f"(created: {len(registry.shapes)} aligned blocks)"
         )
-    verify_plan_agreement(plan, result.global_loss_tokens)
+    with phase("the plan agreement check before the first micro-step"):
+        verify_plan_agreement(plan, result.global_loss_tokens)
 
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -111,7 +113,8 @@ def run_plan(
         for index, step in enumerate(plan.steps):
             if index in barriers:
                 # A schedule that syncs every rank between rounds (megatron's Hybrid-CP) keeps it.
-                dist.barrier()
+                with phase(f"the barrier before plan step {index}"):
+                    dist.barrier()
             if rank not in step.ranks:
                 continue
             start = time.perf_counter()
@@ -123,6 +126,7 @@ def run_plan(
             batch = local_batch(source, step.seq_ids, layout=layout, cp_rank=cp_rank, device=device)
             params = layout.packed_seq_params(device=device, cp_group=group)
             with (
+                phase(f"plan step {index} (CP group of ranks {list(step.ranks)})"),
                 use_cp_group(model, group=group, ranks=step.ranks),
                 use_recompute(model, _GRANULARITY[step.recompute]),
             ):
@@ -142,5 +146,6 @@ def run_plan(
             result.step_times_s.append((index, elapsed))
     result.compute_time_s = time.perf_counter() - loop_start
     if hasattr(model, "finish_grad_sync"):
-        model.finish_grad_sync()
+        with phase("the gradient reduction over all ranks"):
+            model.finish_grad_sync()
     return result

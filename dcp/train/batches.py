@@ -19,10 +19,22 @@ from dcp.planning import plan_batch, simulate
 from dcp.runtime.dispatch import train_len
 
 
-def build_dataset(data_cfg, *, vocab_size: int):
-    """The document dataset a ``DataConfig`` names (checked against the model's vocabulary)."""
+def build_dataset(data_cfg, *, vocab_size: int, max_seq_len: int | None = None):
+    """The document dataset a ``DataConfig`` names, checked against the model: its vocabulary
+    and, with ``max_seq_len``, the longest training sequence the model was built for."""
     config = data_cfg.synthetic if data_cfg.source == "synthetic" else data_cfg.indexed
-    return build_document_dataset(config, vocab_size=vocab_size)
+    dataset = build_document_dataset(config, vocab_size=vocab_size)
+    longest = longest_seq_len(dataset)
+    if max_seq_len is not None and longest > max_seq_len:
+        where = (
+            "data.indexed.max_doc_len" if data_cfg.source == "indexed" else "data.synthetic.max_len"
+        )
+        raise ValueError(
+            f"the dataset's longest document trains a {longest}-token sequence but "
+            f"model.max_seq_len={max_seq_len}; raise model.max_seq_len or cap documents with "
+            f"{where} (<= {max_seq_len + 1} tokens)"
+        )
+    return dataset
 
 
 class DatasetSource:

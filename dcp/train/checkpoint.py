@@ -11,12 +11,15 @@ Layout under ``root``::
 
 Save protocol (``save_checkpoint``): rank 0 creates ``.tmp-step_N``; barrier; every rank writes
 and fsyncs its files; barrier; rank 0 checks every expected file exists, writes
-``manifest.json`` (file sizes), fsyncs, renames the directory to ``step_N``, replaces
-``latest`` via ``os.replace`` and prunes to the newest ``keep_last``; barrier. A crash at any
+``manifest.json`` (file sizes and sha256 checksums), fsyncs, renames the directory to
+``step_N``, replaces ``latest`` via ``os.replace`` and prunes to the newest ``keep_last``;
+barrier. A crash at any
 point leaves either the previous checkpoints untouched or a ``.tmp-*`` directory that
 ``load_latest`` skips; a ``step_*`` directory whose manifest is missing, unreadable or lists a
-file of the wrong size is skipped too, falling back to the next older one. The directory must
-be on a filesystem every rank sees (a shared filesystem on multi-node runs).
+file of the wrong size is skipped too, falling back to the next older one. Loading verifies
+every file's checksum (every rank checks every file, so all ranks make the same choice): a file
+whose bytes changed is reported as corrupt and the next older complete checkpoint is used. The
+directory must be on a filesystem every rank sees (a shared filesystem on multi-node runs).
 
 Which state is per rank: components named in ``per_rank`` (default: ``rng_state``) are written
 by every rank to its own file; the others must be identical on all ranks (replicated DP model
@@ -35,6 +38,7 @@ load that way. Pass ``weights_only=False`` only for checkpoints you wrote yourse
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -54,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointConfig",
+    "CorruptCheckpointError",
     "LoadedCheckpoint",
     "capture_rng_state",
     "find_latest",
@@ -62,9 +67,12 @@ __all__ = [
     "load_latest",
     "restore_rng_state",
     "save_checkpoint",
+    "verify_checksums",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 manifests (sizes, no checksums) still load, without the checksum check.
+_READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 COMPONENTS = (
@@ -307,6 +315,7 @@ def save_checkpoint(
             "world_size": world_size,
             "per_rank": sorted(per_rank),
             "files": {f: (tmp / f).stat().st_size for f in expected},
+            "sha256": {f: _sha256(tmp / f) for f in expected},
             "saved_unix_s": time.time(),
         }
         _write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
@@ -367,9 +376,35 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format_version") not in _READABLE_VERSIONS:
         return None
     return manifest
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file's bytes differ from what its manifest recorded."""
+
+
+def verify_checksums(path: str | os.PathLike[str]) -> None:
+    """Raise ``CorruptCheckpointError`` naming every file of ``path`` whose sha256 differs from
+    the manifest's (manifests without checksums pass)."""
+    p = Path(path)
+    manifest = _read_manifest(p)
+    if manifest is None:
+        raise CorruptCheckpointError(f"{p}: manifest missing or unreadable")
+    bad = [f for f, digest in manifest.get("sha256", {}).items() if _sha256(p / f) != digest]
+    if bad:
+        raise CorruptCheckpointError(
+            f"{p}: {', '.join(bad)} corrupt (checksum differs from the manifest's)"
+        )
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
@@ -388,29 +423,38 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
     return True
 
 
-def find_latest(root: str | os.PathLike[str]) -> Path | None:
+def find_latest(root: str | os.PathLike[str], *, verify: bool = True) -> Path | None:
     """The newest complete checkpoint under ``root``, or ``None``.
 
-    ``latest`` is tried first; when it is missing or points at an incomplete directory, the
-    ``step_*`` directories are scanned newest first. ``.tmp-*`` directories are never used.
+    ``latest`` is tried first, then the ``step_*`` directories newest first; ``.tmp-*``
+    directories are never used. With ``verify``, a checkpoint with a corrupt file is reported
+    (logged, naming the file) and skipped for the next older one.
     """
     root_path = Path(root)
     try:
         pointer = (root_path / LATEST).read_text(encoding="utf-8").strip()
     except OSError:
         pointer = ""
-    if _STEP_DIR.match(pointer) and is_complete(root_path / pointer):
-        return root_path / pointer
-    for _, path in reversed(_step_dirs(root_path)):
-        if is_complete(path):
-            if pointer:
+    candidates = [path for _, path in reversed(_step_dirs(root_path))]
+    if _STEP_DIR.match(pointer) and (root_path / pointer) in candidates:
+        candidates.remove(root_path / pointer)
+        candidates.insert(0, root_path / pointer)
+    for path in candidates:
+        if not is_complete(path):
+            if path.name == pointer:
                 logger.warning(
-                    "checkpoint pointer %s/latest -> %r is not a complete checkpoint; using %s",
+                    "checkpoint pointer %s/latest -> %r is not a complete checkpoint",
                     root_path,
                     pointer,
-                    path.name,
                 )
-            return path
+            continue
+        if verify:
+            try:
+                verify_checksums(path)
+            except CorruptCheckpointError as exc:
+                logger.error("%s; falling back to an older checkpoint", exc)
+                continue
+        return path
     return None
 
 

@@ -6,6 +6,7 @@ override the YAML (``dcp.config.load_config``). Unknown keys anywhere raise ``Va
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -85,6 +86,34 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class DistributedConfig:
+    """How long a collective may wait for the other ranks before the job fails."""
+
+    startup_timeout_s: float = 600.0
+    """While the job starts (process groups, model build, dataset open, resume)."""
+    timeout_s: float = 180.0
+    """Once training runs: a stuck or dead rank makes every other rank fail within this, naming
+    the collective it waited in. Applies to every process group DCP or megatron creates."""
+
+    def __post_init__(self) -> None:
+        for name in ("startup_timeout_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"distributed.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ResumeConfig:
+    """What a resumed run may change relative to the checkpoint's config."""
+
+    allow_changes: tuple[str, ...] = ()
+    """Config keys (dotted, e.g. ``optim.lr``, or a section such as ``optim``) whose change
+    against the checkpoint's config is accepted although it changes the training trajectory."""
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(kw_only=True, frozen=True)
 class PretrainConfig:
     """Everything one pretraining run needs."""
 
@@ -99,7 +128,12 @@ class PretrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise ValueError(f"name must be a non-empty name without '/', got {self.name!r}")
+        if not _NAME.match(self.name):
+            raise ValueError(
+                f"name must be letters, digits, '.', '_' or '-' and start with a letter or digit "
+                f"(it names the directory {self.runs_dir}/<name>), got {self.name!r}"
+            )

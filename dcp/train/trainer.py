@@ -4,15 +4,24 @@ Every rank runs the same loop: the sampler and the planner are deterministic, so
 computes the same plan for the same batch without any broadcast (the schedule's checksum
 all-reduce guards that). The plan for step n+1 is computed in a background thread while step n
 runs; ``plan_time_s`` is logged either way so its cost is visible.
+
+Around the loop: the run directory is locked for this run (``dcp.train.lock``); the output and
+checkpoint directories are checked writable before any work; a resume refuses a config that
+changes the trajectory (``dcp.train.resume``) and continues the earlier W&B run; once training
+runs, every process group gets ``distributed.timeout_s`` and a timeout names where this rank
+waited; SIGTERM/SIGUSR1 finish the current step, checkpoint and stop (``dcp.train.signals``).
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from dcp.config import to_dict
@@ -21,6 +30,12 @@ from dcp.observability.memory import max_peak_memory_bytes, reset_peak_memory
 from dcp.observability.metrics import MetricsLogger
 from dcp.observability.record import PlanStats, StepRecord, model_flops
 from dcp.observability.run_info import write_run_config
+from dcp.runtime.collectives import (
+    CollectiveTimeout,
+    is_timeout,
+    phase,
+    set_collective_timeout,
+)
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.train.batches import (
     BatchPlanner,
@@ -31,6 +46,9 @@ from dcp.train.batches import (
 )
 from dcp.train.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from dcp.train.config import PretrainConfig
+from dcp.train.lock import RunLock, RunLockedError
+from dcp.train.resume import check_resume_config
+from dcp.train.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +63,27 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.run_dir = Path(cfg.runs_dir) / cfg.name
-        self.dataset = build_dataset(cfg.data, vocab_size=cfg.model.vocab_size)
+        self.ckpt_root = Path(cfg.checkpoint.root_dir or self.run_dir / "checkpoints")
+        self.lock = RunLock(self.run_dir)
+        self.metrics = None
+        _on_rank0(self._claim_directories)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _claim_directories(self) -> None:
+        """Rank 0: take the run directory's lock and check both output directories."""
+        _check_writable(self.run_dir, "runs_dir/name")
+        self.lock.acquire()
+        _check_writable(self.ckpt_root, "checkpoint.root_dir")
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        self.dataset = build_dataset(
+            cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len
+        )
         self.sampler = GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
         self.planner = BatchPlanner(
             cfg.dcp,
@@ -53,8 +91,7 @@ class Trainer:
             max_seq_len=longest_seq_len(self.dataset),
         )
         self.runtime = Runtime.from_config(cfg.model, cfg.optim, seed=cfg.train.seed)
-        self.ckpt_root = Path(cfg.checkpoint.root_dir or self.run_dir / "checkpoints")
-        self.start_step = self._maybe_resume()
+        self.start_step, wandb_id = self._maybe_resume()
         if self.rank == 0:
             write_run_config(self.run_dir, to_dict(cfg))
         dist.barrier()
@@ -65,17 +102,34 @@ class Trainer:
             total_steps=cfg.train.steps,
             run_config=to_dict(cfg),
             start_step=self.start_step,
+            wandb_id=wandb_id,
+        )
+        # Start-up is over: from here a stuck rank fails the job within the training timeout.
+        set_collective_timeout(
+            cfg.distributed.timeout_s, extra_groups=self.runtime.registry.member_groups()
         )
 
+    def close(self) -> None:
+        """Finish metrics and release the run directory (idempotent)."""
+        if self.metrics is not None:
+            self.metrics.close()
+        self.lock.release()
+
     # -- checkpoints -----------------------------------------------------------------------
-    def _maybe_resume(self) -> int:
+    def _maybe_resume(self) -> tuple[int, str | None]:
+        """(steps already done, the W&B run id to continue)."""
         if not self.cfg.checkpoint.resume:
-            return 0
+            return 0, None
         loaded = load_latest(
             self.ckpt_root, rank=self.rank, world_size=self.world_size, weights_only=False
         )
         if loaded is None:
-            return 0
+            return 0, None
+        extra = loaded.extra or {}
+        if "config" in extra:
+            check_resume_config(
+                extra["config"], to_dict(self.cfg), allow=self.cfg.resume.allow_changes
+            )
         self.runtime.load_state_dict(
             {"model": loaded.model_state, "optimizer": loaded.optimizer_state, "step": loaded.step}
         )
@@ -83,13 +137,13 @@ class Trainer:
         restore_rng_state(loaded.rng_state)
         if self.rank == 0:
             logger.info("resumed from %s (step %d)", loaded.path, loaded.step)
-        return loaded.step
+        return loaded.step, extra.get("wandb_id")
 
-    def _save(self, step: int, sampler_state: dict) -> None:
+    def _save(self, step: int, sampler_state: dict) -> Path:
         """Checkpoint after ``step``. ``sampler_state`` is the position right after this step's
         batch, i.e. before the prefetched next batch, which a resumed run must draw again."""
         state = self.runtime.state_dict()
-        save_checkpoint(
+        return save_checkpoint(
             self.ckpt_root,
             step,
             model_state=state["model"],
@@ -97,7 +151,7 @@ class Trainer:
             scheduler_state={"step": step},
             sampler_state=sampler_state,
             rng_state=capture_rng_state(),
-            extra={"config": to_dict(self.cfg)},
+            extra={"config": to_dict(self.cfg), "wandb_id": self.metrics.wandb_id},
             rank=self.rank,
             world_size=self.world_size,
             barrier_fn=dist.barrier,
@@ -146,14 +200,24 @@ class Trainer:
         )
 
     def train(self) -> list[StepRecord]:
+        """Run up to ``train.steps`` steps (fewer when a stop signal arrives); always closes."""
+        try:
+            return self._loop()
+        finally:
+            self.close()
+
+    def _loop(self) -> list[StepRecord]:
         cfg = self.cfg
-        records = []
+        records: list[StepRecord] = []
         pool = ThreadPoolExecutor(max_workers=1) if cfg.dcp.prefetch_plans else None
+        stop = StopRequest()
 
         def submit(batch: GlobalBatch) -> Future | tuple:
             return pool.submit(self._plan, batch) if pool else self._plan(batch)
 
         pending = submit(next(self.sampler)) if self.start_step < cfg.train.steps else None
+        step = self.start_step
+        saved = None
         try:
             for step in range(self.start_step, cfg.train.steps):
                 batch, planned, plan_time_s = pending.result() if pool else pending
@@ -166,7 +230,8 @@ class Trainer:
                     DatasetSource(self.dataset, batch),
                     skip_nonfinite=cfg.train.on_nonfinite == "skip",
                 )
-                record = self._record(step + 1, stats, planned, plan_time_s)
+                with phase(f"the metrics reduction of step {step + 1}"):
+                    record = self._record(step + 1, stats, planned, plan_time_s)
                 if stats.skipped:
                     logger.warning(
                         "step %d: non-finite loss, step skipped; plan %s",
@@ -174,12 +239,84 @@ class Trainer:
                         planned.plan.to_json(),
                     )
                 self.metrics.log(step + 1, record.to_dict())
+                self.metrics.note(f"step {step + 1}: {record.plan.summary()}")
                 records.append(record)
                 interval = cfg.checkpoint.interval_steps
+                saved = None
                 if interval and ((step + 1) % interval == 0 or step + 1 == cfg.train.steps):
-                    self._save(step + 1, sampler_state)
+                    with phase(f"the checkpoint save of step {step + 1}"):
+                        saved = self._save(step + 1, sampler_state)
+                if self._stop_agreed(stop, step + 1):
+                    if saved is None:
+                        with phase(f"the checkpoint save of step {step + 1}"):
+                            saved = self._save(step + 1, sampler_state)
+                    self.metrics.note(
+                        f"stopped by {stop.signal_name or 'a stop signal on another rank'} after "
+                        f"step {step + 1}: checkpoint {saved}; run the same command again to "
+                        "resume"
+                    )
+                    break
+        except Exception as exc:
+            if is_timeout(exc) and not isinstance(exc, CollectiveTimeout):
+                raise CollectiveTimeout.from_error(
+                    exc, timeout_s=cfg.distributed.timeout_s, step=step + 1
+                ) from exc
+            raise
         finally:
+            stop.restore()
             if pool:
                 pool.shutdown(wait=True, cancel_futures=True)
-            self.metrics.close()
+        self._where_things_went(saved)
         return records
+
+    def _stop_agreed(self, stop: StopRequest, step: int) -> bool:
+        """Whether any rank got a stop signal (one scalar all-reduce, so all ranks agree)."""
+        flag = torch.tensor([int(stop.requested)])
+        if torch.cuda.is_available():
+            flag = flag.cuda()
+        with phase(f"the stop-signal check after step {step}"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _where_things_went(self, checkpoint: Path | None) -> None:
+        lines = [
+            f"metrics: {self.metrics.metrics_path}",
+            f"config:  {self.run_dir / 'config.yaml'}",
+            f"checkpoints: {checkpoint or self.ckpt_root}",
+        ]
+        if self.cfg.metrics.wandb_mode != "disabled":
+            wandb_dir = Path(self.cfg.metrics.wandb_dir or self.run_dir) / "wandb"
+            lines.append(f"W&B ({self.cfg.metrics.wandb_mode}): {wandb_dir}")
+        lines.append(
+            f"compare runs: python -m tools.compare_runs {self.run_dir} <other run dir> "
+            "--out report"
+        )
+        for line in lines:
+            self.metrics.note(line)
+
+
+def _on_rank0(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on rank 0 only; if it raises, every rank raises the same error."""
+    message = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except (RunLockedError, ValueError, OSError) as exc:
+            message = (type(exc).__name__, str(exc))
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        kind, text = box[0]
+        raise (RunLockedError if kind == "RunLockedError" else ValueError)(text)
+
+
+def _check_writable(path: Path, what: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"{path} ({what}) is not writable: {exc.strerror or exc}; choose a directory this "
+            "job can write"
+        ) from None

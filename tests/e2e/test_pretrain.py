@@ -39,8 +39,9 @@ OVERRIDES = [
 ]
 
 
-def launch(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
-    cmd = [
+def command(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    """The torchrun command of a test run (later ``key=value`` overrides win)."""
+    return [
         str(TORCHRUN),
         "--standalone",
         "--nproc-per-node",
@@ -54,6 +55,9 @@ def launch(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
         *OVERRIDES,
         *extra,
     ]
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     return subprocess.Popen(
         cmd,
@@ -64,6 +68,10 @@ def launch(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
         text=True,
         start_new_session=True,
     )
+
+
+def launch(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
+    return start(command(tmp_path, name, *extra))
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:

@@ -194,3 +194,33 @@ def test_unsafe_extra_needs_weights_only_false(tmp_path):
     with pytest.raises(RuntimeError, match="weights_only=False"):
         load_latest(tmp_path, rank=0)
     assert load_latest(tmp_path, rank=0, weights_only=False).extra["cfg"] == CheckpointConfig()
+
+
+def test_same_size_corruption_is_detected_and_the_previous_checkpoint_used(tmp_path, caplog):
+    model, opt, sched = _model_and_optimizer()
+    _save(tmp_path, 1, model, opt, sched)
+    _train_step(model, opt, sched)
+    newest = _save(tmp_path, 2, model, opt, sched)
+    # Flip bytes in the middle of model.pt without changing its size: the size check passes.
+    path = newest / "model.pt"
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    path.write_bytes(bytes(data))
+    assert ckpt.is_complete(newest)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"step_000002: model\.pt corrupt"):
+        ckpt.verify_checksums(newest)
+    with caplog.at_level("ERROR", logger="dcp.train.checkpoint"):
+        loaded = load_latest(tmp_path, rank=0, world_size=1, weights_only=False)
+    assert loaded.step == 1
+    assert "model.pt corrupt" in caplog.text and "falling back" in caplog.text
+
+
+def test_version_1_manifests_without_checksums_still_load(tmp_path):
+    model, opt, sched = _model_and_optimizer()
+    path = _save(tmp_path, 3, model, opt, sched)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    del manifest["sha256"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert load_latest(tmp_path, rank=0, world_size=1, weights_only=False).step == 3

@@ -1,0 +1,90 @@
+"""Collective timeouts: one deadline for every process group, and an error that says where a
+rank waited when another rank stopped answering.
+
+torch gives every ``new_group`` its backend's default timeout (30 minutes for gloo) unless told
+otherwise, and megatron's ``initialize_model_parallel`` creates its groups the same way, so a
+timeout passed to ``init_process_group`` alone leaves most groups on the default. DCP starts
+with a generous start-up timeout and, once training runs, lowers every group it knows (the
+default group, every group megatron's ``create_group`` registered, every group of the
+``GroupRegistry``) to the training timeout with ``torch.distributed.set_timeout``.
+
+``phase(name)`` marks what a rank is doing ("plan agreement", "micro-step 3 on ranks (0, 1)",
+"gradient reduction", ...); ``CollectiveTimeout.from_error`` turns a backend timeout into a
+message naming the rank, the phase and the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Within the block, this thread is in collective phase ``name`` (nesting restores)."""
+    previous = getattr(_state, "phase", None)
+    _state.phase = name
+    try:
+        yield
+    finally:
+        _state.phase = previous
+
+
+def current_phase() -> str:
+    return getattr(_state, "phase", None) or "outside any collective phase"
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that gave up waiting (gloo: "Timed out waiting ...";
+    NCCL's watchdog: "Watchdog caught collective operation timeout"; torch: DistTimeoutError)."""
+    if isinstance(exc, getattr(dist, "DistTimeoutError", ())):
+        return True
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than the configured timeout: another rank is stuck or dead."""
+
+    @classmethod
+    def from_error(cls, exc: BaseException, *, timeout_s: float, step: int) -> CollectiveTimeout:
+        return cls(
+            f"rank {dist.get_rank()} of {dist.get_world_size()}: no answer within "
+            f"{timeout_s:g} s in {current_phase()} at step {step}; another rank is stuck or dead "
+            f"(distributed.timeout_s sets the limit). Backend said: {str(exc).strip()[:300]}"
+        )
+
+
+def _member_groups(groups: Iterable[object]) -> list[dist.ProcessGroup]:
+    out = []
+    for group in groups:
+        if group is None:
+            continue
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        out.append(group)
+    return out
+
+
+def set_collective_timeout(timeout_s: float, *, extra_groups: Iterable[object] = ()) -> int:
+    """Set ``timeout_s`` on the default group, on every group megatron's parallel_state created
+    and on ``extra_groups`` (those this rank belongs to). Returns how many groups were set."""
+    from megatron.core import parallel_state as ps
+
+    timeout = timedelta(seconds=timeout_s)
+    # megatron lists its groups (None stands for the default group) for exactly this purpose.
+    megatron_groups = getattr(ps, "_global_process_group_list", None) or []
+    groups = [dist.group.WORLD, *_member_groups(megatron_groups), *_member_groups(extra_groups)]
+    seen: set[int] = set()
+    for group in groups:
+        if id(group) in seen:
+            continue
+        seen.add(id(group))
+        dist.set_timeout(timeout, group)
+    return len(seen)

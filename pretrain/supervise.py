@@ -1,0 +1,79 @@
+"""Relaunch a training command after a failure, resuming from its last complete checkpoint.
+
+    python -m pretrain.supervise --max-restarts 3 -- \\
+        torchrun --standalone --nproc-per-node 2 -m pretrain.pretrain_gpt --config CONFIG ...
+
+Why not ``torchrun --max-restarts``: with torch 2.14 on gloo, restarted workers fail to
+rendezvous (``connectFullMesh``), so torchrun's own restart cannot recover a CPU job. This wrapper
+restarts the *whole* command instead, which starts fresh process groups; the pretraining entry
+point resumes from the newest complete checkpoint by itself (checkpoints are atomic, a stale
+run-directory lock of a killed job is taken over), so every step is trained exactly once.
+
+It stops retrying on exit 0 (done, or stopped cleanly by SIGTERM/SIGUSR1), on exit 2 (a config,
+data or directory error: a retry would fail the same way) and after ``--max-restarts`` restarts.
+SIGTERM/SIGUSR1/SIGINT sent to the wrapper go to the command's process group and end the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+NO_RETRY_CODES = (0, 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-restarts", type=int, default=3, help="restarts after failures")
+    parser.add_argument("--delay-s", type=float, default=5.0, help="wait before a restart")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to supervise after --")
+    if args.max_restarts < 0 or args.delay_s < 0:
+        parser.error("--max-restarts and --delay-s must be >= 0")
+
+    child: subprocess.Popen | None = None
+    stopping = False
+
+    def forward(signum: int, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            os.killpg(child.pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, forward)
+
+    attempt = 0
+    while True:
+        attempt += 1
+        print(f"[supervise] attempt {attempt}: {' '.join(command)}", file=sys.stderr, flush=True)
+        child = subprocess.Popen(command, start_new_session=True)
+        code = child.wait()
+        if code in NO_RETRY_CODES or stopping:
+            print(f"[supervise] exit code {code}; done", file=sys.stderr, flush=True)
+            return code
+        if attempt > args.max_restarts:
+            print(
+                f"[supervise] exit code {code}; giving up after {args.max_restarts} restart(s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return code
+        print(
+            f"[supervise] exit code {code}; restarting in {args.delay_s:g} s "
+            f"({attempt}/{args.max_restarts}), resuming from the last complete checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(args.delay_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

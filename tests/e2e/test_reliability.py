@@ -1,0 +1,159 @@
+"""Nothing lost, nothing hung: real torchrun jobs on 2 gloo ranks that get stuck, preempted,
+killed, started twice, resumed with changed settings and resumed from a corrupt checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_pretrain import command, finish, launch, metrics, start
+
+STEPS = 10
+FAST = [f"train.steps={STEPS}", "checkpoint.interval_steps=2", "metrics.wandb_mode=disabled"]
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (the torchrun workers), from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _worker(torchrun_pid: int, rank: int) -> int:
+    for pid in _children(torchrun_pid):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} under torchrun {torchrun_pid}")
+
+
+def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float = 240):
+    deadline = time.monotonic() + timeout_s
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= steps:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before step {steps}:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"no step {steps} within {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted run of the same config: the losses every other run must reproduce."""
+    tmp = tmp_path_factory.mktemp("runs")
+    finish(launch(tmp, "reference", *FAST))
+    return tmp / "reference"
+
+
+def test_stuck_rank_fails_the_job_within_the_timeout(tmp_path):
+    proc = launch(tmp_path, "stuck", "train.steps=400", "distributed.timeout_s=15")
+    run_dir = tmp_path / "stuck"
+    _wait_for_steps(proc, run_dir, 2)
+    stuck = _worker(proc.pid, rank=1)
+    os.kill(stuck, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=15 + 90)
+    finally:
+        for pid in (stuck, *_children(proc.pid)):
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    waited = time.monotonic() - stopped_at
+    assert proc.returncode != 0
+    assert "[rank0] error: rank 0 of 2: no answer within 15 s in" in out, out[-3000:]
+    # It names where rank 0 waited and how far the run got.
+    assert " at step " in out and "another rank is stuck or dead" in out
+    # torchrun then stops the job (SIGTERM, and SIGKILL after its 30 s shutdown timeout).
+    assert waited < 15 + 60, f"the job took {waited:.0f} s to fail"
+
+
+def test_sigterm_checkpoints_and_a_resume_continues_exactly(reference, tmp_path):
+    args = [*FAST, "checkpoint.interval_steps=0", "metrics.wandb_mode=offline"]
+    proc = launch(tmp_path, "preempted", *args)
+    run_dir = tmp_path / "preempted"
+    _wait_for_steps(proc, run_dir, 3)
+    os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to the workers
+    out, _ = proc.communicate(timeout=120)
+    stopped = metrics(run_dir)
+    assert len(stopped) < STEPS, "the run finished before the signal arrived"
+    step = len(stopped)
+    assert f"stopped by SIGTERM after step {step}: checkpoint" in out, out[-3000:]
+    assert (run_dir / "checkpoints" / f"step_{step:06d}" / "manifest.json").exists()
+
+    out = finish(launch(tmp_path, "preempted", *args))
+    assert f"(step {step})" in out and "resumed from" in out
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in metrics(reference)]
+    # Both attempts logged to one W&B run: the id is in the checkpoint.
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1, runs
+
+
+def test_killed_rank_is_recovered_with_every_step_trained_once(reference, tmp_path):
+    supervise = [sys.executable, "-m", "pretrain.supervise", "--max-restarts", "2"]
+    proc = start([*supervise, "--delay-s", "1", "--", *command(tmp_path, "recovered", *FAST)])
+    run_dir = tmp_path / "recovered"
+    _wait_for_steps(proc, run_dir, 3)
+    torchrun = _children(proc.pid)[0]
+    os.kill(_worker(torchrun, rank=1), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert "[supervise] attempt 2" in out and "resumed from" in out
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in metrics(reference)]
+
+
+def test_second_run_with_the_same_name_is_refused(tmp_path):
+    first = launch(tmp_path, "busy", "train.steps=400", "metrics.wandb_mode=disabled")
+    try:
+        _wait_for_steps(first, tmp_path / "busy", 1)
+        out = launch(tmp_path, "busy", *FAST).communicate(timeout=180)[0]
+        assert "is in use by pid" in out and "[rank0] error: run directory" in out, out[-3000:]
+        assert out.count("is in use by pid") == 1  # one message, not one per rank
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+
+
+def test_resume_guards_changed_settings_and_corrupt_checkpoints(reference, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "reference"
+    shutil.copytree(reference, run_dir)
+    more = [*FAST[1:], f"train.steps={STEPS + 2}"]
+    proc = launch(tmp_path, "reference", *more, "optim.lr=0.1")
+    out = proc.communicate(timeout=180)[0]
+    assert proc.returncode != 0, out[-3000:]  # torchrun reports a failed worker as 1
+    assert "[rank0] error: the checkpoint was trained with a different config" in out, out[-3000:]
+    assert "optim.lr: 0.003 -> 0.1" in out and "resume.allow_changes" in out
+    assert "exitcode  : 2" in out  # the workers' own exit code: a user error
+
+    # The newest checkpoint is corrupted in place (same size): the one before it is used.
+    newest = run_dir / "checkpoints" / f"step_{STEPS:06d}" / "model.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    allowed = ["optim.lr=0.1", "resume.allow_changes=[optim.lr]"]
+    out = finish(launch(tmp_path, "reference", *more, *allowed))
+    assert "model.pt corrupt" in out
+    assert f"(step {STEPS - 2})" in out, out[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 3))
