@@ -1,8 +1,9 @@
 """The cost model: predicted time and memory of a micro-step, from a spec (pure Python + numpy).
 
 ``load_cost_model`` is the one entry point (preset name, spec JSON path or dict);
-``dcp.costmodel.calibrate`` fits coefficients to measurements, ``dcp.costmodel.measure`` takes
-them on gloo ranks (imports torch, megatron-core).
+``dcp.costmodel.calibrate`` fits coefficients to a profiling grid, ``dcp.costmodel.measure`` takes
+it on gloo ranks (imports torch, megatron-core), and ``dcp.costmodel.online`` refits a spec on
+the micro-step records a training run writes (``dcp.costmodel.records``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ from dcp.costmodel.load import (
     load_spec,
 )
 from dcp.costmodel.model import CostModel
+from dcp.costmodel.online import RecordFit, fit_records
+from dcp.costmodel.records import MicroStepRecord, append_records, read_records
 
 __all__ = [
     "PROFILES_DIR",
     "CostModel",
+    "MicroStepRecord",
+    "RecordFit",
+    "append_records",
+    "fit_records",
+    "read_records",
     "available_presets",
     "load_cost_model",
     "load_preset",

@@ -45,7 +45,7 @@ from dcp.plan import RECOMPUTE_LEVELS
 LINEAR_HALF_GRID = (0.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 ATTENTION_HALF_GRID = (0.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0)
 # A CP link the data says is free still needs a finite bandwidth in ``Coefficients``.
-_FREE_LINK_BYTES_PER_S = 1e15
+FREE_LINK_BYTES_PER_S = 1e15
 
 
 def _check_level(recompute: str) -> None:
@@ -213,7 +213,7 @@ class TimeFit:
             bandwidth = (
                 cp_bytes_per_token / self.comm_s_per_token
                 if self.comm_s_per_token > 0
-                else _FREE_LINK_BYTES_PER_S
+                else FREE_LINK_BYTES_PER_S
             )
             out.update(
                 cp_bytes_per_token=cp_bytes_per_token,

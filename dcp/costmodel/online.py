@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dcp.costmodel.calibrate import _FREE_LINK_BYTES_PER_S
+from dcp.costmodel.calibrate import FREE_LINK_BYTES_PER_S
 from dcp.costmodel.load import load_spec
 from dcp.costmodel.model import TIME_FEATURES, CostModel, time_features
 from dcp.costmodel.nnls import nnls
@@ -171,10 +171,10 @@ def _time_calibration(x: np.ndarray, live: np.ndarray, prior: CostModel, kappa: 
     out["attention_s_per_token2"] = col["attention"]
     if on["comm"]:
         rate = col["comm"]
-        intra = c.cp_bytes_per_token / rate if rate > 0 else _FREE_LINK_BYTES_PER_S
+        intra = c.cp_bytes_per_token / rate if rate > 0 else FREE_LINK_BYTES_PER_S
         inter_ratio = c.inter_node_bytes_per_s / c.intra_node_bytes_per_s
-        out["intra_node_bytes_per_s"] = min(intra, _FREE_LINK_BYTES_PER_S)
-        out["inter_node_bytes_per_s"] = min(intra * inter_ratio, _FREE_LINK_BYTES_PER_S)
+        out["intra_node_bytes_per_s"] = min(intra, FREE_LINK_BYTES_PER_S)
+        out["inter_node_bytes_per_s"] = min(intra * inter_ratio, FREE_LINK_BYTES_PER_S)
         out["cp_hop_latency_s"] = col["hop"]
         out["comm_overlap"] = 0.0
     for frac_name, name in _RATES:
