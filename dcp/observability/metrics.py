@@ -15,8 +15,9 @@ Non-finite numbers
     W&B receives the original non-finite floats (it charts them as gaps).
 
 Keys the trainer logs (compare_runs understands these names)
-    ``loss``, ``tokens``, ``step_time_s``, ``tokens_per_s``, ``predicted_step_time_s``, ``mfu``,
-    ``lr``, ``grad_norm``, ``peak_mem_bytes`` and plan stats under ``plan/``:
+    ``loss``, ``tokens``, ``step_time_s``, ``tokens_per_s``, ``predicted_step_time_s``,
+    ``prediction_error``, ``calibration_version``, ``mfu``, ``lr``, ``grad_norm``,
+    ``peak_mem_bytes`` and plan stats under ``plan/``:
     ``plan/cp_hist/<degree>`` (sequences per CP degree), ``plan/recompute_fraction``,
     ``plan/micro_steps_per_rank`` (list), ``plan/predicted_imbalance``.
 

@@ -85,6 +85,11 @@ class StepRecord:
     compute_time_s: float
     """Slowest rank's wall time for its micro-steps (what the planner predicts)."""
     predicted_step_time_s: float
+    prediction_error: float
+    """|predicted - measured| / measured step compute time (the planner's accuracy)."""
+    calibration_version: int
+    """Version of the cost model that planned this step (0: the spec as given; each accepted
+    online refit adds one)."""
     plan_time_s: float
     lr: float
     grad_norm: float

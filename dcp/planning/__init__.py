@@ -7,6 +7,7 @@ far from optimal any plan is. Every planner takes ``on_oversize`` (``dcp.plan.ON
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 from dcp.costmodel import CostModel
@@ -42,4 +43,11 @@ def plan_batch(
     """Plan one global batch with ``planner`` (one of ``dcp.plan.PLANNERS``); ``options`` are
     that planner's keyword arguments."""
     check_choice(planner, PLANNERS, "planner")
-    return _REGISTRY[planner](lengths, cost_model=cost_model, **options)
+    fn = _REGISTRY[planner]
+    accepted = [n for n in inspect.signature(fn).parameters if n not in ("lengths", "cost_model")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"planner {planner!r} has no option(s) {unknown}; its options: {', '.join(accepted)}"
+        )
+    return fn(lengths, cost_model=cost_model, **options)

@@ -75,8 +75,10 @@ def plan_dcp(
     """
     lens = check_lengths(lengths)
     num_ranks = cost_model.num_ranks
-    if max_cp_size is not None and max_cp_size < 1:
-        raise ValueError(f"max_cp_size must be >= 1, got {max_cp_size}")
+    if max_cp_size is not None and (
+        not isinstance(max_cp_size, int) or isinstance(max_cp_size, bool) or max_cp_size < 1
+    ):
+        raise ValueError(f"max_cp_size must be an integer >= 1, got {max_cp_size!r}")
     sizes = pow2_sizes(num_ranks, max_cp_size)
     unknown = set(recompute_levels) - set(RECOMPUTE_LEVELS)
     if unknown:

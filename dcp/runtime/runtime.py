@@ -18,7 +18,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,8 @@ class StepStats:
     lr: float
     grad_norm: float
     step_time_s: float
+    micro_step_times_s: list[tuple[int, float]] = field(default_factory=list)
+    """(plan step index, seconds) of each micro-step this rank ran."""
     num_micro_steps: int = 0
     tokens_read: int = 0
     skipped: bool = False
@@ -248,6 +250,7 @@ class Runtime:
             lr=lr,
             grad_norm=float(grad_norm),
             step_time_s=time.perf_counter() - start,
+            micro_step_times_s=result.step_times_s,
             num_micro_steps=len(result.step_times_s),
             tokens_read=int(totals[1]),
             skipped=skipped,

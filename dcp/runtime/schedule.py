@@ -108,6 +108,10 @@ def run_plan(
     )
     no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
     barriers = {int(b) for b in plan.meta.get("barriers", ())}
+    # Kernels run asynchronously on a GPU: a wall-clock reading is only a step's time once the
+    # device has finished it (the planner's calibration and the logged times consume these).
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync()
     loop_start = time.perf_counter()
     with no_sync:
         for index, step in enumerate(plan.steps):
@@ -139,6 +143,7 @@ def run_plan(
                 )
                 loss_sum = (token_loss.float() * batch.loss_mask).sum()
                 (loss_sum / result.global_loss_tokens).backward()
+            sync()
             elapsed = time.perf_counter() - start
             result.loss_sum += float(loss_sum.detach())
             result.loss_tokens += batch.num_loss_tokens

@@ -70,6 +70,8 @@ class PlannedBatch:
     predicted_imbalance: float
     """Max over ranks of busy time / mean busy time (1.0 = perfectly balanced)."""
     dropped: tuple[int, ...]
+    calibration_version: int
+    """The cost-model version that made the plan."""
 
 
 class BatchPlanner:
@@ -81,22 +83,30 @@ class BatchPlanner:
         self.cfg = dcp_cfg
         self.world_size = world_size
         self.max_seq_len = max_seq_len
-        spec = load_spec(dcp_cfg.spec)
-        self.cost_model = load_cost_model(spec, world_size=world_size)
-        self.peak_tflops_per_rank = float(spec["cluster"]["peak_tflops"])
+        self.spec = load_spec(dcp_cfg.spec)
+        self.version = 0
+        self.cost_model = load_cost_model(self.spec, world_size=world_size)
+        self.peak_tflops_per_rank = float(self.spec["cluster"]["peak_tflops"])
+
+    def set_spec(self, spec: dict, *, version: int) -> None:
+        """Plan with ``spec`` (model version ``version``: an online refit) from now on."""
+        self.cost_model = load_cost_model(spec, world_size=self.world_size)
+        self.spec = spec
+        self.version = version
 
     def plan(self, batch: GlobalBatch) -> PlannedBatch:
         lengths = seq_lengths(batch)
+        cost_model, version = self.cost_model, self.version  # one model for the whole plan
         options = {"on_oversize": self.cfg.on_oversize}
         if self.cfg.planner == "static":
             if self.max_seq_len is not None:
                 options["max_seq_len"] = max(self.max_seq_len, max(lengths))
             options["cp_size"] = self.cfg.static_cp_size
             options["recompute"] = self.cfg.static_recompute
-        plan = plan_batch(lengths, cost_model=self.cost_model, planner=self.cfg.planner, **options)
+        plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, **options)
         dropped = tuple(int(i) for i in plan.meta.get("dropped", ()))
         plan.validate(num_sequences=len(lengths), num_ranks=self.world_size, dropped=dropped)
-        sim = simulate(plan, lengths, self.cost_model)
+        sim = simulate(plan, lengths, cost_model)
         mean_busy = sum(sim.busy_s) / len(sim.busy_s)
         imbalance = max(sim.busy_s) / mean_busy if mean_busy > 0 else 1.0
         return PlannedBatch(
@@ -105,4 +115,5 @@ class BatchPlanner:
             predicted_step_time_s=float(plan.predicted_step_time_s or sim.makespan_s),
             predicted_imbalance=float(imbalance),
             dropped=dropped,
+            calibration_version=version,
         )

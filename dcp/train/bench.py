@@ -95,6 +95,9 @@ def summarize(name: str, rounds: list[list[StepRecord]], warmup: int) -> dict:
         "compute_time_s": statistics.fmean(r.compute_time_s for r in measured),
         "predicted_step_time_s": statistics.fmean(r.predicted_step_time_s for r in measured),
         "prediction_error": statistics.median(errors) if errors else None,
+        # The planner's accuracy at the end of the first round (after online refits, if any).
+        "prediction_error_last10": statistics.median(r.prediction_error for r in records[-10:]),
+        "calibration_version": records[-1].calibration_version,
         "micro_steps": statistics.fmean(r.plan.num_micro_steps for r in measured),
         "recompute_fraction": statistics.fmean(r.plan.recompute_fraction for r in measured),
         "peak_mem_gb": max(r.peak_mem_bytes for r in records) / 1e9,
@@ -171,6 +174,7 @@ def bench_summary(results: dict[str, dict], *, steps: int, warmup: int, rounds: 
         "speedup_vs_megatron": ratio(dcp, results.get("megatron")),
         "max_abs_loss_diff": loss_diff,
         "step_time_prediction_error": dcp.get("prediction_error") if dcp else None,
+        "step_time_prediction_error_last10": dcp.get("prediction_error_last10") if dcp else None,
         "steps": steps,
         "warmup": warmup,
         "rounds": rounds,

@@ -19,6 +19,9 @@ from dcp.optim import OptimConfig
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS, check_choice
 from dcp.train.checkpoint import CheckpointConfig
 
+CALIBRATION_MODES = ("online", "fixed")
+"""How the planner's cost model follows the hardware (``dcp.calibration``)."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
@@ -57,6 +60,17 @@ class DCPConfig:
     """planner=static: the run's fixed CP size (null: the fastest feasible one per batch)."""
     static_recompute: str | None = None
     """planner=static: the run's fixed recompute level (null: the fastest per batch)."""
+    calibration: str = "online"
+    """``online``: refit the cost model on the run's own measured micro-steps every
+    ``refit_interval_steps`` and plan with it (plans then depend on measured times, so reruns
+    agree up to float rounding); ``fixed``: plan with ``spec`` as it is (bit-exact reruns)."""
+    refit_interval_steps: int = 5
+    """Steps between online refits."""
+    refit_holdout_steps: int = 2
+    """The newest steps' micro-steps are held out: a refit that predicts them worse than the
+    current model is rejected."""
+    refit_window_steps: int = 200
+    """Refit on the micro-steps of at most this many recent steps (tracks drift)."""
 
     def __post_init__(self) -> None:
         check_choice(self.planner, PLANNERS, "dcp.planner")
@@ -65,6 +79,12 @@ class DCPConfig:
             check_choice(self.static_recompute, RECOMPUTE_LEVELS, "dcp.static_recompute")
         if not self.spec:
             raise ValueError("dcp.spec must name a preset or a spec JSON path")
+        check_choice(self.calibration, CALIBRATION_MODES, "dcp.calibration")
+        for name in ("refit_interval_steps", "refit_holdout_steps", "refit_window_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"dcp.{name} must be >= 1, got {getattr(self, name)}")
+        if self.refit_holdout_steps >= self.refit_window_steps:
+            raise ValueError("dcp.refit_holdout_steps must be smaller than dcp.refit_window_steps")
         if self.static_cp_size is not None and self.static_cp_size < 1:
             raise ValueError(f"dcp.static_cp_size must be >= 1, got {self.static_cp_size}")
 

@@ -44,6 +44,7 @@ from dcp.train.batches import (
     build_dataset,
     longest_seq_len,
 )
+from dcp.train.calibration import OnlineCalibrator
 from dcp.train.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock, RunLockedError
@@ -66,6 +67,7 @@ class Trainer:
         self.ckpt_root = Path(cfg.checkpoint.root_dir or self.run_dir / "checkpoints")
         self.lock = RunLock(self.run_dir)
         self.metrics = None
+        self._last_checkpoint: Path | None = None
         _on_rank0(self._claim_directories)
         try:
             self._build()
@@ -91,7 +93,16 @@ class Trainer:
             max_seq_len=longest_seq_len(self.dataset),
         )
         self.runtime = Runtime.from_config(cfg.model, cfg.optim, seed=cfg.train.seed)
-        self.start_step, wandb_id = self._maybe_resume()
+        self.start_step, extra = self._maybe_resume()
+        self.calibrator = OnlineCalibrator(
+            cfg.dcp,
+            spec=self.planner.spec,  # the configured spec: every refit starts from it
+            run_dir=self.run_dir,
+            start_step=self.start_step,
+            state=extra.get("calibration"),
+        )
+        if self.calibrator.version:  # resumed with a refitted model
+            self.planner.set_spec(self.calibrator.spec, version=self.calibrator.version)
         if self.rank == 0:
             write_run_config(self.run_dir, to_dict(cfg))
         dist.barrier()
@@ -102,7 +113,7 @@ class Trainer:
             total_steps=cfg.train.steps,
             run_config=to_dict(cfg),
             start_step=self.start_step,
-            wandb_id=wandb_id,
+            wandb_id=extra.get("wandb_id"),
         )
         # Start-up is over: from here a stuck rank fails the job within the training timeout.
         set_collective_timeout(
@@ -116,15 +127,15 @@ class Trainer:
         self.lock.release()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def _maybe_resume(self) -> tuple[int, str | None]:
-        """(steps already done, the W&B run id to continue)."""
+    def _maybe_resume(self) -> tuple[int, dict]:
+        """(steps already done, the checkpoint's ``extra``: config, W&B id, calibration)."""
         if not self.cfg.checkpoint.resume:
-            return 0, None
+            return 0, {}
         loaded = load_latest(
             self.ckpt_root, rank=self.rank, world_size=self.world_size, weights_only=False
         )
         if loaded is None:
-            return 0, None
+            return 0, {}
         extra = loaded.extra or {}
         if "config" in extra:
             check_resume_config(
@@ -137,7 +148,7 @@ class Trainer:
         restore_rng_state(loaded.rng_state)
         if self.rank == 0:
             logger.info("resumed from %s (step %d)", loaded.path, loaded.step)
-        return loaded.step, extra.get("wandb_id")
+        return loaded.step, extra
 
     def _save(self, step: int, sampler_state: dict) -> Path:
         """Checkpoint after ``step``. ``sampler_state`` is the position right after this step's
@@ -151,7 +162,11 @@ class Trainer:
             scheduler_state={"step": step},
             sampler_state=sampler_state,
             rng_state=capture_rng_state(),
-            extra={"config": to_dict(self.cfg), "wandb_id": self.metrics.wandb_id},
+            extra={
+                "config": to_dict(self.cfg),
+                "wandb_id": self.metrics.wandb_id,
+                "calibration": self.calibrator.state_dict(),
+            },
             rank=self.rank,
             world_size=self.world_size,
             barrier_fn=dist.barrier,
@@ -183,6 +198,12 @@ class Trainer:
             tokens_per_s=tokens / stats.step_time_s if stats.step_time_s > 0 else 0.0,
             compute_time_s=stats.compute_time_s,
             predicted_step_time_s=planned.predicted_step_time_s,
+            prediction_error=(
+                abs(planned.predicted_step_time_s - stats.compute_time_s) / stats.compute_time_s
+                if stats.compute_time_s > 0
+                else 0.0
+            ),
+            calibration_version=planned.calibration_version,
             plan_time_s=plan_time_s,
             lr=stats.lr,
             grad_norm=stats.grad_norm,
@@ -202,9 +223,12 @@ class Trainer:
     def train(self) -> list[StepRecord]:
         """Run up to ``train.steps`` steps (fewer when a stop signal arrives); always closes."""
         try:
-            return self._loop()
+            records = self._loop()
         finally:
             self.close()
+        if self.rank == 0 and self.cfg.metrics.progress_bar:
+            self._where_things_went()
+        return records
 
     def _loop(self) -> list[StepRecord]:
         cfg = self.cfg
@@ -238,6 +262,15 @@ class Trainer:
                         step + 1,
                         planned.plan.to_json(),
                     )
+                self.calibrator.observe(
+                    step + 1, planned.plan, planned.lengths, stats.micro_step_times_s
+                )
+                refit = self.calibrator.maybe_refit(step + 1, self.planner.cost_model)
+                if refit is not None and refit.accepted:
+                    self.planner.set_spec(self.calibrator.spec, version=refit.version)
+                    if pending is not None:  # planned with the old model: plan it again
+                        next_batch = (pending.result() if pool else pending)[0]
+                        pending = submit(next_batch)
                 self.metrics.log(step + 1, record.to_dict())
                 self.metrics.note(f"step {step + 1}: {record.plan.summary()}")
                 records.append(record)
@@ -266,7 +299,7 @@ class Trainer:
             stop.restore()
             if pool:
                 pool.shutdown(wait=True, cancel_futures=True)
-        self._where_things_went(saved)
+        self._last_checkpoint = saved
         return records
 
     def _stop_agreed(self, stop: StopRequest, step: int) -> bool:
@@ -278,11 +311,13 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _where_things_went(self, checkpoint: Path | None) -> None:
+    def _where_things_went(self) -> None:
+        """The end of the console output: where everything went, and what to run next."""
         lines = [
-            f"metrics: {self.metrics.metrics_path}",
-            f"config:  {self.run_dir / 'config.yaml'}",
-            f"checkpoints: {checkpoint or self.ckpt_root}",
+            f"metrics:     {self.run_dir / 'metrics.jsonl'}",
+            f"micro-steps: {self.run_dir / 'microsteps.jsonl'}",
+            f"config:      {self.run_dir / 'config.yaml'}",
+            f"checkpoints: {self._last_checkpoint or self.ckpt_root}",
         ]
         if self.cfg.metrics.wandb_mode != "disabled":
             wandb_dir = Path(self.cfg.metrics.wandb_dir or self.run_dir) / "wandb"
@@ -291,8 +326,7 @@ class Trainer:
             f"compare runs: python -m tools.compare_runs {self.run_dir} <other run dir> "
             "--out report"
         )
-        for line in lines:
-            self.metrics.note(line)
+        print("\n".join(lines), flush=True)
 
 
 def _on_rank0(fn: Callable[[], None]) -> None:

@@ -36,6 +36,8 @@ OVERRIDES = [
     "optim.decay_steps=6",
     "checkpoint.interval_steps=2",
     "metrics.progress_bar=false",
+    # Bit-exact comparisons between runs: online refits would make plans depend on timings.
+    "dcp.calibration=fixed",
 ]
 
 
@@ -143,3 +145,30 @@ def test_kill_and_resume_reproduces_losses(uninterrupted, tmp_path):
     reference = metrics(uninterrupted)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
+
+
+def test_online_calibration_records_microsteps_and_refits(tmp_path):
+    """The default online mode: every micro-step lands in microsteps.jsonl (the contract), the
+    model is refitted every few steps, and the version is logged and checkpointed."""
+    from dcp.costmodel import read_records
+
+    online = ["dcp.calibration=online", "dcp.refit_interval_steps=3", "dcp.refit_holdout_steps=1"]
+    out = finish(launch(tmp_path, "online", *online, "metrics.wandb_mode=disabled"))
+    assert "cost-model refit on" in out  # accepted or rejected, the refit ran
+    run_dir = tmp_path / "online"
+    records = read_records(run_dir / "microsteps.jsonl")
+    rows = metrics(run_dir)
+    assert {r.step for r in records} == set(range(1, STEPS + 1))
+    assert len(records) == sum(r["plan/num_micro_steps"] for r in rows)
+    line = json.loads((run_dir / "microsteps.jsonl").read_text().splitlines()[0])
+    assert set(line) == {"step", "ranks", "seq_lens", "recompute", "time_s", "mem_bytes"}
+    assert all(r.time_s > 0 for r in records)
+    versions = [r["calibration_version"] for r in rows]
+    assert versions == sorted(versions) and versions[0] == 0
+    assert all("prediction_error" in r for r in rows)
+    import torch
+
+    extra = torch.load(
+        run_dir / "checkpoints" / f"step_{STEPS:06d}" / "extra.pt", weights_only=False
+    )
+    assert extra["calibration"]["version"] == versions[-1]

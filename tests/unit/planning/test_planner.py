@@ -208,3 +208,11 @@ def test_training_config_on_oversize_reaches_every_planner(planner):
         planned = batch_planner.plan(batch)
         assert planned.dropped == (1,)
         assert sorted(planned.plan.seq_ids()) == [0, 2, 3]
+
+
+def test_bad_planner_options_are_value_errors_naming_the_option(models):
+    cost_model = models["cpu-tiny"]
+    with pytest.raises(ValueError, match="max_cp_size must be an integer >= 1, got 'abc'"):
+        plan_batch([10, 20], cost_model=cost_model, max_cp_size="abc")
+    with pytest.raises(ValueError, match=r"has no option\(s\) \['bogus'\]; its options: "):
+        plan_batch([10, 20], cost_model=cost_model, planner="static", bogus=1)
