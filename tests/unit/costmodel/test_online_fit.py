@@ -49,12 +49,25 @@ def _truth() -> CostModel:
     return CostModel.from_spec(spec)
 
 
-def _records(truth: CostModel, *, noise: float = 0.0, seed: int = 0, cps=(1, 2), levels=None):
+def synthetic_records(
+    truth: CostModel,
+    *,
+    shapes=None,
+    cps=(1, 2),
+    levels=None,
+    noise: float = 0.0,
+    seed: int = 0,
+    fitting_only: bool = False,
+) -> list[MicroStepRecord]:
+    """One record per (shape, CP size, level), timed by ``truth`` (times ``1 + noise·N(0,1)``);
+    ``fitting_only`` leaves out configs that do not fit ``truth``'s memory."""
     rng = np.random.default_rng(seed)
     out = []
-    for shape in SHAPES:
+    for shape in SHAPES if shapes is None else shapes:
         for cp in cps:
             for level in levels or RECOMPUTE_LEVELS:
+                if fitting_only and not truth.fits(shape, cp, level):
+                    continue
                 time_s = truth.step_time_s(shape, cp, level) * (1 + noise * rng.standard_normal())
                 out.append(
                     MicroStepRecord(
@@ -149,7 +162,7 @@ def test_read_records_names_file_and_line(tmp_path):
 # -- the time fit --------------------------------------------------------------------------------
 def test_recovers_known_coefficients_from_exact_records():
     truth = _truth()
-    records = _records(truth)
+    records = synthetic_records(truth)
     fit = fit_records(records, prior=PRIOR)
     assert fit.num_used == len(records) and not fit.rejected
     assert fit.rms_rel_error < 1e-3 < 0.1 < fit.prior_rms_rel_error
@@ -163,7 +176,7 @@ def test_recovers_known_coefficients_from_exact_records():
 
 def test_bounded_error_with_noise():
     truth = _truth()
-    records = _records(truth, noise=0.05, seed=1)
+    records = synthetic_records(truth, noise=0.05, seed=1)
     fit = fit_records(records, prior=PRIOR)
     errors = np.abs(_rel_errors(fit.cost_model, truth, records))
     assert np.median(errors) < 0.03 and errors.max() < 0.15
@@ -172,7 +185,7 @@ def test_bounded_error_with_noise():
 
 def test_outliers_are_rejected():
     truth = _truth()
-    records = _records(truth)
+    records = synthetic_records(truth)
     slow = set(range(3, len(records), 9))  # stalled steps, 10x slower than the truth
     stalled = [
         MicroStepRecord(**{**r.to_dict(), "time_s": r.time_s * (10.0 if i in slow else 1.0)})
@@ -189,14 +202,14 @@ def test_prior_kept_where_records_say_nothing():
     truth = _truth()
     analytic = "cpu-tiny-uncalibrated"  # nonzero recompute fractions, unlike PRIOR
     prior = load_cost_model(analytic)
-    fit = fit_records(_records(truth, cps=(1,), levels=("none",)), prior=analytic)
+    fit = fit_records(synthetic_records(truth, cps=(1,), levels=("none",)), prior=analytic)
     got, want = fit.cost_model.coefficients, prior.coefficients
     assert "comm" not in fit.constrained and "linear_sel" not in fit.constrained
     for key in TIME_KEYS[5:]:
         assert getattr(got, key) == getattr(want, key), key
     assert got.linear_s_per_token == pytest.approx(truth.coefficients.linear_s_per_token, 1e-2)
     # Selective seen, full not: full keeps the prior's extra over selective.
-    partial = fit_records(_records(truth, levels=("none", "selective")), prior=analytic)
+    partial = fit_records(synthetic_records(truth, levels=("none", "selective")), prior=analytic)
     frac = partial.cost_model.coefficients.recompute_linear_frac
     prior_frac = want.recompute_linear_frac
     assert frac["selective"] == pytest.approx(0.25, rel=1e-2)
@@ -206,7 +219,7 @@ def test_prior_kept_where_records_say_nothing():
 
 
 def test_fit_is_deterministic_and_order_free():
-    records = _records(_truth(), noise=0.05, seed=2)
+    records = synthetic_records(_truth(), noise=0.05, seed=2)
     first = fit_records(records, prior=PRIOR)
     shuffled = list(records)
     random.Random(0).shuffle(shuffled)
@@ -216,7 +229,7 @@ def test_fit_is_deterministic_and_order_free():
 
 
 def test_too_few_records_and_foreign_ranks():
-    records = _records(_truth())
+    records = synthetic_records(_truth())
     with pytest.raises(ValueError, match="at least 8 micro-step records.*got 5"):
         fit_records(records[:5], prior=PRIOR)
     foreign = MicroStepRecord(step=0, ranks=(2, 3), seq_lens=(9,), recompute="none", time_s=1.0)
@@ -228,7 +241,7 @@ def test_too_few_records_and_foreign_ranks():
 def test_memory_is_never_lowered():
     prior = load_cost_model(PRIOR)
     truth = _truth()
-    base = _records(truth)
+    base = synthetic_records(truth)
 
     def with_memory(bytes_of):
         out = []
@@ -288,19 +301,7 @@ def test_refit_plans_near_optimal_under_the_true_costs():
     )
     shapes = [[n] for n in (512, 2048, 8192, 32768, 65536, 131072)]
     shapes += [[1024] * 8, [4096] * 4, [300, 5000, 20000], [16384, 16384]]
-    records = [
-        MicroStepRecord(
-            step=i,
-            ranks=tuple(range(cp)),
-            seq_lens=tuple(shape),
-            recompute=lv,
-            time_s=truth.step_time_s(shape, cp, lv),
-        )
-        for i, (shape, cp, lv) in enumerate(
-            (s, cp, lv) for s in shapes for cp in (1, 2, 4, 8) for lv in RECOMPUTE_LEVELS
-        )
-        if truth.fits(shape, cp, lv)
-    ]
+    records = synthetic_records(truth, shapes=shapes, cps=(1, 2, 4, 8), fitting_only=True)
     fitted = fit_records(records, prior=spec).cost_model
     rng = np.random.default_rng(0)
     fitted_ratio, prior_ratio = [], []

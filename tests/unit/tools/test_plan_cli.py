@@ -8,9 +8,10 @@ import pytest
 
 from dcp.costmodel import load_cost_model, load_preset
 from dcp.costmodel.online import fit_records
-from dcp.costmodel.records import MicroStepRecord, append_records, read_records
-from dcp.plan import RECOMPUTE_LEVELS, Plan
+from dcp.costmodel.records import append_records, read_records
+from dcp.plan import Plan
 from dcp.planning import simulate
+from tests.unit.costmodel.test_online_fit import synthetic_records
 from tools import plan as plan_cli
 from tools import simulate as simulate_cli
 
@@ -109,21 +110,8 @@ def test_plan_cli_unknown_spec(lengths_file, capsys):
 
 def test_plan_cli_refits_on_measurements(tmp_path, capsys):
     truth = load_cost_model("cpu-tiny")
-    records = [
-        MicroStepRecord(
-            step=i,
-            ranks=tuple(range(cp)),
-            seq_lens=tuple(shape),
-            recompute=lv,
-            time_s=truth.step_time_s(shape, cp, lv),
-        )
-        for i, (shape, cp, lv) in enumerate(
-            (s, cp, lv)
-            for s in ([128], [1024], [4096], [64] * 16, [300, 2000])
-            for cp in (1, 2)
-            for lv in RECOMPUTE_LEVELS
-        )
-    ]
+    shapes = ([128], [1024], [4096], [64] * 16, [300, 2000])
+    records = synthetic_records(truth, shapes=shapes)
     measurements = tmp_path / "run" / "microsteps.jsonl"
     append_records(measurements, records)
     lengths = tmp_path / "lengths.json"
