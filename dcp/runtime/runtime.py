@@ -107,11 +107,15 @@ class StepStats:
     step_time_s: float
     micro_step_times_s: list[tuple[int, float]] = field(default_factory=list)
     """(plan step index, seconds) of each micro-step this rank ran."""
-    num_micro_steps: int = 0
     tokens_read: int = 0
     skipped: bool = False
     compute_time_s: float = 0.0
     """Slowest rank's wall time for its micro-steps (what the planner predicts)."""
+
+    @property
+    def num_micro_steps(self) -> int:
+        """Micro-steps this rank ran."""
+        return len(self.micro_step_times_s)
 
 
 class Runtime:
@@ -251,7 +255,6 @@ class Runtime:
             grad_norm=float(grad_norm),
             step_time_s=time.perf_counter() - start,
             micro_step_times_s=result.step_times_s,
-            num_micro_steps=len(result.step_times_s),
             tokens_read=int(totals[1]),
             skipped=skipped,
             compute_time_s=float(slowest[0]),

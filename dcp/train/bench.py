@@ -83,11 +83,7 @@ def summarize(name: str, rounds: list[list[StepRecord]], warmup: int) -> dict:
     measured = [r for run in rounds for r in run[warmup:]]
     tokens = sum(r.tokens for r in measured)
     seconds = sum(r.step_time_s for r in measured)
-    errors = [
-        abs(r.predicted_step_time_s - r.compute_time_s) / r.compute_time_s
-        for r in measured
-        if r.compute_time_s > 0
-    ]
+    errors = [r.prediction_error for r in measured if r.compute_time_s > 0]
     return {
         "planner": name,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from dcp.config import to_dict
 from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
 from dcp.observability.memory import max_peak_memory_bytes, reset_peak_memory
-from dcp.observability.metrics import MetricsLogger
+from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
 from dcp.observability.record import PlanStats, StepRecord, model_flops
 from dcp.observability.run_info import write_run_config
 from dcp.runtime.collectives import (
@@ -44,7 +44,7 @@ from dcp.train.batches import (
     build_dataset,
     longest_seq_len,
 )
-from dcp.train.calibration import OnlineCalibrator
+from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator
 from dcp.train.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock, RunLockedError
@@ -314,8 +314,8 @@ class Trainer:
     def _where_things_went(self) -> None:
         """The end of the console output: where everything went, and what to run next."""
         lines = [
-            f"metrics:     {self.run_dir / 'metrics.jsonl'}",
-            f"micro-steps: {self.run_dir / 'microsteps.jsonl'}",
+            f"metrics:     {self.run_dir / METRICS_FILENAME}",
+            f"micro-steps: {self.run_dir / RECORDS_FILENAME}",
             f"config:      {self.run_dir / 'config.yaml'}",
             f"checkpoints: {self._last_checkpoint or self.ckpt_root}",
         ]
