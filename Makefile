@@ -12,7 +12,7 @@ PYTHON312   := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/pyth
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo data test unit lint format bench simulate clean
+.PHONY: setup demo data test unit lint format bench simulate extend-context clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,22 @@ data/stdlib.idx: $(STAMP)
 demo: data
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) -m pretrain.pretrain_gpt \
 	  --config pretrain/configs/tiny_cpu.yaml $(ARGS)
+
+# Context extension on CPU (pretrain/configs/extend_context_cpu.yaml): a 512-token base model,
+# exported to Hugging Face format, imported and continued at 2K then 4K tokens.
+CTX_RUN     := $(VENV)/bin/torchrun --nproc-per-node $(NPROC) -m pretrain.pretrain_gpt
+extend-context: data
+	rm -rf runs/ctx-base runs/ctx-extend-2k runs/ctx-extend-4k
+	$(CTX_RUN) --config pretrain/configs/tiny_cpu.yaml name=ctx-base model.max_seq_len=512 \
+	  data.indexed.max_doc_len=512 train.steps=30 optim.decay_steps=30 \
+	  metrics.wandb_group=extend-context $(ARGS)
+	$(PY) -m tools.convert_checkpoint dcp-to-hf runs/ctx-base/checkpoints runs/ctx-base/hf
+	$(CTX_RUN) --config pretrain/configs/extend_context_cpu.yaml $(ARGS)
+	$(CTX_RUN) --config pretrain/configs/extend_context_cpu.yaml name=ctx-extend-4k \
+	  init.from_hf=null init.from_checkpoint=runs/ctx-extend-2k/checkpoints \
+	  data.indexed.max_doc_len=4096 $(ARGS)
+	$(PY) -m tools.compare_runs runs/ctx-base runs/ctx-extend-2k runs/ctx-extend-4k \
+	  --out runs/extend-context-report
 
 lint: setup
 	$(VENV)/bin/ruff check .

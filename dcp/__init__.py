@@ -22,6 +22,7 @@ _LAZY = {
     "load_cost_model": "dcp.costmodel",
     "Runtime": "dcp.runtime.runtime",
     "init": "dcp.runtime.runtime",
+    "load_hf_model": "dcp.weights.convert",
 }
 
 __all__ = sorted(_LAZY)

@@ -171,6 +171,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def load_config[T](cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -> T:
-    """YAML file (optional) + command-line overrides → validated config of type ``cls``."""
-    data = load_yaml(path) if path is not None else {}
-    return from_dict(cls, apply_overrides(data, overrides))
+    """YAML file (optional) + command-line overrides → validated config of type ``cls``.
+
+    A config class may define ``prepare_dict(data) -> data``: it fills defaults that depend on
+    the merged data itself (``PretrainConfig``: the model section from ``init.from_hf``).
+    """
+    data = apply_overrides(load_yaml(path) if path is not None else {}, overrides)
+    prepare = getattr(cls, "prepare_dict", None)
+    if prepare is not None:
+        data = prepare(data)
+    return from_dict(cls, data)

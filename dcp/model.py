@@ -1,6 +1,7 @@
 """Build a Llama-style megatron-core ``GPTModel`` from one config dataclass.
 
-RoPE, RMSNorm, SwiGLU, grouped-query attention, untied or tied embeddings and
+RoPE (optionally Llama-3.1 or linear scaling), RMSNorm, SwiGLU, grouped-query attention, untied
+or tied embeddings, optional QKV biases (Qwen2) and QK-norm (Qwen3), and
 ``add_bias_linear=False`` (megatron-core 0.19.2's ``mlp`` recompute recurses forever with
 biases). The layer spec is megatron's local spec with the ``core_attention`` submodule replaced:
 ``"dcp"`` is DCP's packed, context-parallel attention (``dcp.attention``: TE on GPU when present,
@@ -11,6 +12,7 @@ the torch implementation otherwise); ``"megatron_local"`` keeps megatron's own
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +22,37 @@ import torch.nn.functional as F
 from dcp.costmodel.spec import ParamCounts
 
 CoreAttention = Literal["dcp", "megatron_local"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class RopeScaling:
+    """How RoPE frequencies are rescaled for contexts beyond the pretrained one."""
+
+    type: Literal["linear", "llama3"]
+    """``linear``: every frequency divided by ``factor`` (position interpolation);
+    ``llama3``: Llama-3.1's wavelength-dependent rescaling."""
+    factor: float
+    """Context extension factor (> 1 extends)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above ``original_max_position_embeddings / low_freq_factor`` are
+    divided by ``factor``."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below ``original_max_position_embeddings / high_freq_factor`` are
+    kept; those in between are interpolated."""
+    original_max_position_embeddings: int = 8192
+    """llama3: the context the model was pretrained at."""
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.type == "llama3":
+            if not self.high_freq_factor > self.low_freq_factor > 0:
+                raise ValueError(
+                    "rope_scaling: need high_freq_factor > low_freq_factor > 0, got "
+                    f"{self.high_freq_factor} and {self.low_freq_factor}"
+                )
+            if self.original_max_position_embeddings < 1:
+                raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -38,10 +71,21 @@ class ModelConfig:
     """SwiGLU inner width."""
     vocab_size: int = 257
     """Token ids are in [0, vocab_size)."""
+    make_vocab_size_divisible_by: int = 1
+    """The embedding and output layer have ``padded_vocab_size`` rows (a multiple of this);
+    the padding rows' logits are masked to -inf, so losses equal the unpadded model's."""
     max_seq_len: int = 4096
     """Longest document (RoPE table size); longer documents are chunked by the data pipeline."""
-    rotary_base: int = 10000
-    """RoPE base."""
+    rotary_base: float = 10000
+    """RoPE base (``rope_theta``)."""
+    rope_scaling: RopeScaling | None = None
+    """Frequency rescaling for extended contexts (None: plain RoPE)."""
+    kv_channels: int | None = None
+    """Per-head width; None: hidden_size / num_attention_heads (Qwen3 sets it explicitly)."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projections (Qwen2); every other linear has none."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
     tie_embeddings: bool = False
     """Share input embedding and output projection."""
     init_std: float = 0.02
@@ -61,11 +105,16 @@ class ModelConfig:
             "num_query_groups",
             "ffn_hidden_size",
             "vocab_size",
+            "make_vocab_size_divisible_by",
             "max_seq_len",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
+        if not self.rotary_base > 0:
+            raise ValueError(f"rotary_base must be > 0, got {self.rotary_base}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                 f"({self.num_attention_heads})"
@@ -75,25 +124,63 @@ class ModelConfig:
                 f"num_query_groups ({self.num_query_groups}) must divide num_attention_heads "
                 f"({self.num_attention_heads})"
             )
-        if (self.hidden_size // self.num_attention_heads) % 2:
-            raise ValueError("head dim (hidden_size / num_attention_heads) must be even for RoPE")
+        if self.head_dim % 2:
+            raise ValueError(f"the head dim ({self.head_dim}) must be even for RoPE")
         if not self.init_std > 0:
             raise ValueError(f"init_std must be > 0, got {self.init_std}")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and output layer: ``vocab_size`` rounded up."""
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
 
     def num_params(self) -> int:
         """Parameter count (for MFU: 6·N·tokens plus attention FLOPs)."""
         return ParamCounts.of(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
+            q_hidden_size=self.num_attention_heads * self.head_dim,
             kv_hidden_size=self.num_query_groups * self.head_dim,
             ffn_hidden_size=self.ffn_hidden_size,
             vocab_size=self.vocab_size,
             tied_embeddings=self.tie_embeddings,
         ).total
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """fp32 [head_dim / 2]: RoPE's inverse frequencies, rescaled as ``cfg.rope_scaling`` says.
+
+    The same formulas Hugging Face ``transformers`` uses for its ``default``, ``linear`` and
+    ``llama3`` rope types (``modeling_rope_utils``), so an imported model sees the positions it
+    was trained with.
+    """
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between
+    # interpolated smoothly in 1/wavelength.
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(
+        wavelen > old_len / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq
+    )
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= old_len / scaling.high_freq_factor) & (
+        wavelen <= old_len / scaling.low_freq_factor
+    )
+    return torch.where(medium, smoothed, scaled)
 
 
 def transformer_config(cfg: ModelConfig, **overrides):
@@ -109,6 +196,8 @@ def transformer_config(cfg: ModelConfig, **overrides):
         num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size,
         kv_channels=cfg.head_dim,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_eps,
         gated_linear_unit=True,
@@ -137,7 +226,7 @@ def layer_spec(cfg: ModelConfig):
     """megatron's local GPT layer spec with DCP's core attention swapped in."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
     if cfg.core_attention == "dcp":
         from dcp.attention import core_attention_spec
 
@@ -162,13 +251,31 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
     model = GPTModel(
         config=transformer_config(cfg, **tf_overrides),
         transformer_layer_spec=layer_spec(cfg),
-        vocab_size=cfg.vocab_size,
+        vocab_size=cfg.padded_vocab_size,
         max_sequence_length=cfg.max_seq_len,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=cfg.rotary_base,
         pg_collection=pg_collection,
     )
+    # Not a buffer: set before the first forward (RotaryEmbedding.forward caches its tables).
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg)
+    if cfg.padded_vocab_size > cfg.vocab_size:
+        model.output_layer.register_forward_hook(_VocabPaddingMask(cfg.vocab_size))
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+class _VocabPaddingMask:
+    """Forward hook on the output layer: logits of padding rows (ids >= ``vocab_size``) become
+    -inf, so softmax, loss and gradients are those of the unpadded vocabulary (TP = 1: the layer
+    computes every row; megatron's ColumnParallelLinear returns ``(logits, bias)``)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, module, args, output):
+        logits, bias = output
+        pad = torch.arange(logits.size(-1), device=logits.device) >= self.vocab_size
+        return logits.masked_fill(pad, float("-inf")), bias

@@ -230,9 +230,12 @@ class ParamCounts:
         vocab_size: int,
         gated_mlp: bool = True,
         tied_embeddings: bool = False,
+        q_hidden_size: int | None = None,
     ) -> ParamCounts:
+        """``q_hidden_size``: heads × head dim when it differs from ``hidden_size`` (Qwen3)."""
         h = hidden_size
-        attention = h * (h + 2 * kv_hidden_size) + h * h
+        q = q_hidden_size or h
+        attention = h * (q + 2 * kv_hidden_size) + q * h
         mlp = (3 if gated_mlp else 2) * h * ffn_hidden_size
         linear = num_layers * (attention + mlp)
         embedding = vocab_size * h * (1 if tied_embeddings else 2)

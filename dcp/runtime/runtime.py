@@ -31,6 +31,7 @@ from dcp.runtime.collectives import phase
 from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.schedule import run_plan
+from dcp.weights.canonical import canonical_state, load_canonical
 
 
 def init(*, timeout_s: float | None = None) -> None:
@@ -262,13 +263,22 @@ class Runtime:
 
     # -- checkpoint state ------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """Model (canonical names, ``dcp.weights.canonical``), optimizer and step."""
         return {
-            "model": self.model.module.state_dict(),
+            "model": canonical_state(self.model.module.state_dict()),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.module.load_state_dict(state["model"])
+        load_canonical(self.model.module, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
+
+    def load_model_weights(self, load: Callable[[torch.nn.Module], None]) -> None:
+        """Replace the weights in place with ``load(module)`` before training starts (optimizer
+        state stays fresh). megatron's mixed-precision optimizers keep fp32 main copies made at
+        construction; ``reload_model_params`` (megatron-core ``optimizer.py``) refreshes them."""
+        load(self.model.module)
+        if hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()

@@ -64,6 +64,8 @@ __all__ = [
     "find_latest",
     "is_complete",
     "load_checkpoint",
+    "load_component",
+    "resolve_checkpoint",
     "load_latest",
     "restore_rng_state",
     "save_checkpoint",
@@ -504,6 +506,34 @@ def load_checkpoint(
             )
             raise RuntimeError(f"cannot load {file}: {exc}{hint}") from exc
     return LoadedCheckpoint(step=int(manifest["step"]), path=p, **values)
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint directory from ``path``: a ``step_*`` directory itself, or the newest
+    complete one under a checkpoint root. Checksums are verified; ValueError if none is usable."""
+    p = Path(path)
+    if _read_manifest(p) is not None:
+        if not is_complete(p):
+            raise ValueError(f"{p} is not a complete checkpoint (a save that crashed?)")
+        verify_checksums(p)
+        return p
+    found = find_latest(p)
+    if found is None:
+        raise ValueError(f"no complete checkpoint at or under {p}")
+    return found
+
+
+def load_component(
+    path: str | os.PathLike[str], component: str, *, mmap: bool = False, weights_only: bool = True
+) -> Any:
+    """One rank-0 component (e.g. ``model_state``, ``extra``) of the checkpoint directory
+    ``path``; ``mmap`` maps tensors from the file instead of reading them into memory."""
+    if component not in COMPONENTS:
+        raise ValueError(f"unknown checkpoint component {component!r}; known: {COMPONENTS}")
+    file = Path(path) / _file_name(component, None)
+    if not file.is_file():
+        raise ValueError(f"{file} does not exist (per-rank component, or not a checkpoint)")
+    return torch.load(file, map_location="cpu", mmap=mmap, weights_only=weights_only)
 
 
 def load_latest(

@@ -7,8 +7,9 @@ override the YAML (``dcp.config.load_config``). Unknown keys anywhere raise ``Va
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dcp.data.indexed import IndexedDataConfig
 from dcp.data.sampler import SamplerConfig
@@ -130,6 +131,81 @@ class ResumeConfig:
     against the checkpoint's config is accepted although it changes the training trajectory."""
 
 
+@dataclass(kw_only=True, frozen=True)
+class InitConfig:
+    """Where a new run's weights come from (a resumed run takes them from its checkpoint)."""
+
+    from_hf: str | None = None
+    """A local Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3; safetensors). The
+    ``model`` section is derived from its ``config.json``; ``model.*`` keys set in the YAML or
+    on the command line override the derived values, except the ones that shape the weights,
+    which must agree."""
+    from_checkpoint: str | None = None
+    """A DCP checkpoint (a ``step_*`` directory, or a root: its newest) whose model weights
+    start the run, e.g. an earlier stage of a length curriculum or the output of
+    ``tools.convert_checkpoint hf-to-dcp``; the model section is derived from its recorded
+    config like ``from_hf``'s. Optimizer, sampler and step start fresh."""
+
+    def __post_init__(self) -> None:
+        if self.from_hf and self.from_checkpoint:
+            raise ValueError("init: set init.from_hf or init.from_checkpoint, not both")
+
+
+# ModelConfig fields that fix the weights' shapes: an imported model's must be its own.
+WEIGHT_SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "kv_channels",
+    "tie_embeddings",
+    "add_qkv_bias",
+    "qk_layernorm",
+)
+
+
+def source_model_config(init: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(source, model config dict) of ``init.from_hf`` / ``init.from_checkpoint``, or None."""
+    from dcp.config import to_dict
+
+    if init.get("from_hf"):
+        from dcp.weights.hf_config import model_config_from_hf, read_hf_config
+
+        hf_dir = init["from_hf"]
+        return f"init.from_hf ({hf_dir})", to_dict(model_config_from_hf(read_hf_config(hf_dir)))
+    if init.get("from_checkpoint"):
+        from dcp.train.checkpoint import load_component, resolve_checkpoint
+
+        path = resolve_checkpoint(init["from_checkpoint"])
+        extra = load_component(path, "extra", weights_only=False) or {}
+        model = (extra.get("config") or {}).get("model")
+        if model is None:
+            raise ValueError(f"init.from_checkpoint: {path} records no model config")
+        return f"init.from_checkpoint ({path})", dict(model)
+    return None
+
+
+def model_from_init(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` (a merged config dict) with its ``model`` section derived from the model that
+    ``init`` names, the section's own keys applied on top (those that shape the weights must
+    agree with it)."""
+    init = data.get("init") or {}
+    found = source_model_config(init) if isinstance(init, Mapping) else None
+    if found is None:
+        return dict(data)
+    source, derived = found
+    given = dict(data.get("model") or {})
+    for key in WEIGHT_SHAPE_FIELDS:
+        if key in given and given[key] != derived.get(key):
+            raise ValueError(
+                f"model.{key}={given[key]!r} contradicts {source}: {derived.get(key)!r}; leave it "
+                "out, the model is derived from there"
+            )
+    return {**data, "model": {**derived, **given}}
+
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -150,6 +226,10 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+
+    prepare_dict = staticmethod(model_from_init)
+    """``dcp.config.load_config`` hook: the model section of a run started from weights."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):

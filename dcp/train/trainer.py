@@ -45,11 +45,20 @@ from dcp.train.batches import (
     longest_seq_len,
 )
 from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator
-from dcp.train.checkpoint import capture_rng_state, load_latest, restore_rng_state, save_checkpoint
+from dcp.train.checkpoint import (
+    capture_rng_state,
+    load_component,
+    load_latest,
+    resolve_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock, RunLockedError
 from dcp.train.resume import check_resume_config
 from dcp.train.signals import StopRequest
+from dcp.weights.canonical import load_canonical
+from dcp.weights.convert import load_hf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +103,8 @@ class Trainer:
         )
         self.runtime = Runtime.from_config(cfg.model, cfg.optim, seed=cfg.train.seed)
         self.start_step, extra = self._maybe_resume()
+        if self.start_step == 0:
+            self._init_weights()
         self.calibrator = OnlineCalibrator(
             cfg.dcp,
             spec=self.planner.spec,  # the configured spec: every refit starts from it
@@ -149,6 +160,24 @@ class Trainer:
         if self.rank == 0:
             logger.info("resumed from %s (step %d)", loaded.path, loaded.step)
         return loaded.step, extra
+
+    def _init_weights(self) -> None:
+        """A new run's weights from ``init.from_hf`` / ``init.from_checkpoint``, if set."""
+        init = self.cfg.init
+        if init.from_hf:
+            self.runtime.load_model_weights(
+                lambda module: load_hf_weights(module, init.from_hf, self.cfg.model)
+            )
+            source = init.from_hf
+        elif init.from_checkpoint:
+            path = resolve_checkpoint(init.from_checkpoint)
+            state = load_component(path, "model_state")
+            self.runtime.load_model_weights(lambda module: load_canonical(module, state))
+            source = str(path)
+        else:
+            return
+        if self.rank == 0:
+            logger.info("initial weights from %s", source)
 
     def _save(self, step: int, sampler_state: dict) -> Path:
         """Checkpoint after ``step``. ``sampler_state`` is the position right after this step's

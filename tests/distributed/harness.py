@@ -183,6 +183,10 @@ def run_on_ranks(
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """Stop every pool's ranks. Each rank accumulates gloo process groups (megatron's parallel
+    state, CP registries) whose transport threads keep polling: left alive, thousands of them
+    slow whatever runs after the distributed tests."""
     for pool in _POOLS.values():
         pool.shutdown()
+    _POOLS.clear()

@@ -84,3 +84,40 @@ def test_lr_schedule_warmup_then_cosine_to_min():
 def test_h200_recipe_is_a_valid_config():
     cfg = load_config(PretrainConfig, REPO / "pretrain/configs/llama3_8b_h200.yaml")
     assert cfg.model.dtype == "bf16" and cfg.dcp.spec == "h200x8+llama3-8b"
+
+
+def _hf_config_dir(path, **fields):
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
+    return path
+
+
+def test_context_extension_recipes_derive_the_model_from_config_json(tmp_path):
+    llama3_8b = _hf_config_dir(
+        tmp_path / "llama3-8b",
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg = load_config(
+        PretrainConfig,
+        REPO / "pretrain/configs/extend_context_llama3_8b.yaml",
+        [f"init.from_hf={llama3_8b}"],
+    )
+    assert (cfg.model.num_layers, cfg.model.num_query_groups, cfg.model.vocab_size) == (
+        32, 8, 128256,
+    )  # fmt: skip
+    assert cfg.model.max_seq_len == 65536 and cfg.model.rotary_base == 8e6
+    tiny = _hf_config_dir(
+        tmp_path / "tiny",
+        vocab_size=257, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+    )  # fmt: skip
+    cfg = load_config(
+        PretrainConfig, REPO / "pretrain/configs/extend_context_cpu.yaml", [f"init.from_hf={tiny}"]
+    )
+    assert cfg.model.hidden_size == 128 and cfg.model.rotary_base == 40000
+    assert cfg.data.indexed.max_doc_len == 2048

@@ -1,0 +1,98 @@
+"""The one parameter naming DCP checkpoints use, whatever layer spec built the model.
+
+*Canonical names* are megatron-core's names for the GPT model built with the local layer spec
+(``dcp.model.layer_spec``) at TP = 1, e.g. ``decoder.layers.3.input_layernorm.weight`` or
+``decoder.layers.3.self_attention.linear_qkv.weight`` (rows grouped per query group: that
+group's query heads, then its key head, then its value head; ``mlp.linear_fc1`` is
+``[gate; up]``). A model built another way holds the same tensors under other names:
+
+- megatron's mixed-precision wrapper (``Float16Module``) prefixes every name with ``module.``;
+- Transformer Engine's layer spec fuses each RMSNorm into the linear after it, so
+  ``input_layernorm.weight`` lives at ``self_attention.linear_qkv.layer_norm_weight`` and
+  ``pre_mlp_layernorm.weight`` at ``mlp.linear_fc1.layer_norm_weight``
+  (megatron-core ``gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec``);
+- ``_extra_state`` entries carry module state that is not a parameter (TE's FP8 scaling state);
+  they are kept when they hold something and left to the model's own otherwise.
+
+``canonical_state`` maps a model's state dict to canonical names and ``load_canonical`` maps
+canonical names back onto any such model, so checkpoints and the Hugging Face converter
+(``dcp.weights.hf``) see one layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+WRAPPER_PREFIX = "module."
+"""What ``Float16Module`` (and DDP's ``.module``) put before every name."""
+
+# Fused-norm names of TE's layer spec → the local spec's names (suffixes within a layer).
+_TE_TO_CANONICAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+EXTRA_STATE = "_extra_state"
+
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith(WRAPPER_PREFIX):
+        name = name[len(WRAPPER_PREFIX) :]
+    return name
+
+
+def canonical_name(name: str) -> str:
+    """The canonical name of a model state-dict key (wrapper prefixes and fused norms undone)."""
+    name = _strip_wrappers(name)
+    for te_suffix, canonical_suffix in _TE_TO_CANONICAL.items():
+        if name.endswith("." + te_suffix):
+            return name[: -len(te_suffix)] + canonical_suffix
+    return name
+
+
+def canonical_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A model's ``state_dict()`` under canonical names; empty ``_extra_state`` entries dropped."""
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if name.endswith(EXTRA_STATE) and _empty_extra_state(value):
+            continue
+        key = canonical_name(name)
+        if key in out:
+            raise ValueError(f"two state-dict entries map to the canonical name {key!r}")
+        out[key] = value
+    return out
+
+
+def _empty_extra_state(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 0
+    return False
+
+
+def model_names(model: torch.nn.Module) -> dict[str, str]:
+    """Canonical name → the model's own state-dict name, for every entry of ``model``."""
+    return {canonical_name(name): name for name in model.state_dict()}
+
+
+def load_canonical(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """Load a canonical-named ``state`` into ``model`` (any wrapper or layer spec), strictly:
+    a parameter missing from ``state``, or an entry of ``state`` the model lacks, raises naming
+    it. ``_extra_state`` entries absent from ``state`` keep the model's own values."""
+    names = model_names(model)
+    own = model.state_dict()
+    unexpected = sorted(set(state) - set(names))
+    missing = sorted(c for c, n in names.items() if c not in state and not n.endswith(EXTRA_STATE))
+    if unexpected or missing:
+        raise KeyError(
+            f"checkpoint and model disagree: missing from the checkpoint {missing[:5]}"
+            f"{' …' if len(missing) > 5 else ''}, not in the model {unexpected[:5]}"
+            f"{' …' if len(unexpected) > 5 else ''}"
+        )
+    mapped = {own_name: state.get(c, own[own_name]) for c, own_name in names.items()}
+    model.load_state_dict(mapped, strict=True)

@@ -1,0 +1,316 @@
+"""Hugging Face directories in and out of DCP, streaming tensor by tensor.
+
+- ``load_hf_model``: a ready ``GPTModel`` with a HF model's weights (megatron's parallel state
+  must be initialised, as for ``dcp.build_gpt_model``).
+- ``load_hf_weights``: copy a HF directory's weights into an existing model, in place.
+- ``hf_to_dcp``: a DCP checkpoint (``step_000000``, weights only) from a HF directory, for
+  ``init.from_checkpoint``.
+- ``dcp_to_hf``: a HF directory (``config.json``, safetensors shards with an index, the
+  tokenizer files when the run's data used a HF tokenizer) from a DCP checkpoint.
+
+Memory: reading goes one safetensors shard and one tensor at a time (only the parts of a fused
+QKV/gate-up matrix wait for their siblings); writing memory-maps the DCP checkpoint and flushes
+a HF shard whenever ``max_shard_bytes`` are buffered. ``load_hf_model`` copies into the model's
+own parameters, so at most one model plus one tensor is in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dcp.model import ModelConfig, build_gpt_model
+from dcp.weights.canonical import canonical_state, model_names
+from dcp.weights.hf import HFToCanonical, canonical_names, canonical_to_hf
+from dcp.weights.hf_config import (
+    hf_config_from_model,
+    model_config_from_hf,
+    model_type,
+    read_hf_config,
+)
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+)
+"""Files copied next to an exported model when the run's tokenizer directory has them."""
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, name)``: called after each tensor (tools print a bar from it)."""
+
+
+def _safetensors():
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+    except ImportError as exc:  # pragma: no cover - requirements.txt pins it
+        raise ImportError("reading Hugging Face checkpoints needs `safetensors`") from exc
+    return safe_open, save_file
+
+
+def hf_shards(hf_dir: str | os.PathLike) -> dict[str, list[str]]:
+    """Shard file → the tensor names it holds, in the order the shards are listed."""
+    root = Path(hf_dir)
+    index = root / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            shards.setdefault(file, []).append(name)
+        return shards
+    if (root / SINGLE_FILE).is_file():
+        safe_open, _ = _safetensors()
+        with safe_open(root / SINGLE_FILE, framework="pt") as f:
+            return {SINGLE_FILE: list(f.keys())}
+    raise ValueError(
+        f"{hf_dir}: no {SINGLE_FILE} or {SAFETENSORS_INDEX} (only safetensors checkpoints "
+        "are read; convert .bin checkpoints with transformers' save_pretrained first)"
+    )
+
+
+def iter_hf_tensors(
+    hf_dir: str | os.PathLike, *, progress: Progress | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a HF directory, one shard open at a time."""
+    safe_open, _ = _safetensors()
+    shards = hf_shards(hf_dir)
+    total = sum(len(names) for names in shards.values())
+    done = 0
+    for file, names in shards.items():
+        path = Path(hf_dir) / file
+        if not path.is_file():
+            raise ValueError(f"{path} is listed in {SAFETENSORS_INDEX} but does not exist")
+        with safe_open(path, framework="pt") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+                done += 1
+                if progress:
+                    progress(done, total, name)
+
+
+def iter_canonical_from_hf(
+    hf_dir: str | os.PathLike, cfg: ModelConfig, *, progress: Progress | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Canonical tensors of a HF directory, as each one completes; checks completeness."""
+    assembler = HFToCanonical(cfg)
+    for hf_name, tensor in iter_hf_tensors(hf_dir, progress=progress):
+        yield from assembler.add(hf_name, tensor)
+    assembler.finish()
+
+
+def hf_model_config(hf_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a HF directory, with ``overrides`` applied."""
+    return model_config_from_hf(read_hf_config(hf_dir), **overrides)
+
+
+def load_hf_weights(
+    model: torch.nn.Module,
+    hf_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    *,
+    progress: Progress | None = None,
+) -> None:
+    """Copy the weights of ``hf_dir`` into ``model`` (built from ``cfg``, any wrapper) in place."""
+    names = model_names(model)
+    own = model.state_dict()
+    loaded = set()
+    with torch.no_grad():
+        for name, tensor in iter_canonical_from_hf(hf_dir, cfg, progress=progress):
+            if name not in names:
+                raise KeyError(f"the model has no tensor {name!r} (built from another config?)")
+            target = own[names[name]]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+    expected = set(canonical_names(cfg))
+    assert loaded == expected, sorted(expected ^ loaded)
+
+
+def load_hf_model(hf_dir: str | os.PathLike, **overrides: Any):
+    """A megatron-core ``GPTModel`` with DCP's layer spec and the weights of the local Hugging
+    Face directory ``hf_dir`` (Llama, Mistral, Qwen2, Qwen3), ready for ``DCPEngine``.
+
+    ``overrides`` replace ``ModelConfig`` fields derived from ``config.json``, e.g.
+    ``max_seq_len=32768`` or ``dtype="bf16"``. Megatron's parallel state must be initialised
+    (``dcp.init()``).
+    """
+    cfg = hf_model_config(hf_dir, **overrides)
+    model = build_gpt_model(cfg)
+    load_hf_weights(model, hf_dir, cfg)
+    return model
+
+
+def hf_to_dcp(
+    hf_dir: str | os.PathLike,
+    out_root: str | os.PathLike,
+    *,
+    progress: Progress | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a weights-only DCP checkpoint (``out_root/step_000000``) of a HF directory; its
+    ``extra`` holds the derived model config. Returns the checkpoint directory."""
+    from dcp.config import to_dict
+    from dcp.train.checkpoint import save_checkpoint
+
+    hf = read_hf_config(hf_dir)
+    cfg = model_config_from_hf(hf, **overrides)
+    state = dict(iter_canonical_from_hf(hf_dir, cfg, progress=progress))
+    return save_checkpoint(
+        out_root,
+        0,
+        model_state=state,
+        optimizer_state=None,
+        scheduler_state=None,
+        sampler_state=None,
+        rng_state=None,
+        extra={
+            "config": {"model": to_dict(cfg)},
+            "hf_model_type": model_type(hf),
+            "source": str(Path(hf_dir).resolve()),
+        },
+        rank=0,
+        world_size=1,
+        barrier_fn=lambda: None,
+    )
+
+
+class ShardWriter:
+    """Writes tensors into ``model-0000i-of-0000N.safetensors`` files of at most about
+    ``max_shard_bytes`` each, plus ``model.safetensors.index.json``."""
+
+    def __init__(self, out_dir: Path, *, max_shard_bytes: int) -> None:
+        if max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+        self.out_dir = out_dir
+        self.max_shard_bytes = max_shard_bytes
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._files: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffer_bytes + size > self.max_shard_bytes:
+            self._flush()
+        # A copy: the source may be memory-mapped or a view into a larger fused tensor.
+        self._buffer[name] = tensor.detach().to("cpu").contiguous().clone()
+        self._buffer_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        _, save_file = _safetensors()
+        path = self.out_dir / f".shard-{len(self._files):05d}.safetensors"
+        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        self._files.append((path, list(self._buffer)))
+        self._buffer, self._buffer_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Flush, give the shards their final names, write the index; returns the shards."""
+        if self._buffer or not self._files:
+            self._flush()
+        count = len(self._files)
+        weight_map, final = {}, []
+        for i, (tmp, names) in enumerate(self._files, start=1):
+            name = SINGLE_FILE if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
+            os.replace(tmp, self.out_dir / name)
+            final.append(self.out_dir / name)
+            weight_map.update(dict.fromkeys(names, name))
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.out_dir / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return final
+
+
+def _export_kind(cfg: ModelConfig, extra: dict[str, Any]) -> str:
+    kind = extra.get("hf_model_type")
+    if kind:
+        return kind
+    return "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
+
+
+def tokenizer_dir(run_config: dict[str, Any]) -> Path | None:
+    """The HF tokenizer directory the run's indexed data was tokenized with, if any."""
+    data = run_config.get("data") or {}
+    indexed = data.get("indexed") or {}
+    for prefix in indexed.get("prefixes") or ():
+        meta = Path(f"{prefix}.meta.json")
+        if not meta.is_file():
+            continue
+        name = json.loads(meta.read_text()).get("tokenizer", "")
+        if name.startswith("hf:"):
+            return Path(name[3:])
+    return None
+
+
+def dcp_to_hf(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    kind: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: Progress | None = None,
+) -> Path:
+    """Export a DCP checkpoint (a ``step_*`` directory, or a root: its newest complete one) as
+    a HF directory ``out_dir``. ``kind`` picks the architecture (default: the imported model's,
+    else ``qwen2``/``qwen3``/``llama`` from the model's features)."""
+    from dcp.config import from_dict
+    from dcp.train.checkpoint import load_component, resolve_checkpoint
+
+    path = resolve_checkpoint(checkpoint)
+    extra = load_component(path, "extra", weights_only=False) or {}
+    run_config = extra.get("config") or {}
+    if "model" not in run_config:
+        raise ValueError(f"{path}: the checkpoint records no model config (extra.config.model)")
+    cfg = from_dict(ModelConfig, run_config["model"], prefix="model")
+    kind = kind or _export_kind(cfg, extra)
+    state = canonical_state(load_component(path, "model_state", mmap=True))
+    expected = canonical_names(cfg)
+    missing = [n for n in expected if n not in state]
+    unknown = sorted(n for n in set(state) - set(expected) if not n.endswith("_extra_state"))
+    if missing or unknown:
+        raise ValueError(
+            f"{path}: model state does not match its config: missing {missing[:5]}, "
+            f"unexpected {unknown[:5]}"
+        )
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; export into a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(out, max_shard_bytes=max_shard_bytes)
+    for done, name in enumerate(expected, start=1):
+        for hf_name, tensor in canonical_to_hf(name, state[name], cfg):
+            writer.add(hf_name, tensor)
+        if progress:
+            progress(done, len(expected), name)
+    writer.close()
+    hf_config = hf_config_from_model(cfg, kind=kind)
+    hf_config["torch_dtype"] = str(state[expected[0]].dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    tok = tokenizer_dir(run_config)
+    if tok is not None:
+        copied = [f for f in TOKENIZER_FILES if (tok / f).is_file()]
+        for f in copied:
+            shutil.copy2(tok / f, out / f)
+        logger.info("copied tokenizer files %s from %s", copied, tok)
+    return out

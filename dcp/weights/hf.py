@@ -1,0 +1,218 @@
+"""Hugging Face Llama/Mistral/Qwen2/Qwen3 tensors ↔ DCP's canonical tensors, one at a time.
+
+HF keeps query, key and value (and gate and up) as separate matrices; the canonical layout
+fuses them (``dcp.weights.canonical``). ``HFToCanonical`` buffers the parts of one fused tensor
+until all have arrived, so a converter can stream shard by shard and hold at most the parts of
+the fused tensors whose pieces sit in different shards. Both directions are exact permutations
+and slices: no arithmetic touches a value, so HF → DCP → HF is bit-identical.
+
+Vocabulary padding (``ModelConfig.make_vocab_size_divisible_by``): import appends zero rows to
+the embedding and output matrices up to ``padded_vocab_size``; export drops them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+
+from dcp.model import ModelConfig
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_CANONICAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Per-layer tensors that map one to one (HF suffix → canonical suffix).
+_ONE_TO_ONE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+# Per-layer tensors that are one part of a fused canonical tensor.
+_FUSED_PARTS = {
+    "linear_qkv": ("q", "k", "v"),
+    "linear_fc1": ("gate", "up"),
+}
+_PART_OF = {
+    "self_attn.q_proj.weight": ("self_attention.linear_qkv.weight", "q"),
+    "self_attn.k_proj.weight": ("self_attention.linear_qkv.weight", "k"),
+    "self_attn.v_proj.weight": ("self_attention.linear_qkv.weight", "v"),
+    "self_attn.q_proj.bias": ("self_attention.linear_qkv.bias", "q"),
+    "self_attn.k_proj.bias": ("self_attention.linear_qkv.bias", "k"),
+    "self_attn.v_proj.bias": ("self_attention.linear_qkv.bias", "v"),
+    "mlp.gate_proj.weight": ("mlp.linear_fc1.weight", "gate"),
+    "mlp.up_proj.weight": ("mlp.linear_fc1.weight", "up"),
+}
+_HF_OF_PART = {(c, part): hf for hf, (c, part) in _PART_OF.items()}
+_CANONICAL_TO_HF = {c: hf for hf, c in _ONE_TO_ONE.items()}
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+_GLOBAL = {
+    "model.embed_tokens.weight": EMBEDDING,
+    "model.norm.weight": FINAL_NORM,
+    "lm_head.weight": OUTPUT,
+}
+_GLOBAL_TO_HF = {c: hf for hf, c in _GLOBAL.items()}
+
+
+def canonical_names(cfg: ModelConfig) -> list[str]:
+    """Every canonical tensor name of the model ``cfg`` describes, in model order."""
+    layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]
+    if cfg.add_qkv_bias:
+        layer.append("self_attention.linear_qkv.bias")
+    if cfg.qk_layernorm:
+        layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    layer += [
+        "self_attention.linear_proj.weight",
+        "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc2.weight",
+    ]
+    names = [EMBEDDING]
+    names += [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers) for s in layer]
+    names.append(FINAL_NORM)
+    if not cfg.tie_embeddings:
+        names.append(OUTPUT)
+    return names
+
+
+# -- fused tensors ---------------------------------------------------------------------------
+def _fused_kind(suffix: str) -> str | None:
+    """``linear_qkv`` / ``linear_fc1`` for a fused layer tensor's suffix, else None."""
+    parts = suffix.split(".")
+    return parts[1] if len(parts) == 3 and parts[1] in _FUSED_PARTS else None
+
+
+def _fuse(name: str, parts: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    if ".linear_fc1." in name:
+        return torch.cat([parts["gate"], parts["up"]], dim=0)
+    # linear_qkv rows per query group: that group's query heads, its key head, its value head.
+    groups, hd = cfg.num_query_groups, cfg.head_dim
+    per_group = cfg.num_attention_heads // groups
+    q = parts["q"].reshape(groups, per_group * hd, *parts["q"].shape[1:])
+    k = parts["k"].reshape(groups, hd, *parts["k"].shape[1:])
+    v = parts["v"].reshape(groups, hd, *parts["v"].shape[1:])
+    return torch.cat([q, k, v], dim=1).reshape(-1, *parts["q"].shape[1:]).contiguous()
+
+
+def _split(name: str, fused: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    if ".linear_fc1." in name:
+        gate, up = fused.chunk(2, dim=0)
+        return {"gate": gate.contiguous(), "up": up.contiguous()}
+    groups, hd = cfg.num_query_groups, cfg.head_dim
+    per_group = cfg.num_attention_heads // groups
+    rest = fused.shape[1:]
+    grouped = fused.reshape(groups, (per_group + 2) * hd, *rest)
+    q, k, v = grouped.split([per_group * hd, hd, hd], dim=1)
+    return {
+        "q": q.reshape(-1, *rest).contiguous(),
+        "k": k.reshape(-1, *rest).contiguous(),
+        "v": v.reshape(-1, *rest).contiguous(),
+    }
+
+
+def _pad_vocab(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    if t.size(0) != cfg.vocab_size:
+        raise ValueError(f"vocabulary matrix has {t.size(0)} rows, config.json {cfg.vocab_size}")
+    extra = cfg.padded_vocab_size - cfg.vocab_size
+    if not extra:
+        return t
+    return torch.cat([t, t.new_zeros(extra, *t.shape[1:])], dim=0)
+
+
+# -- HF → canonical --------------------------------------------------------------------------
+class HFToCanonical:
+    """Feed HF tensors in any order with ``add``; it returns canonical tensors as they complete.
+
+    ``finish`` checks that every canonical tensor of ``cfg`` was produced exactly once.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._done: set[str] = set()
+        self._lm_head: torch.Tensor | None = None
+        self._embedding: torch.Tensor | None = None
+
+    def add(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if hf_name.endswith(".rotary_emb.inv_freq"):
+            return []  # a cached table some older checkpoints carry; DCP derives it
+        if hf_name in _GLOBAL:
+            name = _GLOBAL[hf_name]
+            if name == OUTPUT and self.cfg.tie_embeddings:
+                self._lm_head = tensor  # a tied checkpoint may still store it: must equal
+                return []
+            if name == EMBEDDING and self.cfg.tie_embeddings:
+                self._embedding = tensor
+            if name in (EMBEDDING, OUTPUT):
+                tensor = _pad_vocab(tensor, self.cfg)
+            return [self._emit(name, tensor)]
+        match = _HF_LAYER.match(hf_name)
+        if match is None:
+            raise ValueError(f"unexpected tensor {hf_name!r} in the Hugging Face checkpoint")
+        layer, suffix = int(match.group(1)), match.group(2)
+        if layer >= self.cfg.num_layers:
+            raise ValueError(f"tensor {hf_name!r}: the config has {self.cfg.num_layers} layers")
+        prefix = f"decoder.layers.{layer}."
+        if suffix in _ONE_TO_ONE:
+            return [self._emit(prefix + _ONE_TO_ONE[suffix], tensor)]
+        if suffix not in _PART_OF:
+            raise ValueError(f"unexpected tensor {hf_name!r} in the Hugging Face checkpoint")
+        target, part = _PART_OF[suffix]
+        name = prefix + target
+        parts = self._pending.setdefault(name, {})
+        if part in parts:
+            raise ValueError(f"tensor {hf_name!r} appears twice")
+        parts[part] = tensor
+        if len(parts) < len(_FUSED_PARTS[_fused_kind(target)]):
+            return []
+        del self._pending[name]
+        return [self._emit(name, _fuse(name, parts, self.cfg))]
+
+    def _emit(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        if name in self._done:
+            raise ValueError(f"the checkpoint holds the tensor for {name!r} twice")
+        self._done.add(name)
+        return name, tensor
+
+    def finish(self) -> None:
+        if self._lm_head is not None and self._embedding is not None:
+            if not torch.equal(self._lm_head, self._embedding):
+                raise ValueError(
+                    "config.json ties the embeddings, but lm_head.weight differs from "
+                    "model.embed_tokens.weight"
+                )
+        missing = [n for n in canonical_names(self.cfg) if n not in self._done]
+        incomplete = {n: sorted(p) for n, p in self._pending.items()}
+        if missing or incomplete:
+            raise ValueError(
+                f"the Hugging Face checkpoint is incomplete: missing {missing[:5]}"
+                f"{' …' if len(missing) > 5 else ''}; only some parts of {incomplete}"
+            )
+
+
+# -- canonical → HF --------------------------------------------------------------------------
+def canonical_to_hf(
+    name: str, tensor: torch.Tensor, cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors that hold canonical tensor ``name`` (vocabulary padding dropped)."""
+    if name in _GLOBAL_TO_HF:
+        if name in (EMBEDDING, OUTPUT):
+            tensor = tensor[: cfg.vocab_size]
+        yield _GLOBAL_TO_HF[name], tensor.contiguous()
+        return
+    match = _CANONICAL_LAYER.match(name)
+    if match is None:
+        raise ValueError(f"canonical tensor {name!r} has no Hugging Face counterpart")
+    prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+    if suffix in _CANONICAL_TO_HF:
+        yield prefix + _CANONICAL_TO_HF[suffix], tensor
+        return
+    if _fused_kind(suffix) not in _FUSED_PARTS:
+        raise ValueError(f"canonical tensor {name!r} has no Hugging Face counterpart")
+    for part, piece in _split(name, tensor, cfg).items():
+        yield prefix + _HF_OF_PART[(suffix, part)], piece

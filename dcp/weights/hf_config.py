@@ -1,0 +1,210 @@
+"""Hugging Face ``config.json`` ↔ ``ModelConfig`` for the architectures DCP's model can express.
+
+Supported: ``llama`` (Llama 2/3/3.x), ``mistral`` (without a sliding window), ``qwen2``
+(Qwen2/2.5: QKV biases) and ``qwen3`` (QK-norm, explicit head dim). A field whose value DCP's
+model cannot reproduce raises ``ValueError`` naming it; fields that do not change the forward
+pass (token ids, cache flags, dtype hints) are ignored, and any field this module does not know
+is reported in a warning, never dropped silently. Both ``rope_theta``/``rope_scaling`` (older
+``config.json`` files) and ``rope_parameters`` (transformers ≥ 5) are read; export writes both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dcp.model import ModelConfig, RopeScaling
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""Supported ``model_type`` → the ``transformers`` class that loads it."""
+
+# Fields with no effect on the forward pass: generation, tokens, bookkeeping, dtype hints.
+_IGNORED = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+    "pretraining_tp", "_name_or_path", "return_dict", "output_attentions",
+    "output_hidden_states", "tie_encoder_decoder", "is_encoder_decoder", "chunk_size_feed_forward",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "sep_token_id",
+    "decoder_start_token_id", "task_specific_params", "finetuning_task", "max_window_layers",
+    "rope_theta", "rope_scaling", "rope_parameters", "head_dim", "use_sliding_window",
+    "sliding_window", "layer_types", "attention_bias", "mlp_bias", "attention_dropout",
+    "hidden_act", "partial_rotary_factor", "use_mrope", "use_qk_norm",
+}  # fmt: skip
+_MAPPED = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
+    "tie_word_embeddings",
+}  # fmt: skip
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` of a local Hugging Face model directory."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{hf_dir} is not a Hugging Face model directory: no config.json")
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def model_type(hf: Mapping[str, Any]) -> str:
+    """The supported ``model_type`` of ``hf`` (ValueError naming what is unsupported)."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        arch = hf.get("architectures")
+        raise ValueError(
+            f"config.json model_type={kind!r} (architectures={arch}) is not supported; "
+            f"supported: {sorted(ARCHITECTURES)}"
+        )
+    return kind
+
+
+def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    source = params if params.get("rope_type") else scaling
+    if kind == "default":
+        return float(theta), None
+    if kind == "linear":
+        return float(theta), RopeScaling(type="linear", factor=float(source["factor"]))
+    if kind == "llama3":
+        return float(theta), RopeScaling(
+            type="llama3",
+            factor=float(source["factor"]),
+            low_freq_factor=float(source["low_freq_factor"]),
+            high_freq_factor=float(source["high_freq_factor"]),
+            original_max_position_embeddings=int(source["original_max_position_embeddings"]),
+        )
+    raise ValueError(
+        f"config.json rope type {kind!r} (rope_parameters/rope_scaling) is not supported; "
+        "supported: default, linear, llama3"
+    )
+
+
+def _require(hf: Mapping[str, Any], field: str, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(
+            f"config.json {field}={hf.get(field)!r} is not supported by DCP's model ({allowed})"
+        )
+
+
+def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` that reproduces the model ``hf`` describes; ``overrides`` replace
+    fields afterwards (``max_seq_len``, ``dtype``, ``rotary_base``, ``rope_scaling`` …)."""
+    kind = model_type(hf)
+    missing = sorted(f for f in _MAPPED - {"tie_word_embeddings"} if f not in hf)
+    if missing:
+        raise ValueError(f"config.json lacks required field(s) {missing}")
+    _require(hf, "hidden_act", hf.get("hidden_act", "silu") == "silu", "silu only")
+    _require(hf, "mlp_bias", not hf.get("mlp_bias", False), "no MLP biases")
+    _require(hf, "attention_dropout", not hf.get("attention_dropout", 0.0), "0 only")
+    _require(hf, "partial_rotary_factor", hf.get("partial_rotary_factor", 1.0) == 1.0, "1.0 only")
+    if kind in ("llama", "mistral", "qwen3"):
+        _require(hf, "attention_bias", not hf.get("attention_bias", False), "false only")
+    if kind == "mistral":
+        _require(hf, "sliding_window", hf.get("sliding_window") is None, "null only")
+    if kind in ("qwen2", "qwen3"):
+        _require(hf, "use_sliding_window", not hf.get("use_sliding_window", False), "false only")
+    layer_types = hf.get("layer_types")
+    _require(
+        hf,
+        "layer_types",
+        layer_types is None or set(layer_types) <= {"full_attention"},
+        "full_attention only",
+    )
+    unknown = sorted(set(hf) - _IGNORED - _MAPPED)
+    if unknown:
+        logger.warning("config.json fields not used by DCP's model: %s", unknown)
+
+    heads = int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and int(head_dim) == int(hf["hidden_size"]) // heads:
+        head_dim = None
+    theta, scaling = _rope(hf)
+    fields: dict[str, Any] = dict(
+        num_layers=int(hf["num_hidden_layers"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        vocab_size=int(hf["vocab_size"]),
+        max_seq_len=int(hf["max_position_embeddings"]),
+        rotary_base=theta,
+        rope_scaling=scaling,
+        kv_channels=None if head_dim is None else int(head_dim),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf["rms_norm_eps"]),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        add_qkv_bias=kind == "qwen2",
+        qk_layernorm=kind == "qwen3",
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def hf_config_from_model(cfg: ModelConfig, *, kind: str) -> dict[str, Any]:
+    """A ``config.json`` for ``cfg`` as architecture ``kind`` (a key of ``ARCHITECTURES``)."""
+    if kind not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {kind!r}; supported: {sorted(ARCHITECTURES)}")
+    wants_bias, wants_qk_norm = kind == "qwen2", kind == "qwen3"
+    if cfg.add_qkv_bias != wants_bias or cfg.qk_layernorm != wants_qk_norm:
+        raise ValueError(
+            f"model (add_qkv_bias={cfg.add_qkv_bias}, qk_layernorm={cfg.qk_layernorm}) cannot "
+            f"be written as {kind}; use "
+            + ("qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama")
+        )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
+    if cfg.rope_scaling is not None:
+        scaling = dataclasses.asdict(cfg.rope_scaling)
+        rope_type = scaling.pop("type")
+        if rope_type == "linear":
+            scaling = {"factor": scaling["factor"]}
+        rope = {"rope_type": rope_type, **scaling, "rope_theta": float(cfg.rotary_base)}
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": rope,
+        "rope_theta": float(cfg.rotary_base),
+        "attention_dropout": 0.0,
+        "torch_dtype": "bfloat16" if cfg.dtype == "bf16" else "float32",
+        "use_cache": True,
+    }
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if kind in ("llama", "qwen3"):
+        out["attention_bias"] = False
+    if kind == "llama":
+        out["mlp_bias"] = False
+    if kind == "mistral":
+        out["sliding_window"] = None
+    if kind in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+        out["sliding_window"] = None
+    return out

@@ -1,0 +1,188 @@
+"""Hugging Face ↔ DCP conversion without processes: config mapping, round trips, sharding."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dcp.weights.convert import SAFETENSORS_INDEX, dcp_to_hf, hf_shards, hf_to_dcp
+from dcp.weights.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
+from tests.hf_models import ARCH_CONFIGS, make_hf_model
+
+
+def _tensors(hf_dir) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in hf_shards(hf_dir):
+        out.update(load_file(hf_dir / file))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: make_hf_model(arch, root / arch) for arch in ARCH_CONFIGS}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_hf_dcp_hf_round_trip_is_bit_identical_and_loads_cleanly(arch, hf_dirs, tmp_path):
+    import transformers
+
+    source = hf_dirs[arch]
+    ckpt = hf_to_dcp(source, tmp_path / "dcp", make_vocab_size_divisible_by=128)
+    first = dcp_to_hf(ckpt, tmp_path / "hf1")
+    # Every tensor of the source comes back bit for bit (a tied lm_head is not stored).
+    original, exported = _tensors(source), _tensors(first)
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    # export → import → export: identical files.
+    second = dcp_to_hf(hf_to_dcp(first, tmp_path / "dcp2"), tmp_path / "hf2")
+    assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+    # transformers reads the export with no missing, unexpected or mismatched keys, and the
+    # same config as the source for every field that shapes the forward pass.
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        first, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    src_cfg = transformers.AutoConfig.from_pretrained(source)
+    for field in ("rope_parameters", "head_dim", "tie_word_embeddings", "num_key_value_heads"):
+        if hasattr(src_cfg, field):  # Qwen2's config has no head_dim
+            assert getattr(model.config, field) == getattr(src_cfg, field), field
+
+
+def test_vocab_padding_rows_are_zero_in_dcp_and_dropped_on_export(hf_dirs, tmp_path):
+    from dcp.train.checkpoint import load_component
+
+    ckpt = hf_to_dcp(hf_dirs["llama"], tmp_path / "dcp", make_vocab_size_divisible_by=128)
+    state = load_component(ckpt, "model_state")
+    emb = state["embedding.word_embeddings.weight"]
+    assert emb.shape[0] == 384  # 300 rounded up to 128s
+    assert torch.count_nonzero(emb[300:]) == 0
+    assert torch.count_nonzero(emb[:300]) > 0
+    out = dcp_to_hf(ckpt, tmp_path / "hf")
+    assert _tensors(out)["model.embed_tokens.weight"].shape[0] == 300
+
+
+def test_export_shards_and_reimports(hf_dirs, tmp_path):
+    ckpt = hf_to_dcp(hf_dirs["qwen2"], tmp_path / "dcp")
+    out = dcp_to_hf(ckpt, tmp_path / "hf", max_shard_bytes=20_000)
+    index = json.loads((out / SAFETENSORS_INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert _tensors(out).keys() == _tensors(hf_dirs["qwen2"]).keys()
+    again = dcp_to_hf(hf_to_dcp(out, tmp_path / "dcp2"), tmp_path / "hf2")
+    for name, tensor in _tensors(again).items():
+        assert torch.equal(tensor, _tensors(hf_dirs["qwen2"])[name]), name
+
+
+def test_progress_reports_every_tensor(hf_dirs, tmp_path):
+    seen = []
+    hf_to_dcp(hf_dirs["qwen3"], tmp_path / "dcp", progress=lambda d, t, n: seen.append((d, t)))
+    total = len(_tensors(hf_dirs["qwen3"]))
+    assert seen[-1] == (total, total) and len(seen) == total
+
+
+def test_tied_checkpoint_with_a_different_lm_head_is_refused(hf_dirs, tmp_path):
+    from safetensors.torch import save_file
+
+    source = hf_dirs["qwen2"]  # tied
+    tensors = _tensors(source)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((source / "config.json").read_text())
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        hf_to_dcp(bad, tmp_path / "dcp")
+
+
+def test_missing_tensor_is_named(hf_dirs, tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = _tensors(hf_dirs["llama"])
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((hf_dirs["llama"] / "config.json").read_text())
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="decoder.layers.1.mlp.linear_fc1.weight"):
+        hf_to_dcp(bad, tmp_path / "dcp")
+
+
+# -- config.json ----------------------------------------------------------------------------
+def _cfg(hf_dirs, arch: str) -> dict:
+    return read_hf_config(hf_dirs[arch])
+
+
+@pytest.mark.parametrize(
+    ("arch", "field", "value"),
+    [
+        ("mistral", "sliding_window", 4096),
+        ("qwen2", "use_sliding_window", True),
+        ("llama", "hidden_act", "gelu"),
+        ("llama", "attention_bias", True),
+        ("llama", "mlp_bias", True),
+        ("llama", "model_type", "gpt2"),
+        ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+    ],
+)
+def test_unsupported_config_fields_are_named(hf_dirs, arch, field, value):
+    hf = dict(_cfg(hf_dirs, arch), **{field: value})
+    with pytest.raises(ValueError, match=field if field != "rope_parameters" else "yarn"):
+        model_config_from_hf(hf)
+
+
+def test_old_style_rope_fields_and_unknown_fields(hf_dirs, caplog):
+    hf = _cfg(hf_dirs, "llama31")
+    params = hf.pop("rope_parameters")
+    old = dict(hf, rope_theta=params.pop("rope_theta"), rope_scaling=params, brand_new_field=1)
+    with caplog.at_level(logging.WARNING):
+        old_cfg = model_config_from_hf(old)
+    assert "brand_new_field" in caplog.text
+    assert old_cfg == model_config_from_hf(_cfg(hf_dirs, "llama31"))
+    assert old_cfg.rope_scaling.type == "llama3" and old_cfg.rotary_base == 500000.0
+
+
+def test_derived_model_configs(hf_dirs):
+    qwen3 = model_config_from_hf(_cfg(hf_dirs, "qwen3"), max_seq_len=4096)
+    assert qwen3.qk_layernorm and qwen3.kv_channels == 16 and qwen3.max_seq_len == 4096
+    qwen2 = model_config_from_hf(_cfg(hf_dirs, "qwen2"))
+    assert qwen2.add_qkv_bias and qwen2.tie_embeddings and qwen2.kv_channels is None
+    with pytest.raises(ValueError, match="cannot be written as llama"):
+        hf_config_from_model(qwen2, kind="llama")
+
+
+def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
+    from dcp.train.checkpoint import load_component, save_checkpoint
+
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"model": {}}')
+    (tok / "tokenizer_config.json").write_text("{}")
+    prefix = tmp_path / "corpus"
+    (tmp_path / "corpus.meta.json").write_text(json.dumps({"tokenizer": f"hf:{tok}"}))
+    converted = hf_to_dcp(hf_dirs["llama"], tmp_path / "dcp")
+    extra = load_component(converted, "extra")
+    extra["config"]["data"] = {"indexed": {"prefixes": [str(prefix)]}}
+    ckpt = save_checkpoint(
+        tmp_path / "run",
+        5,
+        model_state=load_component(converted, "model_state"),
+        optimizer_state=None,
+        scheduler_state=None,
+        sampler_state=None,
+        rng_state=None,
+        extra=extra,
+        rank=0,
+        world_size=1,
+        barrier_fn=lambda: None,
+    )
+    out = dcp_to_hf(ckpt.parent, tmp_path / "hf")
+    assert (out / "tokenizer.json").read_text() == '{"model": {}}'
+    assert (out / "tokenizer_config.json").is_file()
+    with pytest.raises(ValueError, match="not empty"):
+        dcp_to_hf(ckpt, out)
