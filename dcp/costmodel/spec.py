@@ -289,6 +289,30 @@ def parse_spec(spec: dict) -> tuple[ClusterSpec, ModelSpec, Options, dict]:
     return cluster, model, options, calibration
 
 
+def static_memory_parts(model: ModelSpec, options: Options, *, num_ranks: int) -> dict[str, float]:
+    """Bytes per GPU that do not depend on the batch: ``weights`` (``options.dtype``),
+    ``grads`` (main grads) and ``optimizer`` (fp32 master + Adam moments, sharded over all
+    ``num_ranks`` DP×CP ranks with the distributed optimizer); all split over TP."""
+    params = (
+        ParamCounts.of(
+            num_layers=model.num_layers,
+            hidden_size=model.hidden_size,
+            kv_hidden_size=model.kv_hidden_size,
+            ffn_hidden_size=model.ffn_hidden_size,
+            vocab_size=model.vocab_size,
+            gated_mlp=options.gated_mlp,
+            tied_embeddings=options.tied_embeddings,
+        ).total
+        / options.tensor_parallel_size
+    )
+    shards = num_ranks if options.distributed_optimizer else 1
+    return {
+        "weights": _DTYPE_BYTES[options.dtype] * params,
+        "grads": options.grad_bytes_per_param * params,
+        "optimizer": options.optimizer_bytes_per_param * params / shards,
+    }
+
+
 def analytic_coefficients(
     cluster: ClusterSpec, model: ModelSpec, options: Options, *, num_ranks: int
 ) -> Coefficients:
@@ -308,7 +332,7 @@ def analytic_coefficients(
         tied_embeddings=options.tied_embeddings,
     )
     attn_params, mlp_params = params.attention_per_layer, params.mlp_per_layer
-    linear_params, total_params = params.linear, params.total
+    linear_params = params.linear
 
     # One planner rank is a TP group of ``tp`` GPUs; TP collectives cost a fixed fraction.
     tp_eff = options.tensor_parallel_efficiency if tp > 1 else 1.0
@@ -350,9 +374,7 @@ def analytic_coefficients(
         "selective": dt * layers * per_layer_selective / tp,
         "full": dt * (layers * h + per_layer_none) / tp,
     }
-    weight_bytes = (dt + options.grad_bytes_per_param) * total_params / tp
-    opt_shards = num_ranks if options.distributed_optimizer else 1
-    static_mem = weight_bytes + options.optimizer_bytes_per_param * total_params / tp / opt_shards
+    static_mem = sum(static_memory_parts(model, options, num_ranks=num_ranks).values())
     # Memory is per GPU: weights, activations (sequence parallel) and logits split over TP.
     budget = (
         cluster.gpu_memory_gb * 1e9 * (1.0 - options.memory_headroom_frac)

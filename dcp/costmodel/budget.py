@@ -1,0 +1,93 @@
+"""Per-GPU memory of a run, by the same rule the planner plans with.
+
+``memory_budget`` breaks a cost model's memory down for the longest sequence a run trains:
+static bytes (weights, main grads, optimizer shard) and activation bytes at every CP size and
+recompute level, each total compared with the per-GPU budget. Every total is
+``CostModel.solo_mem_bytes``, the function the planners call, so a cell that fits here is a
+placement the planner may choose and one that does not is one it never will.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dcp.costmodel.model import CostModel
+from dcp.costmodel.spec import static_memory_parts
+from dcp.plan import RECOMPUTE_LEVELS
+
+
+@dataclass(frozen=True)
+class BudgetCell:
+    """One (CP size, recompute level) placement of the longest sequence."""
+
+    cp_size: int
+    recompute: str
+    activation_bytes_per_gpu: float
+    total_bytes_per_gpu: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Where a run's per-GPU memory goes and whether its longest sequence fits anywhere."""
+
+    longest_seq_len: int
+    budget_bytes_per_gpu: float
+    static_bytes_per_gpu: float
+    """What the planner uses: the spec's calibrated value when it has one, else the parts'
+    sum."""
+    static_parts: dict[str, float]
+    """Analytic ``weights`` / ``grads`` / ``optimizer`` bytes per GPU."""
+    static_calibrated: bool
+    """Whether the spec's calibration replaced the analytic static bytes."""
+    cells: tuple[BudgetCell, ...]
+
+    @property
+    def fits(self) -> bool:
+        """The longest sequence has at least one placement within the budget."""
+        return any(c.fits for c in self.cells)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["fits"] = self.fits
+        return out
+
+
+def cp_sizes(num_ranks: int) -> list[int]:
+    """The CP sizes a plan can use: powers of two up to the number of planner ranks."""
+    sizes, size = [], 1
+    while size <= num_ranks:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def memory_budget(cost_model: CostModel, longest_seq_len: int) -> MemoryBudget:
+    """The memory breakdown of ``cost_model`` for a sequence of ``longest_seq_len`` tokens."""
+    if longest_seq_len < 1:
+        raise ValueError(f"longest_seq_len must be >= 1, got {longest_seq_len}")
+    parts = static_memory_parts(
+        cost_model.model, cost_model.options, num_ranks=cost_model.num_ranks
+    )
+    cells = []
+    for cp_size in cp_sizes(cost_model.num_ranks):
+        for recompute in RECOMPUTE_LEVELS:
+            total = float(cost_model.solo_mem_bytes([longest_seq_len], cp_size, recompute)[0])
+            cells.append(
+                BudgetCell(
+                    cp_size=cp_size,
+                    recompute=recompute,
+                    activation_bytes_per_gpu=total - cost_model.static_mem_bytes,
+                    total_bytes_per_gpu=total,
+                    fits=total <= cost_model.mem_budget_bytes,
+                )
+            )
+    return MemoryBudget(
+        longest_seq_len=int(longest_seq_len),
+        budget_bytes_per_gpu=cost_model.mem_budget_bytes,
+        static_bytes_per_gpu=cost_model.static_mem_bytes,
+        static_parts=parts,
+        static_calibrated=abs(sum(parts.values()) - cost_model.static_mem_bytes)
+        > 1e-6 * cost_model.static_mem_bytes,
+        cells=tuple(cells),
+    )

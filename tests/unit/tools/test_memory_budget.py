@@ -1,0 +1,49 @@
+"""tools.memory_budget: the planner's memory rule, broken down per GPU for a recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dcp.costmodel import load_cost_model
+from dcp.costmodel.budget import memory_budget
+from tools import memory_budget as tool
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_every_cell_agrees_with_the_planners_fits():
+    cost_model = load_cost_model("h200x8+llama3-8b")
+    budget = memory_budget(cost_model, 131071)
+    assert [c.cp_size for c in budget.cells[::3]] == [1, 2, 4, 8]
+    for cell in budget.cells:
+        assert cell.fits == cost_model.fits([131071], cell.cp_size, cell.recompute)
+    assert sum(budget.static_parts.values()) == pytest.approx(cost_model.static_mem_bytes)
+    assert not budget.static_calibrated
+    # 8.03B params: bf16 weights 2 B + fp32 main grads 4 B, optimizer 12 B sharded over 8.
+    params = 8.03e9
+    assert budget.static_parts["weights"] == pytest.approx(2 * params, rel=0.01)
+    assert budget.static_parts["optimizer"] == pytest.approx(12 * params / 8, rel=0.01)
+
+
+def test_llama3_8b_recipe_fits_on_h200(capsys):
+    assert tool.main(["--config", str(REPO / "pretrain/configs/llama3_8b_h200.yaml")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["fits"] and out["model_matches_spec"]
+    assert out["longest_seq_len"] == 131071
+    assert out["static_bytes_per_gpu"] < out["budget_bytes_per_gpu"] < 141e9
+    # The longest sequence needs CP: on one GPU it fits at no recompute level.
+    assert not any(c["fits"] for c in out["cells"] if c["cp_size"] == 1)
+
+
+def test_a_recipe_that_cannot_fit_exits_1(capsys):
+    code = tool.main([
+        "--config", str(REPO / "pretrain/configs/tiny_cpu.yaml"),
+        "dcp.spec=cpu-tiny+cpu-mem-tight", "model.max_seq_len=400000",
+        "data.indexed.max_doc_len=400001",
+    ])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 1 and "fits no CP size" in captured.err
+    assert json.loads(captured.out.strip().splitlines()[-1])["fits"] is False

@@ -1,0 +1,86 @@
+"""Per-GPU memory of a training recipe, by the planner's own memory rule.
+
+    python -m tools.memory_budget --config pretrain/configs/llama3_8b_h200.yaml [key=value ...]
+
+Prints the static bytes per GPU (weights, main grads, optimizer shard) and, for the recipe's
+longest training sequence, the activation and total bytes at every CP size and recompute
+level against the per-GPU budget of the recipe's cost-model spec (``dcp.spec``). The last
+stdout line is a JSON object: ``fits`` (the longest sequence has a placement within the
+budget), ``static_bytes_per_gpu``, ``budget_bytes_per_gpu``, the breakdown, every cell, and
+``model_matches_spec`` (the spec describes the recipe's model; when it does not, the planner's
+memory rule is about another model). Exit code 1 when the recipe cannot fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dcp.config import load_config
+from dcp.costmodel import load_cost_model
+from dcp.costmodel.budget import memory_budget
+from dcp.runtime.dispatch import train_len
+from dcp.train.config import PretrainConfig
+
+GB = 1e9
+
+
+def longest_seq_len(cfg: PretrainConfig) -> int:
+    """The longest sequence the recipe trains: the data's document cap, within the model's."""
+    data = cfg.data
+    cap = data.indexed.max_doc_len if data.source == "indexed" else data.synthetic.max_len
+    if cap is None:
+        return cfg.model.max_seq_len
+    return min(cfg.model.max_seq_len, train_len(cap))
+
+
+def model_matches_spec(cfg: PretrainConfig, cost_model) -> bool:
+    spec, model = cost_model.model, cfg.model
+    return (
+        spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_query_groups,
+        spec.ffn_hidden_size, spec.vocab_size, cost_model.options.tied_embeddings,
+    ) == (
+        model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
+        model.ffn_hidden_size, model.vocab_size, model.tie_embeddings,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="training recipe YAML")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the YAML")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(PretrainConfig, args.config, args.overrides)
+        cost_model = load_cost_model(cfg.dcp.spec)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    longest = longest_seq_len(cfg)
+    budget = memory_budget(cost_model, longest)
+    matches = model_matches_spec(cfg, cost_model)
+
+    parts = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in budget.static_parts.items())
+    print(f"spec {cost_model.name}: {cost_model.num_ranks} ranks, budget "
+          f"{budget.budget_bytes_per_gpu / GB:.1f} GB per GPU")  # fmt: skip
+    print(f"static {budget.static_bytes_per_gpu / GB:.1f} GB per GPU ({parts}"
+          f"{'; calibrated total' if budget.static_calibrated else ''})")  # fmt: skip
+    print(f"longest sequence {longest:,} tokens:")
+    print(f"{'cp':>4} {'recompute':>10} {'activations GB':>15} {'total GB':>9}  fits")
+    for c in budget.cells:
+        print(f"{c.cp_size:>4} {c.recompute:>10} {c.activation_bytes_per_gpu / GB:>15.1f} "
+              f"{c.total_bytes_per_gpu / GB:>9.1f}  {'yes' if c.fits else 'no'}")  # fmt: skip
+    if not matches:
+        print(f"warning: spec {cost_model.name!r} describes another model than the recipe's "
+              "model section; the planner's memory rule does not apply to this run",
+              file=sys.stderr)  # fmt: skip
+    if not budget.fits:
+        print("the longest sequence fits no CP size and recompute level: raise the GPU count, "
+              "shorten data max_doc_len or shrink the model", file=sys.stderr)  # fmt: skip
+    print(json.dumps({**budget.to_json(), "spec": cost_model.name, "model_matches_spec": matches}))
+    return 0 if budget.fits else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
