@@ -152,6 +152,22 @@ class ModelConfig:
         ).total
 
 
+WEIGHT_SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "kv_channels",
+    "tie_embeddings",
+    "add_qkv_bias",
+    "qk_layernorm",
+)
+"""``ModelConfig`` fields that fix which tensors exist and their shapes: a model started from
+existing weights takes these from them."""
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """fp32 [head_dim / 2]: RoPE's inverse frequencies, rescaled as ``cfg.rope_scaling`` says.
 

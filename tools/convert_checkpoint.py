@@ -19,21 +19,11 @@ import json
 import sys
 import time
 
-import yaml
 from tqdm import tqdm
 
+from dcp.config import apply_overrides
 from dcp.weights.convert import DEFAULT_MAX_SHARD_BYTES, dcp_to_hf, hf_to_dcp
 from dcp.weights.hf_config import ARCHITECTURES
-
-
-def _overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        out[key] = yaml.safe_load(value)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         if args.direction == "hf-to-dcp":
-            path = hf_to_dcp(args.source, args.out, progress=progress, **_overrides(args.set))
+            path = hf_to_dcp(
+                args.source, args.out, progress=progress, **apply_overrides({}, args.set)
+            )
         else:
             path = dcp_to_hf(
                 args.source,

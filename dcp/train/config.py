@@ -14,7 +14,7 @@ from typing import Any, Literal
 from dcp.data.indexed import IndexedDataConfig
 from dcp.data.sampler import SamplerConfig
 from dcp.data.synthetic import SyntheticDataConfig
-from dcp.model import ModelConfig
+from dcp.model import WEIGHT_SHAPE_FIELDS, ModelConfig
 from dcp.observability.metrics import MetricsConfig
 from dcp.optim import OptimConfig
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS, check_choice
@@ -149,21 +149,6 @@ class InitConfig:
     def __post_init__(self) -> None:
         if self.from_hf and self.from_checkpoint:
             raise ValueError("init: set init.from_hf or init.from_checkpoint, not both")
-
-
-# ModelConfig fields that fix the weights' shapes: an imported model's must be its own.
-WEIGHT_SHAPE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "ffn_hidden_size",
-    "vocab_size",
-    "kv_channels",
-    "tie_embeddings",
-    "add_qkv_bias",
-    "qk_layernorm",
-)
 
 
 def source_model_config(init: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:

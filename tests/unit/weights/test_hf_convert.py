@@ -186,3 +186,31 @@ def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
     assert (out / "tokenizer_config.json").is_file()
     with pytest.raises(ValueError, match="not empty"):
         dcp_to_hf(ckpt, out)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 256},
+    ],
+)  # fmt: skip
+def test_rope_frequencies_equal_transformers(hf_dirs, scaling):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from dcp.model import rope_inv_freq
+
+    hf = dict(_cfg(hf_dirs, "llama"), rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    if scaling is not None:
+        hf["rope_parameters"] = dict(scaling, rope_theta=5e5)
+    ours = rope_inv_freq(model_config_from_hf(hf))
+    config = transformers.LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"})
+    kind = hf["rope_parameters"]["rope_type"]
+    if kind == "default":
+        ref = 1.0 / (5e5 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    else:
+        ref, _ = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    assert torch.allclose(ours, ref.float(), rtol=1e-6, atol=0), (ours, ref)
