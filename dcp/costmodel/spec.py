@@ -289,22 +289,24 @@ def parse_spec(spec: dict) -> tuple[ClusterSpec, ModelSpec, Options, dict]:
     return cluster, model, options, calibration
 
 
+def spec_param_counts(model: ModelSpec, options: Options) -> ParamCounts:
+    """The parameter counts of the model a spec describes."""
+    return ParamCounts.of(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        kv_hidden_size=model.kv_hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        vocab_size=model.vocab_size,
+        gated_mlp=options.gated_mlp,
+        tied_embeddings=options.tied_embeddings,
+    )
+
+
 def static_memory_parts(model: ModelSpec, options: Options, *, num_ranks: int) -> dict[str, float]:
     """Bytes per GPU that do not depend on the batch: ``weights`` (``options.dtype``),
     ``grads`` (main grads) and ``optimizer`` (fp32 master + Adam moments, sharded over all
     ``num_ranks`` DP×CP ranks with the distributed optimizer); all split over TP."""
-    params = (
-        ParamCounts.of(
-            num_layers=model.num_layers,
-            hidden_size=model.hidden_size,
-            kv_hidden_size=model.kv_hidden_size,
-            ffn_hidden_size=model.ffn_hidden_size,
-            vocab_size=model.vocab_size,
-            gated_mlp=options.gated_mlp,
-            tied_embeddings=options.tied_embeddings,
-        ).total
-        / options.tensor_parallel_size
-    )
+    params = spec_param_counts(model, options).total / options.tensor_parallel_size
     shards = num_ranks if options.distributed_optimizer else 1
     return {
         "weights": _DTYPE_BYTES[options.dtype] * params,
@@ -322,15 +324,7 @@ def analytic_coefficients(
     tp = options.tensor_parallel_size
     dt = _DTYPE_BYTES[options.dtype]
 
-    params = ParamCounts.of(
-        num_layers=layers,
-        hidden_size=h,
-        kv_hidden_size=hkv,
-        ffn_hidden_size=ffn,
-        vocab_size=vocab,
-        gated_mlp=options.gated_mlp,
-        tied_embeddings=options.tied_embeddings,
-    )
+    params = spec_param_counts(model, options)
     attn_params, mlp_params = params.attention_per_layer, params.mlp_per_layer
     linear_params = params.linear
 
