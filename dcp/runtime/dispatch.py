@@ -30,6 +30,13 @@ class SequenceSource(Protocol):
         ...
 
 
+def compute_device() -> torch.device:
+    """Where this rank's batches and activations live: its current CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def train_len(doc_len: int) -> int:
     """Training length of a document of ``doc_len`` tokens: its next-token pairs."""
     return int(doc_len) - 1

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dcp.runtime.dispatch import InMemorySource, local_batch
+from dcp.runtime.dispatch import InMemorySource, compute_device, local_batch
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.layout import ShardLayout
 from megatron_patches.parallel_state import use_cp_group
@@ -38,11 +38,7 @@ def packed_logits(
     lengths = source.lengths()
     layout = ShardLayout(doc_lens=lengths, cp_size=len(ranks))
     cp_rank = ranks.index(rank)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = compute_device()
     group = registry.get(ranks)
     batch = local_batch(source, range(len(lengths)), layout=layout, cp_rank=cp_rank, device=device)
     was_training = model.training

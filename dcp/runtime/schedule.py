@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from dcp.plan import RECOMPUTE_LEVELS, Plan
 from dcp.runtime.collectives import phase
-from dcp.runtime.dispatch import SequenceSource, local_batch
+from dcp.runtime.dispatch import SequenceSource, compute_device, local_batch
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.layout import ShardLayout
 from megatron_patches.parallel_state import use_cp_group
@@ -101,11 +101,7 @@ def run_plan(
     with phase("the plan agreement check before the first micro-step"):
         verify_plan_agreement(plan, result.global_loss_tokens)
 
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = compute_device()
     no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
     barriers = {int(b) for b in plan.meta.get("barriers", ())}
     # Kernels run asynchronously on a GPU: a wall-clock reading is only a step's time once the
