@@ -9,16 +9,19 @@ ENV PYTHONUNBUFFERED=1 \
     WANDB_MODE=offline
 
 WORKDIR /workspace/dcp
-COPY docker/requirements-container.txt /tmp/requirements-container.txt
+COPY docker/requirements-container.txt docker/install_requirements.sh /tmp/dcp-install/
+# megatron-core without dependencies, so pip never replaces the image's torch; DCP's own deps
+# under the image's /etc/pip/constraint.txt (pins the image already fixes are skipped).
 RUN python -c "import sys; assert sys.version_info[:2] == (3, 12), sys.version" \
  && pip install --no-cache-dir --no-deps megatron-core==0.19.2 \
- && pip install --no-cache-dir -r /tmp/requirements-container.txt \
+ && /tmp/dcp-install/install_requirements.sh /tmp/dcp-install/requirements-container.txt \
  && python -c "import transformer_engine, megatron.core; print('TE', transformer_engine.__version__)"
 
 COPY dcp ./dcp
 COPY megatron_patches ./megatron_patches
 COPY pretrain ./pretrain
 COPY tools ./tools
+COPY tests ./tests
 COPY pyproject.toml README.md ./
 
 ENTRYPOINT ["torchrun"]

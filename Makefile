@@ -55,6 +55,8 @@ extend-context: data
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/shellcheck docker/*.sh docker/*.sbatch .ci/run
 
 format: setup
 	$(VENV)/bin/ruff format .
