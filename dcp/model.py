@@ -3,15 +3,23 @@
 RoPE (optionally Llama-3.1 or linear scaling), RMSNorm, SwiGLU, grouped-query attention, untied
 or tied embeddings, optional QKV biases (Qwen2) and QK-norm (Qwen3), and
 ``add_bias_linear=False`` (megatron-core 0.19.2's ``mlp`` recompute recurses forever with
-biases). The layer spec is megatron's local spec with the ``core_attention`` submodule replaced:
-``"dcp"`` is DCP's packed, context-parallel attention (``dcp.attention``: TE on GPU when present,
-the torch implementation otherwise); ``"megatron_local"`` keeps megatron's own
-``DotProductAttention`` (CP=1, unpacked only), useful as an independent reference.
+biases). ``core_attention`` picks the layer spec:
+
+- ``"te"``: megatron's Transformer Engine spec (fused RMSNorm+QKV and RMSNorm+FC1, TE linears)
+  with ``dcp.attention.te``'s attention; bf16 (or FP8 linears), RoPE/SwiGLU/wgrad fusions on.
+  The GPU production path.
+- ``"dcp"``: megatron's local spec with DCP's packed, context-parallel torch attention
+  (``dcp.attention``); the CPU path and the reference the TE path is checked against.
+- ``"megatron_local"``: megatron's own ``DotProductAttention`` (CP=1, unpacked only), an
+  independent reference for tests.
+- ``"auto"`` (default): ``"te"`` when Transformer Engine and a CUDA device are present, else
+  ``"dcp"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -21,7 +29,11 @@ import torch.nn.functional as F
 
 from dcp.costmodel.spec import ParamCounts
 
-CoreAttention = Literal["dcp", "megatron_local"]
+CoreAttention = Literal["auto", "te", "dcp", "megatron_local"]
+logger = logging.getLogger(__name__)
+
+FP8_RECIPES = ("tensorwise", "blockwise")
+"""FP8 current-scaling recipes DCP accepts (TE keeps no global amax state for them)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -93,9 +105,17 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     dtype: Literal["fp32", "bf16"] = "fp32"
-    """Parameter/compute dtype (fp32 on CPU; parity tests use fp32)."""
-    core_attention: CoreAttention = "dcp"
-    """Which core attention the layer spec uses (see module docstring)."""
+    """Parameter/compute dtype. bf16 trains with fp32 main params and grads (CPU and GPU); the
+    TE spec needs bf16 (TE has no fp32 THD attention backend)."""
+    core_attention: CoreAttention = "auto"
+    """Which layer spec and core attention the model uses (see module docstring)."""
+    fp8: bool = False
+    """FP8 linear layers (TE spec, bf16, Hopper or newer): ``hybrid`` format, E4M3 forward and
+    E5M2 gradients; attention stays bf16 (cuDNN FP8 attention takes no THD input)."""
+    fp8_recipe: str = "tensorwise"
+    """FP8 scaling recipe: ``tensorwise`` or ``blockwise`` (CUDA >= 12.9), both current scaling.
+    ``delayed`` is refused: its amax reduction runs on a fixed group every micro-step while DCP
+    ranks run different numbers of micro-steps (a hang)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -128,6 +148,22 @@ class ModelConfig:
             raise ValueError(f"the head dim ({self.head_dim}) must be even for RoPE")
         if not self.init_std > 0:
             raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        if self.fp8_recipe == "delayed":
+            raise ValueError(
+                "fp8_recipe 'delayed' is not supported: its amax reduction over a fixed group "
+                "deadlocks when ranks run different numbers of micro-steps; use one of "
+                f"{list(FP8_RECIPES)} (current scaling)"
+            )
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(
+                f"fp8_recipe must be one of {list(FP8_RECIPES)}, got {self.fp8_recipe!r}"
+            )
+        if self.fp8 and (self.dtype != "bf16" or self.core_attention not in ("auto", "te")):
+            raise ValueError(
+                "fp8 needs model.dtype=bf16 and the Transformer Engine spec "
+                f"(core_attention auto or te), got dtype={self.dtype}, "
+                f"core_attention={self.core_attention}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -138,6 +174,14 @@ class ModelConfig:
         """Rows of the embedding and output layer: ``vocab_size`` rounded up."""
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def local_token_multiple(self) -> int:
+        """Each rank's tokens per micro-step are padded to a multiple of this: TE asserts
+        multiples of 8 for THD input and of 16 for FP8 GEMMs; 1 for DCP's torch attention."""
+        if resolved_attention(self) != "te":
+            return 1
+        return 16 if self.fp8 else 8
 
     def num_params(self) -> int:
         """Parameter count (for MFU: 6·N·tokens plus attention FLOPs)."""
@@ -199,11 +243,48 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def resolved_attention(cfg: ModelConfig) -> str:
+    """``cfg.core_attention`` with ``"auto"`` resolved on this machine."""
+    if cfg.core_attention != "auto":
+        return cfg.core_attention
+    from dcp.attention import transformer_engine_usable
+
+    return "te" if transformer_engine_usable() else "dcp"
+
+
+def check_device_support(cfg: ModelConfig) -> None:
+    """Refuse, before anything is built, a model this machine cannot run correctly."""
+    from dcp.attention import transformer_engine_usable
+
+    attention = resolved_attention(cfg)
+    if attention == "te" and not transformer_engine_usable():
+        raise ValueError(
+            "core_attention=te needs Transformer Engine and a CUDA device; use core_attention "
+            "auto or dcp on this machine"
+        )
+    if attention == "te" and cfg.dtype == "fp32":
+        # flash and cuDNN attention take fp16/bf16 only and TE's unfused backend refuses THD.
+        raise ValueError(
+            "Transformer Engine has no fp32 attention backend for packed (THD) sequences: set "
+            "model.dtype=bf16 on GPU (fp32 main params and grads are kept by the optimizer)"
+        )
+    if cfg.fp8 and attention != "te":
+        raise ValueError("model.fp8 needs the Transformer Engine spec (core_attention te/auto)")
+    if attention == "dcp" and torch.cuda.is_available():
+        logger.warning(
+            "core_attention=dcp on a GPU: DCP's torch attention is the CPU reference kernel "
+            "(it materialises a q x kv score block per chunk); use core_attention=te for speed"
+        )
+
+
 def transformer_config(cfg: ModelConfig, **overrides):
-    """The megatron ``TransformerConfig`` for ``cfg`` (per-token loss, no dropout, no fusions)."""
+    """The megatron ``TransformerConfig`` for ``cfg``: per-token loss, no dropout; on the TE
+    spec the RoPE, SwiGLU and weight-gradient-accumulation fusions and, with ``cfg.fp8``, FP8
+    linears; no fusions on the torch path (CPU)."""
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
+    te = resolved_attention(cfg) == "te"
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     kwargs = dict(
         num_layers=cfg.num_layers,
@@ -227,27 +308,45 @@ def transformer_config(cfg: ModelConfig, **overrides):
         pipeline_dtype=dtype,
         calculate_per_token_loss=True,
         use_cpu_initialization=not on_gpu,
-        bias_activation_fusion=False,
+        bias_activation_fusion=te,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        # TE's fused THD RoPE takes cp_size/cp_rank and indexes DCP's zig-zag chunks; the
+        # unfused path loops over documents in Python with a host sync per layer.
+        apply_rope_fusion=te,
+        gradient_accumulation_fusion=te,
         persist_layer_norm=False,
     )
+    if cfg.fp8:
+        kwargs.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_param=False)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
 def layer_spec(cfg: ModelConfig):
-    """megatron's local GPT layer spec with DCP's core attention swapped in."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """The GPT layer spec for ``cfg`` (module docstring): TE's with DCP's TE attention, or
+    megatron's local one with DCP's torch attention (or megatron's own, as a reference)."""
+    from megatron.core.models.gpt import gpt_layer_specs
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm)
-    if cfg.core_attention == "dcp":
-        from dcp.attention import core_attention_spec
+    attention = resolved_attention(cfg)
+    if attention == "te":
+        from dcp.attention.te import te_core_attention
 
-        attn = spec.submodules.self_attention
-        attn.submodules = dataclasses.replace(attn.submodules, core_attention=core_attention_spec())
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=cfg.qk_layernorm
+        )
+        core = te_core_attention()
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm
+        )
+        if attention == "megatron_local":
+            return spec
+        from dcp.attention import DCPCoreAttention
+
+        core = DCPCoreAttention
+    attn = spec.submodules.self_attention
+    attn.submodules = dataclasses.replace(attn.submodules, core_attention=core)
     return spec
 
 
@@ -260,6 +359,7 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    check_device_support(cfg)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     if pg_collection is None:

@@ -1,4 +1,5 @@
-"""Optimizer config, AdamW construction and the warmup + cosine learning-rate schedule."""
+"""Optimizer config, the warmup + cosine learning-rate schedule and a plain AdamW (the
+single-process reference the runtime's megatron optimizer is tested against)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class OptimConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Max global gradient L2 norm; 0 disables clipping."""
+    distributed: bool = True
+    """megatron-core's distributed optimizer: fp32 main params and Adam moments sharded over
+    the DP×CP group (ZeRO-1), gradients reduce-scattered. False replicates them on every rank."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -85,5 +89,5 @@ def build_adamw(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimiz
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for group in optimizer.param_groups:  # megatron's groups may scale it (lr_mult)
+        group["lr"] = lr * group.get("lr_mult", 1.0)

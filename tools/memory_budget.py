@@ -18,8 +18,9 @@ import json
 import sys
 
 from dcp.config import load_config
-from dcp.costmodel import load_cost_model
+from dcp.costmodel import load_cost_model, load_spec, with_runtime_options
 from dcp.costmodel.budget import memory_budget
+from dcp.costmodel.spec import runtime_options
 from dcp.runtime.dispatch import train_len
 from dcp.train.config import PretrainConfig
 
@@ -53,7 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
-        cost_model = load_cost_model(cfg.dcp.spec)
+        # The recipe fixes dtype and optimizer sharding, as the trainer's planner sees them.
+        spec, _ = with_runtime_options(
+            load_spec(cfg.dcp.spec),
+            runtime_options(
+                dtype=cfg.model.dtype,
+                distributed_optimizer=cfg.optim.distributed,
+                fp8=cfg.model.fp8,
+            ),
+        )
+        cost_model = load_cost_model(spec)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

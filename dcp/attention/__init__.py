@@ -2,6 +2,6 @@
 documents (``cp``), its CPU kernels (``kernels``) and the megatron module (``module``)."""
 
 from dcp.attention.cp import cp_attention
-from dcp.attention.module import DCPCoreAttention, core_attention_spec, transformer_engine_usable
+from dcp.attention.module import DCPCoreAttention, transformer_engine_usable
 
-__all__ = ["DCPCoreAttention", "core_attention_spec", "cp_attention", "transformer_engine_usable"]
+__all__ = ["DCPCoreAttention", "cp_attention", "transformer_engine_usable"]

@@ -4,9 +4,9 @@ runtime swaps it per micro-step), takes the documents from ``packed_seq_params``
 (``ShardLayout.packed_seq_params``) and runs ``dcp.attention.cp.cp_attention``; without packed
 params it does plain causal attention (CP must then be 1).
 
-``core_attention_spec()`` picks TE's ``TEDotProductAttention`` when TE and CUDA are present
-(untested here: no GPU; TE switches CP group per forward from ``packed_seq_params.cp_group``),
-else ours.
+On GPU the model uses Transformer Engine's attention instead (``dcp.attention.te``, selected by
+``ModelConfig.core_attention``); this module stays the CPU path and the reference it is checked
+against.
 """
 
 from __future__ import annotations
@@ -208,14 +208,3 @@ class DCPCoreAttention(MegatronModule):
 def transformer_engine_usable() -> bool:
     """True when TE is importable and a CUDA device is present."""
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def core_attention_spec() -> type:
-    """The ``core_attention`` class for the layer spec: TE's ``TEDotProductAttention`` on GPUs
-    with Transformer Engine (untested here; for dynamic CP pass the micro-step's group as
-    ``packed_seq_params.cp_group``, which TE reads each forward), else ``DCPCoreAttention``."""
-    if transformer_engine_usable():
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-        return TEDotProductAttention
-    return DCPCoreAttention

@@ -14,6 +14,7 @@ from dcp.costmodel.load import (
     load_cost_model,
     load_preset,
     load_spec,
+    with_runtime_options,
 )
 from dcp.costmodel.model import CostModel
 from dcp.costmodel.online import RecordFit, fit_records
@@ -31,4 +32,5 @@ __all__ = [
     "load_cost_model",
     "load_preset",
     "load_spec",
+    "with_runtime_options",
 ]

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from dcp.costmodel.model import CostModel
+from dcp.costmodel.spec import Options, _build
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 
@@ -61,6 +62,23 @@ def load_spec(source: str | Path | dict) -> dict:
         spec.setdefault("name", path.stem)
         return spec
     return load_preset(str(source))
+
+
+def with_runtime_options(spec: dict, options: dict) -> tuple[dict, dict]:
+    """``spec`` with ``options`` laid over its ``options`` block (``spec.runtime_options``: what
+    the training run itself fixes), and the keys whose value this changed, as ``{key: (old,
+    new)}``, so callers can say what they overrode."""
+    current = spec.get("options", {})
+    merged = {**current, **options}
+    # Compare effective values (defaults and derived ones included), not the raw dicts.
+    before = _build(Options, current, "options")
+    after = _build(Options, merged, "options")
+    changed = {
+        k: (getattr(before, k), getattr(after, k))
+        for k in options
+        if getattr(before, k) != getattr(after, k)
+    }
+    return {**spec, "options": merged}, changed
 
 
 def load_cost_model(

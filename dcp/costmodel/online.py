@@ -151,6 +151,57 @@ def _solve(rel: np.ndarray, prior_x: np.ndarray, prior_weight: float):
     return x, live
 
 
+_GROUP_COLS = [*_COMM_COLS, _COL["hop"]]
+
+
+def _solve_tied_comm(rel: np.ndarray, multi: np.ndarray, prior_x: np.ndarray, prior_weight: float):
+    """``_solve`` for records with too few CP > 1 micro-steps to separate the four
+    communication columns (bandwidth, its selective and full-recompute extras, hop latency).
+
+    Everything but communication is fitted on the CP = 1 records alone. On the CP > 1 records,
+    what that leaves unexplained is fitted with one non-negative scale of the communication
+    time, the columns tied together: the hop latency keeps the prior's ratio to the bandwidth
+    term, and the recompute extras take the *fitted* attention's recompute fractions (CP
+    communication runs inside core attention, so recomputing attention recomputes it). One or
+    two CP = 2 records then give a finite link rate, never a free link plus a huge latency."""
+    x, live = _solve(rel[~multi], prior_x, prior_weight)
+    base = prior_x[_COL["comm"]]
+    if base <= 0:  # a prior without CP cost: nothing to scale
+        return x, live
+    att = x[_COL["attention"]]
+    shape = np.zeros(len(TIME_FEATURES))
+    shape[_COL["comm"]] = 1.0
+    for suffix in ("_sel", "_full_extra"):
+        frac = x[_COL["attention" + suffix]] / att if att > 0 else 0.0
+        shape[_COL["comm" + suffix]] = frac
+    rows = rel[multi]
+    shape[_COL["hop"]] = prior_x[_COL["hop"]] / base
+    others = [j for j in range(len(TIME_FEATURES)) if j not in _GROUP_COLS]
+    target = 1.0 - rows[:, others] @ x[others]
+    feature = rows @ shape
+    # Regularised scalar least squares toward the prior's rate, as _solve does per column.
+    reg = prior_weight * float(feature @ feature)
+    scale = max(0.0, float(feature @ target + reg * base) / (float(feature @ feature) + reg))
+    x[_GROUP_COLS] = scale * shape[_GROUP_COLS]
+    live = live.copy()
+    live[_GROUP_COLS] = True  # all four are set, by the tie
+    return x, live
+
+
+def _solve_records(
+    rel: np.ndarray,
+    multi: np.ndarray,
+    prior_x: np.ndarray,
+    prior_weight: float,
+    tie_comm_below: int,
+):
+    """The regularised fit, with the communication columns tied while fewer than
+    ``tie_comm_below`` CP > 1 records exist (``_solve_tied_comm``)."""
+    if 0 < multi.sum() < tie_comm_below and (~multi).any():
+        return _solve_tied_comm(rel, multi, prior_x, prior_weight)
+    return _solve(rel, prior_x, prior_weight)
+
+
 def _inliers(residuals: np.ndarray, k: float, floor: float) -> np.ndarray:
     mad = float(np.median(np.abs(residuals - np.median(residuals))))
     return np.abs(residuals) <= max(k * 1.4826 * mad, floor)
@@ -235,6 +286,7 @@ def fit_records(
     outlier_floor: float = 0.25,
     max_rounds: int = 3,
     min_records: int = 8,
+    tie_comm_below: int = 8,
 ) -> RecordFit:
     """Refit ``prior`` (a preset name, spec path or spec dict) to measured micro-steps (see the
     module docstring). Raises ``ValueError`` when fewer than ``min_records`` records remain or
@@ -264,7 +316,8 @@ def fit_records(
     rel = _design(ordered, model, kappa) / times[:, None]
     prior_x = _prior_vector(model)
     keep = np.ones(len(ordered), dtype=bool)
-    x, live = _solve(rel, prior_x, prior_weight)
+    multi = np.array([r.cp_size > 1 for r in ordered])
+    x, live = _solve_records(rel, multi, prior_x, prior_weight, tie_comm_below)
     for _ in range(max_rounds):
         inliers = _inliers(rel @ x - 1.0, outlier_k, outlier_floor)
         if np.array_equal(inliers, keep):
@@ -275,7 +328,7 @@ def fit_records(
                 f"need at least {min_records} micro-step records to refit the cost model, "
                 f"{int(keep.sum())} of {len(ordered)} are left after rejecting outliers"
             )
-        x, live = _solve(rel[keep], prior_x, prior_weight)
+        x, live = _solve_records(rel[keep], multi[keep], prior_x, prior_weight, tie_comm_below)
     used = [r for r, k in zip(ordered, keep, strict=True) if k]
     memory, raised = _memory_calibration(ordered, model)
     calibration = {

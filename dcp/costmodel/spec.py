@@ -78,10 +78,18 @@ class Options:
     """Optimizer state sharded over all DP×CP ranks (Megatron distributed optimizer)."""
     grad_bytes_per_param: float = 4.0
     """Main-grad bytes per parameter (fp32 main grads)."""
-    optimizer_bytes_per_param: float = 12.0
-    """fp32 master copy + Adam m and v."""
+    optimizer_bytes_per_param: float | None = None
+    """Optimizer state per parameter before sharding; default ``optimizer_bytes_per_param(dtype)``
+    (what megatron's Adam holds; the runtime's measured ``optimizer_state_bytes`` is tested
+    against it)."""
     logits_bytes_per_vocab: float = 6.0
     """Bytes per token per vocab entry for logits + fp32 loss workspace (bf16 + fp32)."""
+    fp8: bool = False
+    """FP8 linear layers in the transformer blocks (``model.fp8``); logits stay bf16."""
+    fp8_linear_speedup: float = 1.5
+    """Linear-layer throughput of FP8 over bf16 when ``fp8``: an assumption (the H200's FP8 peak
+    is 2x bf16; casts and scaling take part of it) until a run's calibration or
+    ``tools.gpu_check``'s MFU measures it."""
     linear_efficiency: float = 0.70
     """Fraction of peak the linear layers (GEMMs) reach on large chunks."""
     attention_efficiency: float = 0.50
@@ -114,6 +122,14 @@ class Options:
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(
                 f"options.dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}"
+            )
+        if not self.fp8_linear_speedup > 0:
+            raise ValueError(
+                f"options.fp8_linear_speedup must be > 0, got {self.fp8_linear_speedup}"
+            )
+        if self.optimizer_bytes_per_param is None:
+            object.__setattr__(
+                self, "optimizer_bytes_per_param", optimizer_bytes_per_param(self.dtype)
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(
@@ -302,6 +318,23 @@ def spec_param_counts(model: ModelSpec, options: Options) -> ParamCounts:
     )
 
 
+def optimizer_bytes_per_param(dtype: str) -> float:
+    """Bytes of Adam state per parameter, unsharded: m and v in fp32 (8 B), plus an fp32 master
+    copy (4 B) when the weights are bf16/fp16; fp32 weights are their own master copy."""
+    return 8.0 if dtype == "fp32" else 12.0
+
+
+def runtime_options(*, dtype: str, distributed_optimizer: bool, fp8: bool = False) -> dict:
+    """The spec ``options`` a training run fixes (its model dtype, FP8 and optimizer): the
+    trainer and ``tools.memory_budget`` lay them over the spec, so planner and runtime agree."""
+    return {
+        "dtype": dtype,
+        "fp8": fp8,
+        "distributed_optimizer": distributed_optimizer,
+        "optimizer_bytes_per_param": optimizer_bytes_per_param(dtype),
+    }
+
+
 def static_memory_parts(model: ModelSpec, options: Options, *, num_ranks: int) -> dict[str, float]:
     """Bytes per GPU that do not depend on the batch: ``weights`` (``options.dtype``),
     ``grads`` (main grads) and ``optimizer`` (fp32 master + Adam moments, sharded over all
@@ -332,6 +365,8 @@ def analytic_coefficients(
     tp_eff = options.tensor_parallel_efficiency if tp > 1 else 1.0
     rank_flops = cluster.peak_tflops * 1e12 * tp * tp_eff
     lin_rate = rank_flops * options.linear_efficiency
+    if options.fp8:
+        lin_rate *= options.fp8_linear_speedup
     att_rate = rank_flops * options.attention_efficiency
     fwd_bwd = 3.0  # backward = 2x forward for GEMMs
     att_passes = 1.0 + options.attention_backward_ratio
@@ -339,7 +374,7 @@ def analytic_coefficients(
     # Causal attention forward: QK^T and PV, 2·L²·h FLOPs each, halved by the causal mask.
     attention_s_per_token2 = att_passes * 2.0 * h * layers / att_rate
     linear_s_per_token = fwd_bwd * 2.0 * linear_params / lin_rate
-    logits_s_per_token = fwd_bwd * 2.0 * h * vocab / lin_rate
+    logits_s_per_token = fwd_bwd * 2.0 * h * vocab / (rank_flops * options.linear_efficiency)
 
     # Selective = core attention + MLP recomputed (megatron_patches/recompute.py: recompute
     # modules ["core_attn", "mlp"]); full = the whole layer forward again.

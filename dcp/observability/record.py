@@ -102,9 +102,14 @@ class StepRecord:
     plan: PlanStats
     mfu: float | None = None
     """Model FLOPs utilisation against the spec's peak (absent when the spec has none)."""
+    optimizer_state_bytes: list[int] | None = None
+    """Optimizer state bytes held by each rank, by rank (``Runtime.optimizer_state_bytes``)."""
+    exploration: str | None = None
+    """The configuration online calibration tried on this step's longest sequence, if any."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        if self.mfu is None:
-            del out["mfu"]
+        for key in ("mfu", "optimizer_state_bytes", "exploration"):
+            if out[key] is None:
+                del out[key]
         return out

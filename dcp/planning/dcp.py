@@ -22,7 +22,7 @@ Deterministic: ties break on indices; no RNG, no unordered iteration.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -65,6 +65,7 @@ def plan_dcp(
     on_oversize: str = "error",
     max_cp_size: int | None = None,
     recompute_levels: Sequence[str] = RECOMPUTE_LEVELS,
+    pinned: Mapping[int, tuple[int, str]] | None = None,
 ) -> Plan:
     """Plan one global batch with DCP (see module docstring). Options:
 
@@ -72,6 +73,9 @@ def plan_dcp(
     max_cp_size: cap on the CP group size (default: the whole cluster).
     recompute_levels: levels the planner may use (default all; ``full`` is always allowed for
     sequences nothing else fits).
+    pinned: ``{sequence index: (cp_size, recompute)}`` runs those sequences alone in a group of
+    that size at that level (online calibration's exploration); the rest is planned around
+    them. The configuration must fit the cost model's memory budget.
     """
     lens = check_lengths(lengths)
     num_ranks = cost_model.num_ranks
@@ -101,6 +105,7 @@ def plan_dcp(
             better = t < dur[:, k]
             dur[:, k] = np.where(better, t, dur[:, k])
             rec[:, k] = np.where(better, RECOMPUTE_LEVELS.index(lv), rec[:, k])
+    pinned_rows = _apply_pins(pinned or {}, keep, kept, sizes, cost_model, dur, rec)
     area = dur * np.asarray(sizes, dtype=np.float64)
 
     # 2. Short sequences pack at CP=1 without recompute when that is their cheapest option.
@@ -111,6 +116,7 @@ def plan_dcp(
         kept <= cap_none, marginal + const_none * kept / max(cap_none, 1), np.inf
     )
     packable = packed_area <= area.min(axis=1)
+    packable[pinned_rows] = False
     solo_time = dur[:, 0]  # CP=1 alone: a packable sequence that is big for the target goes solo
     by_area = np.argsort(-np.minimum(area.min(axis=1), packed_area), kind="stable")
     by_length = np.argsort(-kept, kind="stable")
@@ -166,7 +172,7 @@ def plan_dcp(
                 best = trial
     makespan, sched, packs = best
     steps = _to_steps(sched, packs, sizes, keep)
-    if sched.solo:
+    if sched.solo and not pinned_rows:
         # Few-sequence batches: when one long job sets the makespan, the short ones are better
         # off riding in its CP group than queueing behind it. Try that uniform plan too.
         level, _, _, r = max(sched.solo, key=lambda s: (s[0], -s[2]))
@@ -183,6 +189,41 @@ def plan_dcp(
         predicted_step_time_s=float(makespan),
         meta=drop_meta(dropped),
     )
+
+
+def _apply_pins(
+    pinned: Mapping[int, tuple[int, str]],
+    keep: np.ndarray,
+    kept: np.ndarray,
+    sizes: list[int],
+    cost_model: CostModel,
+    dur: np.ndarray,
+    rec: np.ndarray,
+) -> list[int]:
+    """Restrict each pinned sequence's row of ``dur``/``rec`` to its one configuration; returns
+    the rows (positions in ``keep``)."""
+    rows = []
+    for index, (cp, level) in sorted(pinned.items()):
+        hits = np.flatnonzero(keep == index)
+        if hits.size == 0:
+            raise ValueError(f"pinned sequence {index} is not in the batch (or was dropped)")
+        if cp not in sizes or level not in RECOMPUTE_LEVELS:
+            raise ValueError(
+                f"pinned sequence {index}: ({cp}, {level!r}) is not a CP size in {sizes} and a "
+                f"recompute level in {RECOMPUTE_LEVELS}"
+            )
+        row, k = int(hits[0]), sizes.index(cp)
+        length = kept[row : row + 1]
+        if not cost_model.fits(length, cp, level):
+            raise ValueError(
+                f"pinned sequence {index} ({int(length[0])} tokens) does not fit CP={cp} with "
+                f"recompute {level} in the cost model's memory budget"
+            )
+        dur[row, :] = np.inf
+        dur[row, k] = float(cost_model.solo_step_time_s(length, cp, level)[0])
+        rec[row, k] = RECOMPUTE_LEVELS.index(level)
+        rows.append(row)
+    return rows
 
 
 def _uniform_plan(

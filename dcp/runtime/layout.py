@@ -20,6 +20,7 @@ sees), *padded* = the global packed sequence with each document padded, *local* 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -229,6 +230,24 @@ class ShardLayout:
             max_seqlen_kv=self.max_seqlen_padded,
             cp_group=cp_group,
         )
+
+    @classmethod
+    def aligned(
+        cls, doc_lens: Sequence[int], *, cp_size: int, local_token_multiple: int = 1
+    ) -> ShardLayout:
+        """The default layout, with the last document's padding extended so that every rank's
+        local token count is a multiple of ``local_token_multiple`` (TE's GEMM/THD alignment:
+        ``ModelConfig.local_token_multiple``). Padding sits at the end of the last document,
+        where causal attention hides it from every real token."""
+        if local_token_multiple < 1:
+            raise ValueError(f"local_token_multiple must be >= 1, got {local_token_multiple}")
+        base = cls(doc_lens=doc_lens, cp_size=cp_size)
+        total_multiple = math.lcm(local_token_multiple * base.cp_size, base.pad_multiple)
+        extra = -base.num_padded_tokens % total_multiple
+        if extra == 0:
+            return base
+        padded = (*base.padded_lens[:-1], base.padded_lens[-1] + extra)
+        return cls(doc_lens=base.doc_lens, cp_size=base.cp_size, padded_lens=padded)
 
     @classmethod
     def from_cu_seqlens(

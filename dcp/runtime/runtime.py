@@ -7,16 +7,21 @@ plan may use, the DDP-wrapped model and the optimizer. ``train_step(plan, source
 rank's micro-steps (``dcp.runtime.schedule.run_plan``), clips the global gradient norm, steps
 the optimizer and returns the global mean loss.
 
-Optimizer: ``torch.optim.AdamW`` on CPU (megatron's optimizer and ``clip_grads`` use fused CUDA
-kernels); megatron-core's ``get_megatron_optimizer`` (Adam, fp32 main params) on GPU. The GPU
-branch cannot be exercised on the CPU machines this project is tested on.
+Optimizer: megatron-core's (``get_megatron_optimizer``: Adam with fp32 main params; with
+``OptimConfig.distributed`` its distributed optimizer, ZeRO-1 over the DP×CP group) on CPU and GPU
+alike, so the tests exercise the production path. On CPU its CUDA literals are redirected by
+``megatron_patches.cpu_optimizer.cuda_on_cpu`` around every optimizer call; megatron then uses
+``torch.optim.AdamW`` and its local multi-tensor helpers (no TE/apex), as it does on any machine
+without them. ``Runtime(model, optimizer)`` still accepts any ``torch.optim`` optimizer.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,19 +30,37 @@ import torch.distributed as dist
 
 import megatron_patches
 from dcp.model import ModelConfig, build_gpt_model
-from dcp.optim import OptimConfig, build_adamw, lr_at, set_lr
+from dcp.optim import OptimConfig, lr_at, set_lr
 from dcp.plan import Plan
 from dcp.runtime.collectives import phase
 from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.schedule import run_plan
 from dcp.weights.canonical import canonical_state, load_canonical
+from megatron_patches.cpu_optimizer import cuda_on_cpu
 
 
 def init(*, timeout_s: float | None = None) -> None:
-    """Prepare this process for DCP (idempotent): install the megatron patches this machine
-    needs (the CPU shim when there is no GPU) and initialise megatron's parallel state, its
-    groups created with ``timeout_s`` (default: torch's)."""
+    """Prepare this process for DCP (idempotent): on a GPU machine select the device of
+    ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
+    megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
+    megatron's parallel state, its groups created with ``timeout_s`` (default: torch's)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # megatron's distributed optimizer calls these every step; torch 2.14 marks them deprecated
+    # in favour of *_single, which megatron-core 0.19.2 does not use yet.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is depr",
+        category=FutureWarning,
+    )
+    # With fp32 weights the distributed optimizer's main params are views of the parameters;
+    # megatron reads their .grad while stepping, which torch flags for non-leaf tensors.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The \.grad attribute of a Tensor that is not a leaf",
+        category=UserWarning,
+    )
     megatron_patches.apply()
     init_megatron_parallel(timeout_s=timeout_s)
 
@@ -65,36 +88,71 @@ def init_megatron_parallel(*, timeout_s: float | None = None) -> None:
         )
 
 
-def wrap_ddp(model: torch.nn.Module):
-    """megatron-core DDP over the fixed DP×CP group; per-token loss → gradients are summed."""
+def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False):
+    """megatron-core DDP over the fixed DP×CP group; per-token loss → gradients are summed.
+    With ``distributed_optimizer`` gradients are reduce-scattered (each rank keeps the reduced
+    shard its optimizer owns) and parameters all-gathered after the step."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distributed_optimizer,
         average_in_collective=False,
     )
     return DistributedDataParallel(model.config, ddp_config, model)
 
 
-def _megatron_optimizer(model, model_cfg: ModelConfig, cfg: OptimConfig):
-    """megatron-core's Adam (fused CUDA kernels; GPU only, not exercised on CPU machines)."""
+def build_optimizer(ddp_model, model_cfg: ModelConfig, cfg: OptimConfig):
+    """megatron-core's Adam over the DDP-wrapped model (fp32 main params for bf16 weights).
+
+    Weight decay skips biases and 1-D parameters (megatron's default rule, the same as
+    ``dcp.optim.param_groups``). The learning rate is set by the runtime before every step."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    bf16 = model_cfg.dtype == "bf16"
     config = OptimizerConfig(
         optimizer="adam",
-        lr=cfg.lr,
+        lr=lr_at(0, cfg),
         min_lr=cfg.min_lr,
         weight_decay=cfg.weight_decay,
         adam_beta1=cfg.beta1,
         adam_beta2=cfg.beta2,
         adam_eps=cfg.eps,
         clip_grad=cfg.clip_grad,
-        bf16=model_cfg.dtype == "bf16",
-        params_dtype=torch.bfloat16 if model_cfg.dtype == "bf16" else torch.float32,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.distributed,
     )
-    return get_megatron_optimizer(config, [model])
+    with cuda_on_cpu():
+        optimizer = get_megatron_optimizer(config, [ddp_model])
+    # megatron's groups carry wd_mult/lr_mult that its OptimizerParamScheduler applies on every
+    # step (``optimizer_param_scheduler.py``: weight_decay * wd_mult); DCP sets the learning rate
+    # itself (``dcp.optim.set_lr`` honours lr_mult), so apply the decay multiplier here once.
+    for group in optimizer.param_groups:
+        group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
+    return optimizer
+
+
+def _local_token_multiple(model) -> int:
+    """Token alignment a built model needs per micro-step (``ModelConfig.local_token_multiple``
+    for models built elsewhere): 16 with FP8, 8 with TE attention, else 1."""
+    if getattr(model.config, "fp8", None):
+        return 16
+    if any(hasattr(m, "set_context_parallel_group") for m in model.modules()):
+        return 8
+    return 1
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The megatron optimizers inside a ``ChainedOptimizer`` (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in _inner_optimizers(optimizer))
 
 
 @dataclass
@@ -135,6 +193,7 @@ class Runtime:
         clip_grad: float = 1.0,
         lr_schedule: Callable[[int], float] | None = None,
         registry: GroupRegistry | None = None,
+        local_token_multiple: int | None = None,
     ) -> None:
         from megatron.core.distributed import DistributedDataParallel
 
@@ -149,7 +208,14 @@ class Runtime:
         self.clip_grad = clip_grad
         self.lr_schedule = lr_schedule
         self.megatron_optimizer = hasattr(optimizer, "get_loss_scale")
+        self.distributed_optimizer = self.megatron_optimizer and _is_distributed(optimizer)
+        if self.distributed_optimizer != self.model.ddp_config.use_distributed_optimizer:
+            raise ValueError(
+                "the optimizer and DDP disagree on use_distributed_optimizer: wrap the model "
+                "with wrap_ddp(..., distributed_optimizer=...) matching the optimizer"
+            )
         self.on_gpu = torch.cuda.is_available()
+        self.local_token_multiple = local_token_multiple or _local_token_multiple(self.model)
         self.step = 0
 
     @classmethod
@@ -161,26 +227,25 @@ class Runtime:
         seed: int = 1234,
         registry: GroupRegistry | None = None,
     ) -> Runtime:
-        """Build the GPTModel, DDP and the optimizer (AdamW on CPU, megatron's on GPU)."""
+        """Build the GPTModel, DDP and megatron-core's optimizer (distributed when
+        ``optim_cfg.distributed``)."""
         init_megatron_parallel()
         model = build_gpt_model(model_cfg, seed=seed)
         if model_cfg.dtype == "bf16":
             # megatron's mixed-precision wrapper: bf16 compute, fp32 logits/loss; the optimizer
-            # keeps fp32 main params (GPU recipe; not exercised on the CPU test machines).
+            # keeps fp32 main params.
             from megatron.core.transformer.module import Float16Module
 
             model = Float16Module(model.config, model)
-        model = wrap_ddp(model)
-        if torch.cuda.is_available():
-            optimizer = _megatron_optimizer(model, model_cfg, optim_cfg)
-        else:
-            optimizer = build_adamw(model, optim_cfg)
+        model = wrap_ddp(model, distributed_optimizer=optim_cfg.distributed)
+        optimizer = build_optimizer(model, model_cfg, optim_cfg)
         return cls(
             model,
             optimizer,
             clip_grad=optim_cfg.clip_grad,
             lr_schedule=functools.partial(lr_at, cfg=optim_cfg),
             registry=registry,
+            local_token_multiple=model_cfg.local_token_multiple,
         )
 
     def parameters(self):
@@ -192,7 +257,8 @@ class Runtime:
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         if self.megatron_optimizer:
-            self.optimizer.zero_grad()
+            with cuda_on_cpu():
+                self.optimizer.zero_grad()
         else:
             for p in self.parameters():
                 p.grad = None
@@ -200,11 +266,54 @@ class Runtime:
     def forward_backward(self, plan: Plan, source: SequenceSource):
         """Run this rank's micro-steps and reduce gradients; no optimizer step."""
         self.zero_grad()
-        return run_plan(self.model, plan, source=source, registry=self.registry, rank=self.rank)
+        return run_plan(
+            self.model,
+            plan,
+            source=source,
+            registry=self.registry,
+            rank=self.rank,
+            local_token_multiple=self.local_token_multiple,
+        )
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """Reduced gradients by parameter name (valid after ``forward_backward``)."""
-        return {n: p.main_grad for n, p in self.named_parameters()}
+        """Reduced gradients by parameter name (valid after ``forward_backward``).
+
+        With the distributed optimizer each rank holds only its reduced shard of every bucket
+        (the rest of its buffer is its unreduced local part): the shards are all-gathered into a
+        copy, a collective every rank must call."""
+        if not self.distributed_optimizer:
+            return {n: p.main_grad for n, p in self.named_parameters()}
+        full_grads: dict[torch.nn.Parameter, torch.Tensor] = {}
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            group = buffer.data_parallel_group
+            gathered = torch.empty_like(buffer.grad_data)
+            for bucket in buffer.buckets:
+                shard_numel = bucket.grad_data.numel() // group.size()
+                start = bucket.offset + group.rank() * shard_numel
+                out = gathered[bucket.offset : bucket.offset + bucket.grad_data.numel()]
+                dist.all_gather_into_tensor(
+                    out, buffer.grad_data[start : start + shard_numel], group=group
+                )
+            for param, (start, end, _) in buffer.param_index_map.items():
+                full_grads[param] = gathered[start:end].view(param.shape)
+        return {n: full_grads[p] for n, p in self.named_parameters()}
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: Adam moments and fp32 main params that are
+        not the model's own storage (a distributed optimizer holds only its shard)."""
+        model_storages = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        seen: set[int] = set()
+        total = 0
+        for opt in _inner_optimizers(self.optimizer):
+            inner = getattr(opt, "optimizer", opt)
+            tensors = [p for g in inner.param_groups for p in g["params"]]
+            tensors += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
+            for t in tensors:
+                if t.untyped_storage().data_ptr() in model_storages or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
 
     def train_step(
         self, plan: Plan, source: SequenceSource, *, skip_nonfinite: bool = False
@@ -240,7 +349,8 @@ class Runtime:
             if self.lr_schedule:
                 set_lr(self.optimizer, lr)
             if self.megatron_optimizer:  # clips with its own config.clip_grad
-                _, grad_norm, _ = self.optimizer.step()
+                with cuda_on_cpu():
+                    _, grad_norm, _ = self.optimizer.step()
             else:
                 params = [p for p in self.parameters() if p.requires_grad]
                 for p in params:
@@ -263,16 +373,55 @@ class Runtime:
 
     # -- checkpoint state ------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Model (canonical names, ``dcp.weights.canonical``), optimizer and step."""
+        """Model (canonical names, ``dcp.weights.canonical``), optimizer and step.
+
+        With the distributed optimizer ``optimizer`` is this rank's shard (save it per rank):
+        megatron's param-group state plus, per inner optimizer, its bucket-space parameter state
+        (``get_parameter_state_dp_reshardable``: fp32 main params and Adam moments), cloned so
+        the file holds the shard, not the whole buffer the views point into."""
+        with cuda_on_cpu():
+            optimizer = self.optimizer.state_dict()
+            if self.distributed_optimizer:
+                optimizer = {
+                    "optimizer": optimizer,
+                    "param_state": [
+                        _clone_tensors(o.get_parameter_state_dp_reshardable())
+                        for o in _inner_optimizers(self.optimizer)
+                    ],
+                }
         return {
             "model": canonical_state(self.model.module.state_dict()),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "step": self.step,
         }
 
     def load_state_dict(self, state: dict) -> None:
         load_canonical(self.model.module, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        if self.megatron_optimizer:
+            saved = optimizer["optimizer"] if self.distributed_optimizer else optimizer
+            _adopt_current_hyperparameters(saved, self.optimizer)
+        with cuda_on_cpu():
+            if not self.distributed_optimizer:
+                self.optimizer.load_state_dict(optimizer)
+            else:
+                if set(optimizer) != {"optimizer", "param_state"}:
+                    raise ValueError(
+                        "the checkpoint's optimizer state is not a distributed-optimizer shard; "
+                        "resume with the optim.distributed setting it was written with"
+                    )
+                self.optimizer.load_state_dict(optimizer["optimizer"])
+                inner = _inner_optimizers(self.optimizer)
+                if len(inner) != len(optimizer["param_state"]):
+                    raise ValueError(
+                        f"checkpoint has {len(optimizer['param_state'])} optimizer shards, this "
+                        f"run builds {len(inner)}"
+                    )
+                # fp32 main params are views of the model's (grad-requiring) parameters.
+                with torch.no_grad():
+                    for opt, param_state in zip(inner, optimizer["param_state"], strict=True):
+                        opt.load_parameter_state_from_dp_reshardable(_mark_unpadded(param_state))
+                        _unshare_state_tensors(opt.optimizer)
         self.step = int(state["step"])
 
     def load_model_weights(self, load: Callable[[torch.nn.Module], None]) -> None:
@@ -282,3 +431,66 @@ class Runtime:
         load(self.model.module)
         if hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()
+
+
+def _clone_tensors(obj):
+    """A copy of a nested dict/list structure with every tensor cloned (compact storage)."""
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tensors(v) for v in obj]
+    return obj
+
+
+def _mark_unpadded(param_state: dict) -> dict:
+    """megatron's ``load_parameter_state_from_dp_reshardable`` filters bucket entries on a
+    ``padding`` key that ``get_parameter_state_dp_reshardable`` does not write (its sharded
+    checkpoint path adds it): every saved entry is a real parameter."""
+    for key, per_dtype in param_state.items():
+        if not isinstance(key, int):
+            continue
+        for buckets in per_dtype.values():
+            for bucket in buckets:
+                for entry in bucket:
+                    entry.setdefault("padding", False)
+    return param_state
+
+
+def _adopt_current_hyperparameters(saved: dict | list, optimizer) -> None:
+    """Give the saved param groups this run's hyperparameters (lr, weight decay, betas, ...).
+
+    megatron pairs saved and current groups by a tuple of their settings
+    (``param_group_identifier_keys``: max_lr, min_lr, wd_mult, ...), so a resume whose config
+    changes one of them (an allowed ``optim.lr`` change) finds no match; and its load would
+    restore the old values over the new config's. Groups are built in the same order on every
+    run of the same model, so they are paired by position; only parameter state and step
+    counts come from the checkpoint."""
+    states = saved if isinstance(saved, list) else [saved]
+    inner = _inner_optimizers(optimizer)
+    if len(states) != len(inner):
+        raise ValueError(f"checkpoint has {len(states)} optimizer states, this run {len(inner)}")
+    for opt, st in zip(inner, states, strict=True):
+        groups = st["optimizer"]["param_groups"] if "optimizer" in st else st["param_groups"]
+        current = opt.optimizer.param_groups
+        if len(groups) != len(current):
+            raise ValueError(
+                f"checkpoint has {len(groups)} parameter groups, this run builds {len(current)}"
+            )
+        for group, now in zip(groups, current, strict=True):
+            group.update({k: v for k, v in now.items() if k not in ("params", "step")})
+
+
+def _unshare_state_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its own state tensors. megatron's ``load_state_dict`` allocates the
+    torch optimizer's state with one shared ``step`` tensor (``distrib_optimizer.py``); torch's
+    AdamW then increments it once per parameter, so the step count (and bias correction) would
+    run ahead after a resume."""
+    seen: set[int] = set()
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                if id(value) in seen:
+                    state[key] = value.clone()
+                seen.add(id(state[key]))

@@ -83,11 +83,13 @@ def run_plan(
     source: SequenceSource,
     registry: GroupRegistry,
     rank: int | None = None,
+    local_token_multiple: int = 1,
 ) -> ScheduleResult:
     """Forward/backward this rank's micro-steps of ``plan``; gradients end up reduced in ``model``.
 
     ``model`` is a megatron DDP-wrapped GPTModel (``no_sync``/``finish_grad_sync``) or a bare
-    module (then no reduction happens: single-process references).
+    module (then no reduction happens: single-process references). Each micro-step's local
+    tokens are padded to a multiple of ``local_token_multiple`` (``ShardLayout.aligned``).
     """
     rank = dist.get_rank() if rank is None else rank
     lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
@@ -107,6 +109,11 @@ def run_plan(
     # Kernels run asynchronously on a GPU: a wall-clock reading is only a step's time once the
     # device has finished it (the planner's calibration and the logged times consume these).
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    if hasattr(model, "set_is_first_microbatch"):
+        # TE linears cache their FP8 weight casts after the first micro-batch
+        # (``is_first_microbatch``); megatron's schedules reset the flag once per step
+        # (``schedules.forward_step``), and so must this one, or FP8 runs use stale weights.
+        model.set_is_first_microbatch()
     sync()
     loop_start = time.perf_counter()
     with no_sync:
@@ -120,8 +127,10 @@ def run_plan(
             start = time.perf_counter()
             group = registry.get(step.ranks)
             cp_rank = step.ranks.index(rank)
-            layout = ShardLayout(
-                doc_lens=[lengths[i] for i in step.seq_ids], cp_size=len(step.ranks)
+            layout = ShardLayout.aligned(
+                [lengths[i] for i in step.seq_ids],
+                cp_size=len(step.ranks),
+                local_token_multiple=local_token_multiple,
             )
             batch = local_batch(source, step.seq_ids, layout=layout, cp_rank=cp_rank, device=device)
             params = layout.packed_seq_params(device=device, cp_group=group)

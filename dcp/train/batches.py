@@ -7,16 +7,19 @@ tokens[0:n-1], labels tokens[1:n]); see ``dcp.runtime.dispatch.train_len``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
-from dcp.costmodel import load_cost_model, load_spec
+from dcp.costmodel import load_cost_model, load_spec, with_runtime_options
 from dcp.data import build_document_dataset
 from dcp.data.sampler import GlobalBatch
 from dcp.plan import Plan
 from dcp.planning import plan_batch, simulate
 from dcp.runtime.dispatch import train_len
+
+logger = logging.getLogger(__name__)
 
 
 def build_dataset(data_cfg, *, vocab_size: int, max_seq_len: int | None = None):
@@ -72,18 +75,34 @@ class PlannedBatch:
     dropped: tuple[int, ...]
     calibration_version: int
     """The cost-model version that made the plan."""
+    exploration: str | None = None
+    """``"cp<c>/<recompute>"`` when online calibration pinned the longest sequence."""
 
 
 class BatchPlanner:
     """Deterministic planning of global batches (identical on every rank)."""
 
-    def __init__(self, dcp_cfg, *, world_size: int, max_seq_len: int | None = None) -> None:
+    def __init__(
+        self,
+        dcp_cfg,
+        *,
+        world_size: int,
+        max_seq_len: int | None = None,
+        runtime_options: dict | None = None,
+    ) -> None:
         """``max_seq_len``: the run's longest sequence; the static baseline is sized for it
-        (as a static Megatron run must be), not for each batch's longest."""
+        (as a static Megatron run must be), not for each batch's longest. ``runtime_options``
+        (``dcp.costmodel.spec.runtime_options``) replace the spec's options the run fixes."""
         self.cfg = dcp_cfg
         self.world_size = world_size
         self.max_seq_len = max_seq_len
         self.spec = load_spec(dcp_cfg.spec)
+        if runtime_options:
+            self.spec, changed = with_runtime_options(self.spec, runtime_options)
+            for key, (old, new) in changed.items():
+                logger.info(
+                    "cost-model spec options.%s: %s -> %s (the run's setting)", key, old, new
+                )
         self.version = 0
         self.cost_model = load_cost_model(self.spec, world_size=world_size)
         self.peak_tflops_per_rank = float(self.spec["cluster"]["peak_tflops"])
@@ -94,10 +113,15 @@ class BatchPlanner:
         self.spec = spec
         self.version = version
 
-    def plan(self, batch: GlobalBatch) -> PlannedBatch:
+    def plan(
+        self, batch: GlobalBatch, *, pinned: dict[int, tuple[int, str]] | None = None
+    ) -> PlannedBatch:
+        """Plan ``batch``; ``pinned`` (planner=dcp only) fixes some sequences' configuration."""
         lengths = seq_lengths(batch)
         cost_model, version = self.cost_model, self.version  # one model for the whole plan
         options = {"on_oversize": self.cfg.on_oversize}
+        if pinned and self.cfg.planner == "dcp":
+            options["pinned"] = pinned
         if self.cfg.planner == "static":
             if self.max_seq_len is not None:
                 options["max_seq_len"] = max(self.max_seq_len, max(lengths))
@@ -116,4 +140,9 @@ class BatchPlanner:
             predicted_imbalance=float(imbalance),
             dropped=dropped,
             calibration_version=version,
+            exploration=(
+                ", ".join(f"cp{cp}/{level}" for cp, level in pinned.values())
+                if pinned and self.cfg.planner == "dcp"
+                else None
+            ),
         )

@@ -8,6 +8,17 @@ by rank 0 to ``runs/<name>/microsteps.jsonl``. With ``dcp.calibration=online``, 
 the newest ``refit_holdout_steps`` steps are held out, and a refit that predicts them worse than
 the current model is rejected and logged. The accepted spec and its version go into checkpoints,
 so a resumed run plans with the model it had.
+
+Exploration (``dcp.explore``): a fit only learns about the configurations the planner chose. A
+wrong prior that calls recompute free makes every long sequence run at CP = 1 with recompute,
+and then CP = 2 without recompute is never measured, so the fit can never learn it was faster
+(recompute's cost and attention's are confounded when every long sequence recomputes). So on
+the first step after each refit the batch's longest sequence is pinned to one configuration no
+record has measured for a sequence of at least half its length, among those the current model
+rates within ``EXPLORE_MARGIN`` of its best (in rank-seconds) and that fit in memory; the
+planner places the rest of the batch around it. It is useful work, not an extra micro-step;
+its cost is at most one sequence run in a possibly slower configuration, counted in the step's
+time like any other. The choice depends only on the shared records, so every rank makes it.
 """
 
 from __future__ import annotations
@@ -17,15 +28,20 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch.distributed as dist
 
 from dcp.costmodel import CostModel, MicroStepRecord, append_records, fit_records, read_records
-from dcp.plan import Plan
+from dcp.plan import RECOMPUTE_LEVELS, Plan
+from dcp.planning.common import pow2_sizes
 from dcp.runtime.collectives import phase
 
 logger = logging.getLogger(__name__)
 
 RECORDS_FILENAME = "microsteps.jsonl"
+EXPLORE_MARGIN = 0.5
+"""Exploration tries a configuration only if the current model rates it at most this much
+more expensive (rank-seconds) than its best one for the sequence."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,35 @@ def median_error(model: CostModel, records: list[MicroStepRecord]) -> float:
         abs(model.step_time_s(list(r.seq_lens), r.cp_size, r.recompute, r.ranks) / r.time_s - 1)
         for r in records
     )
+
+
+def choose_exploration(
+    records: list[MicroStepRecord], lengths: list[int], cost_model: CostModel
+) -> dict[int, tuple[int, str]] | None:
+    """The configuration to try for the batch's longest sequence (module docstring), as
+    ``{index: (cp_size, recompute)}``, or ``None`` when every configuration worth trying has
+    been measured for a sequence at least half as long."""
+    index = max(range(len(lengths)), key=lambda i: (lengths[i], -i))
+    length = lengths[index]
+    arms = []
+    for cp in pow2_sizes(cost_model.num_ranks, None):
+        for level in RECOMPUTE_LEVELS:
+            if not cost_model.fits([length], cp, level):
+                continue
+            area = cp * float(cost_model.solo_step_time_s(np.array([length]), cp, level)[0])
+            seen = sum(
+                r.cp_size == cp and r.recompute == level and 2 * max(r.seq_lens) >= length
+                for r in records
+            )
+            arms.append((seen, area, cp, level))
+    if not arms:
+        return None
+    best = min(area for _, area, _, _ in arms)
+    unseen = [a for a in arms if a[0] == 0 and a[1] <= (1 + EXPLORE_MARGIN) * best]
+    if not unseen:
+        return None
+    _, _, cp, level = min(unseen)
+    return {index: (cp, level)}
 
 
 class OnlineCalibrator:
@@ -88,6 +133,26 @@ class OnlineCalibrator:
         box = [records]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def exploration(
+        self, step: int, lengths: list[int], cost_model: CostModel
+    ) -> dict[int, tuple[int, str]] | None:
+        """``{sequence index: (cp_size, recompute)}`` to pin for (1-based) ``step``, or ``None``
+        (module docstring: exploration)."""
+        if not (self.online and self.cfg.explore) or (step - 1) % self.cfg.refit_interval_steps:
+            return None
+        pinned = choose_exploration(self.records, lengths, cost_model)
+        if pinned:
+            ((index, (cp, level)),) = pinned.items()
+            logger.info(
+                "step %d: exploring CP=%d, recompute %s for the longest sequence (%d tokens): "
+                "no micro-step of that configuration measured yet",
+                step,
+                cp,
+                level,
+                lengths[index],
+            )
+        return pinned
 
     def observe(
         self, step: int, plan: Plan, lengths: list[int], step_times_s: list[tuple[int, float]]

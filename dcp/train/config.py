@@ -72,6 +72,10 @@ class DCPConfig:
     current model is rejected."""
     refit_window_steps: int = 200
     """Refit on the micro-steps of at most this many recent steps (tracks drift)."""
+    explore: bool = True
+    """Online calibration with planner=dcp: on the first step after each refit, run the longest
+    sequence in a configuration no micro-step has measured yet (see
+    ``dcp.train.calibration``), so the fit learns about choices the planner never made."""
 
     def __post_init__(self) -> None:
         check_choice(self.planner, PLANNERS, "dcp.planner")

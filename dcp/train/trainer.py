@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.config import to_dict
+from dcp.costmodel.spec import runtime_options
 from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
 from dcp.observability.memory import max_peak_memory_bytes, reset_peak_memory
 from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
@@ -43,6 +44,7 @@ from dcp.train.batches import (
     PlannedBatch,
     build_dataset,
     longest_seq_len,
+    seq_lengths,
 )
 from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator
 from dcp.train.checkpoint import (
@@ -100,8 +102,14 @@ class Trainer:
             cfg.dcp,
             world_size=self.world_size,
             max_seq_len=longest_seq_len(self.dataset),
+            runtime_options=runtime_options(
+                dtype=cfg.model.dtype,
+                distributed_optimizer=cfg.optim.distributed,
+                fp8=cfg.model.fp8,
+            ),
         )
         self.runtime = Runtime.from_config(cfg.model, cfg.optim, seed=cfg.train.seed)
+        self._opt_state_bytes: list[int] | None = None
         self.start_step, extra = self._maybe_resume()
         if self.start_step == 0:
             self._init_weights()
@@ -200,12 +208,17 @@ class Trainer:
             world_size=self.world_size,
             barrier_fn=dist.barrier,
             keep_last=self.cfg.checkpoint.keep_last,
+            per_rank=(
+                ("rng_state", "optimizer_state")
+                if self.runtime.distributed_optimizer
+                else ("rng_state",)
+            ),
         )
 
     # -- loop ------------------------------------------------------------------------------
-    def _plan(self, batch: GlobalBatch):
+    def _plan(self, batch: GlobalBatch, pinned: dict[int, tuple[int, str]] | None):
         start = time.perf_counter()
-        planned = self.planner.plan(batch)
+        planned = self.planner.plan(batch, pinned=pinned)
         return batch, planned, time.perf_counter() - start
 
     def _record(
@@ -239,6 +252,8 @@ class Trainer:
             skipped=stats.skipped,
             dropped_sequences=len(planned.dropped),
             peak_mem_bytes=max_peak_memory_bytes(),
+            optimizer_state_bytes=self._optimizer_state_bytes(),
+            exploration=planned.exploration,
             planner=planned.plan.planner,
             plan=PlanStats.of(
                 planned.plan,
@@ -248,6 +263,16 @@ class Trainer:
             ),
             mfu=mfu,
         )
+
+    def _optimizer_state_bytes(self) -> list[int] | None:
+        """Each rank's optimizer state bytes (collective; gathered once, after the first
+        optimizer step created the state; ``None`` before)."""
+        if self._opt_state_bytes is None and self.runtime.step > 0:
+            mine = torch.tensor([self.runtime.optimizer_state_bytes()], dtype=torch.int64)
+            every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
+            self._opt_state_bytes = [int(t) for t in every]
+        return self._opt_state_bytes
 
     def train(self) -> list[StepRecord]:
         """Run up to ``train.steps`` steps (fewer when a stop signal arrives); always closes."""
@@ -265,10 +290,19 @@ class Trainer:
         pool = ThreadPoolExecutor(max_workers=1) if cfg.dcp.prefetch_plans else None
         stop = StopRequest()
 
-        def submit(batch: GlobalBatch) -> Future | tuple:
-            return pool.submit(self._plan, batch) if pool else self._plan(batch)
+        def submit(batch: GlobalBatch, step_no: int) -> Future | tuple:
+            # Decided here, in the main thread, from the records every rank holds: the same
+            # exploration on every rank, whatever the planning thread's timing.
+            pinned = self.calibrator.exploration(
+                step_no, seq_lengths(batch), self.planner.cost_model
+            )
+            return pool.submit(self._plan, batch, pinned) if pool else self._plan(batch, pinned)
 
-        pending = submit(next(self.sampler)) if self.start_step < cfg.train.steps else None
+        pending = (
+            submit(next(self.sampler), self.start_step + 1)
+            if self.start_step < cfg.train.steps
+            else None
+        )
         step = self.start_step
         saved = None
         try:
@@ -276,7 +310,9 @@ class Trainer:
                 batch, planned, plan_time_s = pending.result() if pool else pending
                 sampler_state = self.sampler.state_dict()
                 # Plan the next batch while this one runs (the planner is pure Python).
-                pending = submit(next(self.sampler)) if step + 1 < cfg.train.steps else None
+                pending = (
+                    submit(next(self.sampler), step + 2) if step + 1 < cfg.train.steps else None
+                )
                 reset_peak_memory()
                 stats = self.runtime.train_step(
                     planned.plan,
@@ -299,7 +335,7 @@ class Trainer:
                     self.planner.set_spec(self.calibrator.spec, version=refit.version)
                     if pending is not None:  # planned with the old model: plan it again
                         next_batch = (pending.result() if pool else pending)[0]
-                        pending = submit(next_batch)
+                        pending = submit(next_batch, step + 2)
                 self.metrics.log(step + 1, record.to_dict())
                 self.metrics.note(f"step {step + 1}: {record.plan.summary()}")
                 records.append(record)

@@ -1,10 +1,14 @@
 """DCP runtime parity: any plan gives the loss and gradients of a single-process reference.
 
 Plans cover all-CP=1, all-CP=world, mixed groups, uneven micro-step counts per rank, documents
-shorter than the CP degree, and mixed recompute levels. Relative error ≤ 1e-5 in fp32.
+shorter than the CP degree, and mixed recompute levels. Relative error ≤ 1e-5 in fp32. The runtime
+trains with megatron-core's distributed optimizer (the default) and its plain one; the reference
+is torch's AdamW in one process.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -94,10 +98,17 @@ def test_parity_4_ranks(reference, name):
     assert_parity(reference, got, what=name)
 
 
-def test_weights_after_three_steps_match_reference():
+def test_parity_with_token_alignment(reference):
+    """TE's alignment (local tokens a multiple of 8) extends the last document's padding: exact."""
+    got = run_on_ranks(2, dcp_run, DOCS, [PLANS_2["mixed_recompute"]], local_token_multiple=8)[0]
+    assert_parity(reference, got, what="mixed_recompute aligned to 8 local tokens")
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed_optimizer", "replicated"])
+def test_weights_after_three_steps_match_reference(distributed):
     ref = run_on_ranks(1, reference_run, DOCS, train_steps=3)[0]
     plans = [PLANS_2["mixed_recompute"], PLANS_2["all_cp1_uneven"], PLANS_2["all_cp2"]]
-    got = run_on_ranks(2, dcp_run, DOCS, plans, train_steps=3)[0]
+    got = run_on_ranks(2, dcp_run, DOCS, plans, train_steps=3, distributed=distributed)[0]
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL)
     for name, w_ref in ref["weights"].items():
         w = got["weights"][name]
@@ -167,11 +178,20 @@ def reference_run(docs: list[np.ndarray], *, train_steps: int = 0) -> dict:
         cleanup()
 
 
-def dcp_run(docs: list[np.ndarray], plans: list[dict], *, train_steps: int = 0) -> dict | None:
+def dcp_run(
+    docs: list[np.ndarray],
+    plans: list[dict],
+    *,
+    train_steps: int = 0,
+    distributed: bool = True,
+    local_token_multiple: int = 1,
+) -> dict | None:
     """DCP runtime on this rank: grads for ``plans[0]``; optionally ``train_steps`` optimizer
     steps, step i executing ``plans[i % len(plans)]``. Rank 0 returns the results."""
     try:
-        runtime = Runtime.from_config(ModelConfig(**TINY, core_attention="dcp"), OPTIM, seed=SEED)
+        optim = dataclasses.replace(OPTIM, distributed=distributed)
+        runtime = Runtime.from_config(ModelConfig(**TINY, core_attention="dcp"), optim, seed=SEED)
+        runtime.local_token_multiple = local_token_multiple
         source = InMemorySource(docs)
         first = Plan.from_dict(plans[0])
         result = runtime.forward_backward(first, source)

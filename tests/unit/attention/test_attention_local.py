@@ -18,7 +18,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from dcp.attention import DCPCoreAttention, core_attention_spec, cp_attention
+from dcp.attention import DCPCoreAttention, cp_attention
 from dcp.attention import cp as attention_cp
 from dcp.attention import kernels as attention_kernels
 from dcp.runtime.layout import ShardLayout
@@ -200,12 +200,6 @@ def test_module_rejects_what_it_does_not_implement():
     params = ShardLayout(doc_lens=(4,), cp_size=1).packed_seq_params()
     with pytest.raises(ValueError, match="attention_bias"):
         module(x, x, x, None, attention_bias=torch.zeros(1), packed_seq_params=params)
-
-
-def test_spec_falls_back_to_dcp_attention_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the spec may pick Transformer Engine")
-    assert core_attention_spec() is DCPCoreAttention
 
 
 def test_padding_rows_are_zero():

@@ -315,3 +315,22 @@ def test_refit_plans_near_optimal_under_the_true_costs():
     report = f"fitted/bound {np.round(fitted_ratio, 4)}, prior/bound {np.round(prior_ratio, 4)}"
     assert max(fitted_ratio) <= 1.05, report
     assert min(np.array(prior_ratio) - np.array(fitted_ratio)) > 0.05, report
+
+
+def test_few_cp2_records_give_a_finite_link_not_a_free_one():
+    """One or two CP=2 micro-steps cannot separate bandwidth, latency and their recompute
+    extras: the fit ties them (one scale) instead of inventing a free link and a huge latency."""
+    truth = _truth()
+    cp1 = synthetic_records(truth, cps=(1,))
+    cp2 = [r for r in synthetic_records(truth, shapes=[[4096], [8192]], cps=(2,))][:2]
+    fit = fit_records([*cp1, *cp2], prior=PRIOR)
+    c, t = fit.cost_model.coefficients, truth.coefficients
+    assert c.intra_node_bytes_per_s < 1e12 and c.cp_hop_latency_s < 0.1
+    for r in cp2:  # the CP=2 micro-steps it saw are predicted within 5%
+        got = fit.cost_model.step_time_s(r.seq_lens, 2, r.recompute)
+        assert got == pytest.approx(r.time_s, rel=0.05)
+    # Enough CP=2 records: the columns are fitted separately, as before.
+    full = fit_records(synthetic_records(truth), prior=PRIOR, prior_weight=0.0)
+    assert full.cost_model.coefficients.cp_hop_latency_s == pytest.approx(t.cp_hop_latency_s)
+    untied = fit_records([*cp1, *cp2], prior=PRIOR, tie_comm_below=0)
+    assert untied.cost_model.coefficients != c

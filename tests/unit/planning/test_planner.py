@@ -216,3 +216,23 @@ def test_bad_planner_options_are_value_errors_naming_the_option(models):
         plan_batch([10, 20], cost_model=cost_model, max_cp_size="abc")
     with pytest.raises(ValueError, match=r"has no option\(s\) \['bogus'\]; its options: "):
         plan_batch([10, 20], cost_model=cost_model, planner="static", bogus=1)
+
+
+def test_pinned_sequence_runs_alone_in_its_configuration():
+    from dcp.costmodel import load_cost_model
+    from dcp.planning import plan_dcp
+
+    model = load_cost_model("cpu-tiny+cpu-mem-tight")
+    lengths = [6000, 300, 2000, 45, 900, 5000, 120]
+    plain = plan_dcp(lengths, cost_model=model)
+    for cp, level in ((2, "none"), (1, "full"), (2, "selective")):
+        plan = plan_dcp(lengths, cost_model=model, pinned={0: (cp, level)})
+        plan.validate(num_sequences=len(lengths), num_ranks=2)
+        (step,) = [s for s in plan.steps if 0 in s.seq_ids]
+        assert step.seq_ids == (0,) and len(step.ranks) == cp and step.recompute == level
+        assert plan == plan_dcp(lengths, cost_model=model, pinned={0: (cp, level)})
+    assert plain.predicted_step_time_s <= plan.predicted_step_time_s + 1e-12
+    with pytest.raises(ValueError, match="does not fit CP=1 with recompute none"):
+        plan_dcp(lengths, cost_model=model, pinned={0: (1, "none")})
+    with pytest.raises(ValueError, match="not in the batch"):
+        plan_dcp(lengths, cost_model=model, pinned={7: (1, "full")})

@@ -1,0 +1,121 @@
+"""The GPU production path's pieces that are pure or CPU-checkable: model-config rules for TE and
+FP8, the TE attention's THD boundaries, token alignment, the optimizer's CUDA redirect, and the
+one source of optimizer-state bytes shared by the cost model and the runtime. The GPU itself is
+exercised by ``tools/gpu_check.py`` (tests marked ``gpu``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dcp.costmodel import load_spec, with_runtime_options
+from dcp.costmodel.spec import Options, optimizer_bytes_per_param, runtime_options
+from dcp.model import ModelConfig, check_device_support, layer_spec, resolved_attention
+from dcp.runtime.layout import ShardLayout
+from megatron_patches.cpu_optimizer import cuda_on_cpu
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+def test_fp8_delayed_scaling_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="delayed.*deadlocks"):
+        ModelConfig(dtype="bf16", fp8=True, fp8_recipe="delayed")
+    with pytest.raises(ValueError, match="fp8_recipe must be one of"):
+        ModelConfig(fp8_recipe="mxfp8")
+
+
+def test_fp8_needs_bf16_and_the_te_spec():
+    with pytest.raises(ValueError, match="fp8 needs model.dtype=bf16"):
+        ModelConfig(fp8=True)
+    with pytest.raises(ValueError, match="fp8 needs"):
+        ModelConfig(dtype="bf16", fp8=True, core_attention="dcp")
+    cfg = ModelConfig(dtype="bf16", fp8=True, fp8_recipe="blockwise", core_attention="te")
+    assert cfg.local_token_multiple == 16
+
+
+@no_cuda
+def test_auto_attention_is_the_torch_path_without_a_gpu():
+    cfg = ModelConfig()
+    assert resolved_attention(cfg) == "dcp"
+    assert cfg.local_token_multiple == 1
+    from dcp.attention import DCPCoreAttention
+
+    core = layer_spec(cfg).submodules.self_attention.submodules.core_attention
+    assert core is DCPCoreAttention
+
+
+@no_cuda
+def test_te_spec_without_te_or_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="core_attention=te needs Transformer Engine"):
+        check_device_support(ModelConfig(core_attention="te", dtype="bf16"))
+
+
+def test_te_attention_sees_padding_as_real_tokens():
+    """TE ≤ 2.17 misses padding on the last document; DCP passes padded boundaries as real."""
+    from dcp.attention.te import padded_as_real
+
+    layout = ShardLayout(doc_lens=(5, 3), cp_size=2)  # padded to 8 and 4
+    params = padded_as_real(layout.packed_seq_params())
+    assert params.cu_seqlens_q.tolist() == [0, 8, 12]
+    assert params.cu_seqlens_kv.tolist() == [0, 8, 12]
+    assert params.cu_seqlens_q_padded.tolist() == [0, 8, 12]
+    assert params.max_seqlen_q == 8
+    assert padded_as_real(None) is None
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("multiple", [1, 8, 16])
+def test_aligned_layout_pads_only_the_last_document(cp_size, multiple):
+    lens = [37, 1, 5, 64, 3]
+    base = ShardLayout(doc_lens=lens, cp_size=cp_size)
+    aligned = ShardLayout.aligned(lens, cp_size=cp_size, local_token_multiple=multiple)
+    assert aligned.local_num_tokens % multiple == 0
+    assert aligned.padded_lens[:-1] == base.padded_lens[:-1]
+    assert 0 <= aligned.padded_lens[-1] - base.padded_lens[-1] < multiple * cp_size
+    assert aligned.num_real_tokens == base.num_real_tokens
+    assert np.array_equal(aligned.real_mask[: base.num_padded_tokens], base.real_mask)
+    assert not aligned.real_mask[base.num_padded_tokens :].any()
+
+
+@no_cuda
+def test_cuda_on_cpu_redirects_only_inside_the_block():
+    with cuda_on_cpu():
+        t = torch.zeros(2, device="cuda")
+        assert t.device.type == "cpu"
+        assert t.cuda() is t
+        assert t.type() == "torch.cuda.FloatTensor"
+        assert torch.tensor([1], dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")  # outside the block CUDA is still absent
+
+
+def test_optimizer_bytes_have_one_source():
+    assert optimizer_bytes_per_param("fp32") == 8.0
+    assert optimizer_bytes_per_param("bf16") == 12.0
+    assert Options(dtype="fp32").optimizer_bytes_per_param == 8.0
+    assert Options(dtype="bf16").optimizer_bytes_per_param == 12.0
+    spec = load_spec("cpu-tiny")
+    aligned, changed = with_runtime_options(
+        spec, runtime_options(dtype="bf16", distributed_optimizer=True)
+    )
+    assert aligned["options"]["optimizer_bytes_per_param"] == 12.0
+    assert changed["dtype"] == ("fp32", "bf16")
+    assert changed["distributed_optimizer"] == (False, True)
+    assert spec["options"]["dtype"] == "fp32"  # the loaded spec is not mutated
+
+
+def test_fp8_speeds_up_only_the_linear_layers_in_the_cost_model():
+    from dcp.costmodel import load_cost_model
+
+    spec = load_spec("h200x8+llama3-8b")
+    bf16 = load_cost_model(spec).coefficients
+    fp8_spec, _ = with_runtime_options(
+        spec, runtime_options(dtype="bf16", distributed_optimizer=True, fp8=True)
+    )
+    fp8 = load_cost_model(fp8_spec).coefficients
+    speedup = Options().fp8_linear_speedup
+    assert fp8.linear_s_per_token == pytest.approx(bf16.linear_s_per_token / speedup)
+    assert fp8.logits_s_per_token == bf16.logits_s_per_token
+    assert fp8.attention_s_per_token2 == bf16.attention_s_per_token2
