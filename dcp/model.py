@@ -178,7 +178,9 @@ class ModelConfig:
     @property
     def local_token_multiple(self) -> int:
         """Each rank's tokens per micro-step are padded to a multiple of this: TE asserts
-        multiples of 8 for THD input and of 16 for FP8 GEMMs; 1 for DCP's torch attention."""
+        multiples of 8 for THD input and of 16 for FP8 GEMMs (megatron-core's
+        ``fp8_utils.get_fp8_align_size`` for the current-scaling recipes); 1 for DCP's torch
+        attention."""
         if resolved_attention(self) != "te":
             return 1
         return 16 if self.fp8 else 8

@@ -9,19 +9,12 @@ import math
 import time
 
 import numpy as np
-import pytest
 import torch
 
-from dcp.attention import transformer_engine_usable
 from tests.distributed.harness import run_on_ranks
+from tests.gpu.common import GPU_ONLY
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not transformer_engine_usable(),
-        reason="GPU-only: needs a CUDA device and Transformer Engine (python -m tools.gpu_check)",
-    ),
-]
+pytestmark = GPU_ONLY
 
 LLAMA3_8B_LAYER = dict(
     hidden_size=4096,

@@ -11,21 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from dcp.attention import transformer_engine_usable
 from tests.distributed.harness import run_on_ranks
+from tests.gpu.common import GPU_ONLY, SMALL
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not transformer_engine_usable(),
-        reason="GPU-only: needs CUDA devices and Transformer Engine (tools.gpu_check --multi)",
-    ),
-]
+pytestmark = GPU_ONLY
 
-SMALL = dict(
-    num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
-    ffn_hidden_size=704, vocab_size=512, max_seq_len=8192, dtype="bf16", core_attention="te",
-)  # fmt: skip
+MODEL = dict(SMALL, max_seq_len=8192, dtype="bf16", core_attention="te")
 RECIPE = Path(__file__).resolve().parents[2] / "pretrain/configs/llama3_8b_h200.yaml"
 GRAD_RTOL = 3e-2
 """bf16 gradients, ring attention at CP = k vs CP = 1 (relative Frobenius error per tensor)."""
@@ -58,7 +49,7 @@ def grads_for_plans(plans: list[dict]) -> list[dict] | None:
     docs = [rng.integers(0, 512, size=n + 1) for n in (4093, 1000, 130, 7, 1, 2900)]
     out = []
     try:
-        runtime = Runtime.from_config(ModelConfig(**SMALL), OptimConfig(), seed=5)
+        runtime = Runtime.from_config(ModelConfig(**MODEL), OptimConfig(), seed=5)
         for plan in plans:
             result = runtime.forward_backward(Plan.from_dict(plan), InMemorySource(docs))
             loss = torch.tensor([result.loss_sum], dtype=torch.float64, device="cuda")

@@ -12,28 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from dcp.attention import transformer_engine_usable
 from tests.distributed.harness import run_on_ranks
+from tests.gpu.common import GPU_ONLY, SMALL
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not transformer_engine_usable(),
-        reason="GPU-only: needs a CUDA device and Transformer Engine (python -m tools.gpu_check)",
-    ),
-]
+pytestmark = GPU_ONLY
 
 DOC_LENS = (1, 7, 130, 1000, 4093)
 """Documents of the THD attention check (each padded to a multiple of 8, the last one too)."""
-SMALL = dict(
-    num_layers=2,
-    hidden_size=256,
-    num_attention_heads=8,
-    num_query_groups=2,
-    ffn_hidden_size=704,
-    vocab_size=512,
-    max_seq_len=4096,
-)
+MODEL = dict(SMALL, max_seq_len=4096)
 ATTN_RTOL = 2e-2
 """bf16 TE attention vs the fp32 torch reference (relative Frobenius error, outputs and grads)."""
 LOSS_RTOL = 2e-2
@@ -59,7 +45,7 @@ def te_vs_torch_attention() -> dict:
 
     init_megatron_parallel()
     try:
-        cfg = ModelConfig(**SMALL, dtype="bf16", core_attention="te")
+        cfg = ModelConfig(**MODEL, dtype="bf16", core_attention="te")
         config = transformer_config(cfg)
         kwargs = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
         te_attn = te_core_attention()(config=config, **kwargs)
@@ -123,7 +109,7 @@ def _plans(num_docs: int) -> list[dict]:
 def _documents(seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     lengths = [1000, 7, 300, 2500, 130, 61]
-    return [rng.integers(0, SMALL["vocab_size"], size=n + 1) for n in lengths]
+    return [rng.integers(0, MODEL["vocab_size"], size=n + 1) for n in lengths]
 
 
 def _record_flag(flags: list[list[bool]], module, _args) -> None:
@@ -147,7 +133,7 @@ def train_steps(variants: list[dict], steps: int) -> dict:
     weights = None
     try:
         for variant in variants:
-            cfg = ModelConfig(**SMALL, **variant)
+            cfg = ModelConfig(**MODEL, **variant)
             runtime = Runtime.from_config(cfg, optim, seed=7)
             if weights is None:  # the first variant's initial weights, in canonical names
                 weights = canonical_state(runtime.model.module.state_dict())
