@@ -176,14 +176,15 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        """The parameter/compute dtype as a torch dtype."""
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+    @property
     def local_token_multiple(self) -> int:
-        """Each rank's tokens per micro-step are padded to a multiple of this: TE asserts
-        multiples of 8 for THD input and of 16 for FP8 GEMMs (megatron-core's
-        ``fp8_utils.get_fp8_align_size`` for the current-scaling recipes); 1 for DCP's torch
-        attention."""
-        if resolved_attention(self) != "te":
-            return 1
-        return 16 if self.fp8 else 8
+        """Each rank's tokens per micro-step are padded to a multiple of this
+        (``token_multiple``)."""
+        return token_multiple(te=resolved_attention(self) == "te", fp8=self.fp8)
 
     def num_params(self) -> int:
         """Parameter count (for MFU: 6·N·tokens plus attention FLOPs)."""
@@ -245,6 +246,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def token_multiple(*, te: bool, fp8: bool) -> int:
+    """Local tokens per micro-step must be a multiple of this: TE asserts multiples of 8 for
+    THD input and of 16 for FP8 GEMMs (megatron-core's ``fp8_utils.get_fp8_align_size`` for
+    the current-scaling recipes); 1 for DCP's torch attention."""
+    if not te:
+        return 1
+    return 16 if fp8 else 8
+
+
 def resolved_attention(cfg: ModelConfig) -> str:
     """``cfg.core_attention`` with ``"auto"`` resolved on this machine."""
     if cfg.core_attention != "auto":
@@ -287,7 +297,7 @@ def transformer_config(cfg: ModelConfig, **overrides):
 
     on_gpu = torch.cuda.is_available()
     te = resolved_attention(cfg) == "te"
-    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    dtype = cfg.torch_dtype
     kwargs = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,

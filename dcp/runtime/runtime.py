@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patches
-from dcp.model import ModelConfig, build_gpt_model
+from dcp.model import ModelConfig, build_gpt_model, token_multiple
 from dcp.optim import OptimConfig, lr_at, set_lr
 from dcp.plan import Plan
 from dcp.runtime.collectives import phase
@@ -110,7 +110,6 @@ def build_optimizer(ddp_model, model_cfg: ModelConfig, cfg: OptimConfig):
     ``dcp.optim.param_groups``). The learning rate is set by the runtime before every step."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    bf16 = model_cfg.dtype == "bf16"
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr_at(0, cfg),
@@ -120,8 +119,8 @@ def build_optimizer(ddp_model, model_cfg: ModelConfig, cfg: OptimConfig):
         adam_beta2=cfg.beta2,
         adam_eps=cfg.eps,
         clip_grad=cfg.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=model_cfg.dtype == "bf16",
+        params_dtype=model_cfg.torch_dtype,
         use_distributed_optimizer=cfg.distributed,
     )
     with cuda_on_cpu():
@@ -135,13 +134,12 @@ def build_optimizer(ddp_model, model_cfg: ModelConfig, cfg: OptimConfig):
 
 
 def _local_token_multiple(model) -> int:
-    """Token alignment a built model needs per micro-step (``ModelConfig.local_token_multiple``
-    for models built elsewhere): 16 with FP8, 8 with TE attention, else 1."""
-    if getattr(model.config, "fp8", None):
-        return 16
-    if any(hasattr(m, "set_context_parallel_group") for m in model.modules()):
-        return 8
-    return 1
+    """``token_multiple`` for a model built elsewhere (no ``ModelConfig`` at hand): TE
+    attention is recognised by its ``set_context_parallel_group``."""
+    return token_multiple(
+        te=any(hasattr(m, "set_context_parallel_group") for m in model.modules()),
+        fp8=bool(getattr(model.config, "fp8", None)),
+    )
 
 
 def _inner_optimizers(optimizer) -> list:

@@ -116,11 +116,12 @@ class BatchPlanner:
     def plan(
         self, batch: GlobalBatch, *, pinned: dict[int, tuple[int, str]] | None = None
     ) -> PlannedBatch:
-        """Plan ``batch``; ``pinned`` (planner=dcp only) fixes some sequences' configuration."""
+        """Plan ``batch``; ``pinned`` (the dcp planner's option) fixes some sequences'
+        configuration."""
         lengths = seq_lengths(batch)
         cost_model, version = self.cost_model, self.version  # one model for the whole plan
         options = {"on_oversize": self.cfg.on_oversize}
-        if pinned and self.cfg.planner == "dcp":
+        if pinned:
             options["pinned"] = pinned
         if self.cfg.planner == "static":
             if self.max_seq_len is not None:
@@ -141,8 +142,6 @@ class BatchPlanner:
             dropped=dropped,
             calibration_version=version,
             exploration=(
-                ", ".join(f"cp{cp}/{level}" for cp, level in pinned.values())
-                if pinned and self.cfg.planner == "dcp"
-                else None
+                ", ".join(f"cp{cp}/{level}" for cp, level in pinned.values()) if pinned else None
             ),
         )

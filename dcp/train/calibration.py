@@ -139,7 +139,8 @@ class OnlineCalibrator:
     ) -> dict[int, tuple[int, str]] | None:
         """``{sequence index: (cp_size, recompute)}`` to pin for (1-based) ``step``, or ``None``
         (module docstring: exploration)."""
-        if not (self.online and self.cfg.explore) or (step - 1) % self.cfg.refit_interval_steps:
+        explores = self.online and self.cfg.explore and self.cfg.planner == "dcp"
+        if not explores or (step - 1) % self.cfg.refit_interval_steps:
             return None
         pinned = choose_exploration(self.records, lengths, cost_model)
         if pinned:
