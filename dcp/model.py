@@ -246,13 +246,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def token_multiple(*, te: bool, fp8: bool) -> int:
+def token_multiple(*, te: bool, fp8: bool, tensor_parallel_size: int = 1) -> int:
     """Local tokens per micro-step must be a multiple of this: TE asserts multiples of 8 for
     THD input and of 16 for FP8 GEMMs (megatron-core's ``fp8_utils.get_fp8_align_size`` for
-    the current-scaling recipes); 1 for DCP's torch attention."""
-    if not te:
-        return 1
-    return 16 if fp8 else 8
+    the current-scaling recipes), 1 for DCP's torch attention; and sequence parallelism splits
+    a rank's tokens evenly over its TP group (megatron's ``scatter_to_sequence_parallel_region``
+    divides the first dimension by the TP size)."""
+    base = (16 if fp8 else 8) if te else 1
+    return math.lcm(base, tensor_parallel_size)
 
 
 def resolved_attention(cfg: ModelConfig) -> str:
@@ -289,10 +290,37 @@ def check_device_support(cfg: ModelConfig) -> None:
         )
 
 
-def transformer_config(cfg: ModelConfig, **overrides):
+def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Refuse a model whose tensors do not split evenly over ``tensor_parallel_size`` ranks.
+
+    The padded vocabulary must divide too: megatron splits the embedding and output rows over
+    TP, and a vocabulary that is padded the same way at every TP size keeps checkpoints in one
+    layout (a TP = 2 run's weights load into a TP = 1 run and back)."""
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"parallel.tensor_parallel_size must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(
+                f"model.{name}={getattr(cfg, name)} must be divisible by "
+                f"parallel.tensor_parallel_size={tp} (megatron splits it over the TP group)"
+            )
+    if cfg.padded_vocab_size % tp:
+        raise ValueError(
+            f"the padded vocabulary ({cfg.padded_vocab_size} rows) must be divisible by "
+            f"parallel.tensor_parallel_size={tp}: set model.make_vocab_size_divisible_by to a "
+            f"multiple of {tp} (e.g. {math.lcm(cfg.make_vocab_size_divisible_by, tp, 8)})"
+        )
+
+
+def transformer_config(cfg: ModelConfig, *, tensor_parallel_size: int = 1, **overrides):
     """The megatron ``TransformerConfig`` for ``cfg``: per-token loss, no dropout; on the TE
     spec the RoPE, SwiGLU and weight-gradient-accumulation fusions and, with ``cfg.fp8``, FP8
-    linears; no fusions on the torch path (CPU)."""
+    linears; no fusions on the torch path (CPU). With ``tensor_parallel_size`` > 1, megatron's
+    TP layers with sequence parallelism (the production setting: norms and dropout regions hold
+    1/TP of the tokens)."""
     from megatron.core.transformer import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
@@ -328,6 +356,8 @@ def transformer_config(cfg: ModelConfig, **overrides):
         apply_rope_fusion=te,
         gradient_accumulation_fusion=te,
         persist_layer_norm=False,
+        tensor_model_parallel_size=tensor_parallel_size,
+        sequence_parallel=tensor_parallel_size > 1,
     )
     if cfg.fp8:
         kwargs.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_param=False)
@@ -335,9 +365,33 @@ def transformer_config(cfg: ModelConfig, **overrides):
     return TransformerConfig(**kwargs)
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for megatron's local spec, usable with sequence parallelism.
+
+    megatron-core's ``WrappedTorchNorm`` refuses ``sequence_parallel`` because it does not mark
+    its weight: under sequence parallelism each TP rank normalises its own 1/TP of the tokens,
+    so the weight's gradient is partial on every rank, and megatron's ``finalize_model_grads``
+    sums over TP exactly the parameters flagged ``sequence_parallel`` (apex's ``FusedLayerNorm``
+    and TE's norms flag theirs). Same math as ``WrappedTorchNorm``'s RMSNorm."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def _with_norm(submodules, norm):
+    """``submodules`` (a dataclass of a spec) with every norm field that is set replaced."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    fields = ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm")
+    found = {f: norm for f in fields if getattr(submodules, f, None) not in (None, IdentityOp)}
+    return dataclasses.replace(submodules, **found)
+
+
 def layer_spec(cfg: ModelConfig):
     """The GPT layer spec for ``cfg`` (module docstring): TE's with DCP's TE attention, or
-    megatron's local one with DCP's torch attention (or megatron's own, as a reference)."""
+    megatron's local one with DCP's torch attention (or megatron's own, as a reference) and
+    DCP's ``RMSNorm`` (megatron's torch norm has no sequence parallelism)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     attention = resolved_attention(cfg)
@@ -357,28 +411,53 @@ def layer_spec(cfg: ModelConfig):
         from dcp.attention import DCPCoreAttention
 
         core = DCPCoreAttention
+        spec.submodules = _with_norm(spec.submodules, RMSNorm)
+        attn = spec.submodules.self_attention
+        attn.submodules = _with_norm(attn.submodules, RMSNorm)
     attn = spec.submodules.self_attention
     attn.submodules = dataclasses.replace(attn.submodules, core_attention=core)
     return spec
 
 
+def block_spec(cfg: ModelConfig):
+    """The decoder's spec: ``layer_spec`` for every layer and the final norm that goes with it
+    (TE's, or DCP's ``RMSNorm`` on the local spec; megatron would pick its torch norm)."""
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+    )
+
+    spec = layer_spec(cfg)
+    final_norm = RMSNorm if resolved_attention(cfg) == "dcp" else LayerNormImpl
+    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=final_norm)
+
+
 def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, **tf_overrides):
     """A fresh ``GPTModel`` with deterministic init (same ``seed`` → same weights everywhere).
 
-    ``pg_collection`` defaults to megatron's parallel_state groups, which must be initialised.
+    ``pg_collection`` defaults to megatron's parallel_state groups, which must be initialised;
+    its TP group sets the tensor parallelism (sequence parallel on when TP > 1). With CPU
+    initialisation (no GPU) the weights do not depend on the TP size: megatron builds every
+    TP-split weight whole from the same random stream and keeps this rank's slice
+    (``tensor_parallel.layers._initialize_affine_weight_cpu``, with SwiGLU's ``[gate; up]``
+    interleaved by ``stride=2``), so a TP = 2 model is the TP = 1 model cut in two. On a GPU each
+    TP rank draws its slice from its own stream (megatron's RNG tracker): same seed, same
+    weights for the same TP size.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     check_device_support(cfg)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    tp = pg_collection.tp.size()
+    check_tensor_parallel(cfg, tp)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
     model = GPTModel(
-        config=transformer_config(cfg, **tf_overrides),
-        transformer_layer_spec=layer_spec(cfg),
+        config=transformer_config(cfg, tensor_parallel_size=tp, **tf_overrides),
+        transformer_layer_spec=block_spec(cfg),
         vocab_size=cfg.padded_vocab_size,
         max_sequence_length=cfg.max_seq_len,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
@@ -389,7 +468,10 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
     # Not a buffer: set before the first forward (RotaryEmbedding.forward caches its tables).
     model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg)
     if cfg.padded_vocab_size > cfg.vocab_size:
-        model.output_layer.register_forward_hook(_VocabPaddingMask(cfg.vocab_size))
+        rows = cfg.padded_vocab_size // tp  # this rank's slice of the vocabulary
+        first = pg_collection.tp.rank() * rows
+        if first + rows > cfg.vocab_size:
+            model.output_layer.register_forward_hook(_VocabPaddingMask(cfg.vocab_size - first))
     if torch.cuda.is_available():
         model = model.cuda()
     return model
@@ -397,13 +479,15 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
 
 class _VocabPaddingMask:
     """Forward hook on the output layer: logits of padding rows (ids >= ``vocab_size``) become
-    -inf, so softmax, loss and gradients are those of the unpadded vocabulary (TP = 1: the layer
-    computes every row; megatron's ColumnParallelLinear returns ``(logits, bias)``)."""
+    -inf, so softmax, loss and gradients are those of the unpadded vocabulary. Under TP the
+    layer computes this rank's slice of the rows (megatron's vocab-parallel cross entropy
+    combines the slices), so the first padding row is given in the slice's own numbering;
+    megatron's ColumnParallelLinear returns ``(logits, bias)``."""
 
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, first_padding_row: int) -> None:
+        self.first_padding_row = max(0, first_padding_row)
 
     def __call__(self, module, args, output):
         logits, bias = output
-        pad = torch.arange(logits.size(-1), device=logits.device) >= self.vocab_size
+        pad = torch.arange(logits.size(-1), device=logits.device) >= self.first_padding_row
         return logits.masked_fill(pad, float("-inf")), bias

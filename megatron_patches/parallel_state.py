@@ -2,14 +2,17 @@
 
 Why upstream can't: megatron-core fixes the CP group at ``initialize_model_parallel`` time. The CP
 group is read from several places that all assume it never changes: the ``parallel_state`` globals
-(``_CONTEXT_PARALLEL_GROUP``, its global ranks, the tensor-and-CP group — equal to CP here since
-TP = 1), the ``ProcessGroupCollection`` shared by every layer (``pg_collection.cp`` /
+(``_CONTEXT_PARALLEL_GROUP``, its global ranks, the tensor-and-CP group), the
+``ProcessGroupCollection`` shared by every layer (``pg_collection.cp`` /
 ``pg_collection.tp_cp``), the ``cp_group`` cached by ``LanguageModule`` and by the rotary
 embedding, ``config.context_parallel_size`` (read by RoPE and the layers each forward), and, on GPU,
 Transformer Engine's attention (``set_context_parallel_group``). DCP regroups ranks per micro-step,
 so ``use_cp_group`` swaps all of them for the duration of one micro-step's forward *and* backward
-and restores the previous values afterwards (nesting works). DDP, the optimizer and the gradient /
-token reductions stay on the fixed DP×CP group: they are never touched here.
+and restores the previous values afterwards (nesting works). Under tensor parallelism the CP group
+is the ranks of this rank's TP rank across the step's TP groups, and the tensor-and-CP group their
+union (megatron reads it for MoE routing and CUDA graphs, ``pg_collection.tp_cp``); the TP group
+itself never changes. DDP, the optimizer and the gradient / token reductions stay on the fixed
+DP×CP group: they are never touched here.
 """
 
 from __future__ import annotations
@@ -34,8 +37,16 @@ def _te_attention_modules(model) -> list:
 
 
 @contextlib.contextmanager
-def use_cp_group(model, *, group: dist.ProcessGroup, ranks: Sequence[int]) -> Iterator[None]:
-    """Within the block, ``model`` runs context-parallel over ``group`` (global ``ranks``)."""
+def use_cp_group(
+    model,
+    *,
+    group: dist.ProcessGroup,
+    ranks: Sequence[int],
+    tp_cp_group: dist.ProcessGroup | None = None,
+) -> Iterator[None]:
+    """Within the block, ``model`` runs context-parallel over ``group`` (global ``ranks``);
+    ``tp_cp_group`` is the union of the CP groups of every TP rank (``group`` itself when
+    omitted, which is right at TP = 1)."""
     require_pinned_megatron("parallel_state")
     from megatron.core import parallel_state as ps
 
@@ -46,6 +57,13 @@ def use_cp_group(model, *, group: dist.ProcessGroup, ranks: Sequence[int]) -> It
     ranks = list(ranks)
     if group.size() != len(ranks):
         raise ValueError(f"group has {group.size()} ranks but ranks={ranks}")
+    tp_cp_group = group if tp_cp_group is None else tp_cp_group
+    tp_size = pg.tp.size() if getattr(pg, "tp", None) is not None else 1
+    if tp_cp_group.size() != len(ranks) * tp_size:
+        raise ValueError(
+            f"the tensor-and-context group has {tp_cp_group.size()} ranks, expected "
+            f"{len(ranks)} CP ranks x TP {tp_size}"
+        )
 
     saved_globals = {name: getattr(ps, name) for name in _GLOBALS}
     saved_pg = (pg.cp, getattr(pg, "tp_cp", None))
@@ -56,10 +74,10 @@ def use_cp_group(model, *, group: dist.ProcessGroup, ranks: Sequence[int]) -> It
     try:
         ps._CONTEXT_PARALLEL_GROUP = group
         ps._CONTEXT_PARALLEL_GLOBAL_RANKS = ranks
-        ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = group  # TP == 1: TP×CP is CP
+        ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = tp_cp_group
         pg.cp = group
         if hasattr(pg, "tp_cp"):
-            pg.tp_cp = group
+            pg.tp_cp = tp_cp_group
         inner.cp_group = group
         if rotary is not None:
             rotary.cp_group = group

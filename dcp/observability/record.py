@@ -41,8 +41,9 @@ class PlanStats:
 
     @classmethod
     def of(
-        cls, plan: Plan, lengths: list[int], *, world_size: int, predicted_imbalance: float
+        cls, plan: Plan, lengths: list[int], *, num_ranks: int, predicted_imbalance: float
     ) -> PlanStats:
+        """Stats of ``plan`` over ``num_ranks`` planner ranks (one per TP group)."""
         cp_hist = Counter()
         recompute_tokens = 0
         for step in plan.steps:
@@ -51,7 +52,7 @@ class PlanStats:
                 if step.recompute != "none":
                     recompute_tokens += lengths[sid]
         per_rank = Counter(r for step in plan.steps for r in step.ranks)
-        counts = [per_rank.get(r, 0) for r in range(world_size)]
+        counts = [per_rank.get(r, 0) for r in range(num_ranks)]
         return cls(
             cp_hist={str(k): v for k, v in sorted(cp_hist.items())},
             recompute_fraction=recompute_tokens / max(1, sum(lengths)),

@@ -28,23 +28,35 @@ def packed_logits(
     registry: GroupRegistry,
 ) -> list[torch.Tensor]:
     """fp32 logits ``[len(doc) - 1, vocab]`` of each document (inputs ``doc[:-1]``), computed
-    by the CP group ``ranks`` in one packed forward; every rank of ``ranks`` calls this and gets
-    the full result. Columns past the real vocabulary (padding) are dropped by the caller."""
-    rank = dist.get_rank()
+    by the CP group of planner ranks ``ranks`` in one packed forward; every rank of those
+    planner ranks (each TP rank of each) calls this and gets the full result, the vocabulary
+    slices of the TP ranks gathered. Columns past the real vocabulary (padding) are dropped by
+    the caller."""
+    me = registry.planner_rank
     ranks = tuple(ranks)
-    if rank not in ranks:
-        raise ValueError(f"rank {rank} is not in the CP group {list(ranks)}")
+    if me not in ranks:
+        raise ValueError(f"planner rank {me} is not in the CP group {list(ranks)}")
     source = InMemorySource(documents)
     lengths = source.lengths()
-    layout = ShardLayout(doc_lens=lengths, cp_size=len(ranks))
-    cp_rank = ranks.index(rank)
+    tp = registry.tensor_parallel_size
+    # Sequence parallelism splits each rank's tokens over its TP group.
+    layout = ShardLayout.aligned(lengths, cp_size=len(ranks), local_token_multiple=tp)
+    cp_rank = ranks.index(me)
     device = compute_device()
     group = registry.get(ranks)
     batch = local_batch(source, range(len(lengths)), layout=layout, cp_rank=cp_rank, device=device)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), use_cp_group(model, group=group, ranks=ranks):
+        with (
+            torch.no_grad(),
+            use_cp_group(
+                model,
+                group=group,
+                ranks=registry.cp_global_ranks(ranks),
+                tp_cp_group=registry.tp_cp(ranks),
+            ),
+        ):
             logits = model(
                 batch.input_ids,
                 batch.position_ids,
@@ -54,6 +66,12 @@ def packed_logits(
     finally:
         model.train(was_training)
     local = logits[0].float()
+    if tp > 1:
+        from megatron.core import parallel_state as ps
+
+        slices = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(slices, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        local = torch.cat(slices, dim=-1)  # [t_local, vocab]: TP ranks hold consecutive rows
     if len(ranks) > 1:
         shards = [torch.empty_like(local) for _ in ranks]
         dist.all_gather(shards, local.contiguous(), group=group)

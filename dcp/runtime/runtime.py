@@ -1,8 +1,10 @@
 """The DCP runtime: megatron-core model + DDP + optimizer that executes one Plan per global batch.
 
-``init()`` prepares a process for it (megatron patches, parallel state). ``Runtime`` owns the
-fixed DP×CP domain (all ranks; megatron's parallel_state is initialised with
-TP = PP = CP = 1, so DDP reduces over the whole world), the ``GroupRegistry`` of every CP group a
+``init()`` prepares a process for it (megatron patches, parallel state). The mesh is
+world = TP × (DP·CP): megatron's parallel_state is initialised with the run's TP size and
+PP = CP = 1, so its TP groups are consecutive ranks and DDP reduces over the fixed DP×CP group of
+each TP rank (the planner ranks); DCP regroups planner ranks into CP groups per micro-step
+(``dcp.runtime.groups``). ``Runtime`` owns that domain, the ``GroupRegistry`` of every CP group a
 plan may use, the DDP-wrapped model and the optimizer. ``train_step(plan, source)`` runs this
 rank's micro-steps (``dcp.runtime.schedule.run_plan``), clips the global gradient norm, steps
 the optimizer and returns the global mean loss.
@@ -34,17 +36,19 @@ from dcp.optim import OptimConfig, lr_at, set_lr
 from dcp.plan import Plan
 from dcp.runtime.collectives import phase
 from dcp.runtime.dispatch import SequenceSource
-from dcp.runtime.groups import GroupRegistry
+from dcp.runtime.groups import GroupRegistry, Mesh
 from dcp.runtime.schedule import run_plan
 from dcp.weights.canonical import canonical_state, load_canonical
+from dcp.weights.tensor_parallel import gather_whole
 from megatron_patches.cpu_optimizer import cuda_on_cpu
 
 
-def init(*, timeout_s: float | None = None) -> None:
+def init(*, timeout_s: float | None = None, tensor_parallel_size: int = 1) -> None:
     """Prepare this process for DCP (idempotent): on a GPU machine select the device of
     ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
     megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
-    megatron's parallel state, its groups created with ``timeout_s`` (default: torch's)."""
+    megatron's parallel state with ``tensor_parallel_size``, its groups created with
+    ``timeout_s`` (default: torch's)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # megatron's distributed optimizer calls these every step; torch 2.14 marks them deprecated
@@ -62,11 +66,15 @@ def init(*, timeout_s: float | None = None) -> None:
         category=UserWarning,
     )
     megatron_patches.apply()
-    init_megatron_parallel(timeout_s=timeout_s)
+    init_megatron_parallel(timeout_s=timeout_s, tensor_parallel_size=tensor_parallel_size)
 
 
-def init_megatron_parallel(*, timeout_s: float | None = None) -> None:
-    """Initialise megatron's parallel_state with TP = PP = CP = 1 (idempotent)."""
+def init_megatron_parallel(
+    *, timeout_s: float | None = None, tensor_parallel_size: int | None = None
+) -> int:
+    """Initialise megatron's parallel_state with ``tensor_parallel_size`` (default 1) and
+    PP = CP = 1 (idempotent; a second call asking for another TP size raises). Returns the TP
+    size in effect."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -76,16 +84,29 @@ def init_megatron_parallel(*, timeout_s: float | None = None) -> None:
             "megatron-core needs its CPU patches on a machine without CUDA: call dcp.init() "
             "(or megatron_patches.apply()) once at start-up"
         )
-    if not ps.model_parallel_is_initialized():
-        extra = {}
-        if timeout_s is not None:
-            extra["distributed_timeout_minutes"] = max(1, math.ceil(timeout_s / 60))
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=1,
-            pipeline_model_parallel_size=1,
-            context_parallel_size=1,
-            **extra,
-        )
+    if ps.model_parallel_is_initialized():
+        current = ps.get_tensor_model_parallel_world_size()
+        if tensor_parallel_size is not None and tensor_parallel_size != current:
+            raise ValueError(
+                f"megatron's parallel state is already initialised with TP = {current}, not "
+                f"{tensor_parallel_size}"
+            )
+        return current
+    tp = 1 if tensor_parallel_size is None else tensor_parallel_size
+    Mesh(dist.get_world_size(), tp)  # the world must split into TP groups
+    extra = {}
+    if timeout_s is not None:
+        extra["distributed_timeout_minutes"] = max(1, math.ceil(timeout_s / 60))
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        **extra,
+    )
+    # dcp.runtime.groups numbers planner ranks by TP groups of consecutive ranks, megatron's
+    # default order ("tp-cp-ep-dp-pp": TP innermost).
+    assert ps.get_tensor_model_parallel_rank() == dist.get_rank() % tp
+    return tp
 
 
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False):
@@ -134,11 +155,12 @@ def build_optimizer(ddp_model, model_cfg: ModelConfig, cfg: OptimConfig):
 
 
 def _local_token_multiple(model) -> int:
-    """``token_multiple`` for a model built elsewhere (no ``ModelConfig`` at hand): TE
-    attention is recognised by its ``set_context_parallel_group``."""
+    """``token_multiple`` for a built model: TE attention is recognised by its
+    ``set_context_parallel_group``, FP8 and TP by the model's megatron config."""
     return token_multiple(
         te=any(hasattr(m, "set_context_parallel_group") for m in model.modules()),
         fp8=bool(getattr(model.config, "fp8", None)),
+        tensor_parallel_size=model.config.tensor_model_parallel_size,
     )
 
 
@@ -195,13 +217,23 @@ class Runtime:
     ) -> None:
         from megatron.core.distributed import DistributedDataParallel
 
-        init_megatron_parallel()
+        self.tp = init_megatron_parallel()
         if clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {clip_grad}")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.registry = registry or GroupRegistry()
+        self.registry = registry or GroupRegistry(tensor_parallel_size=self.tp)
+        if self.registry.tensor_parallel_size != self.tp:
+            raise ValueError(
+                f"the group registry is built for TP = {self.registry.tensor_parallel_size}, "
+                f"megatron's parallel state has TP = {self.tp}"
+            )
         self.model = model if isinstance(model, DistributedDataParallel) else wrap_ddp(model)
+        built_tp = self.model.config.tensor_model_parallel_size
+        if built_tp != self.tp:
+            raise ValueError(
+                f"the model was built for TP = {built_tp}, the job runs TP = {self.tp}"
+            )
         self.optimizer = optimizer
         self.clip_grad = clip_grad
         self.lr_schedule = lr_schedule
@@ -213,8 +245,19 @@ class Runtime:
                 "with wrap_ddp(..., distributed_optimizer=...) matching the optimizer"
             )
         self.on_gpu = torch.cuda.is_available()
-        self.local_token_multiple = local_token_multiple or _local_token_multiple(self.model)
+        self.local_token_multiple = math.lcm(
+            local_token_multiple or 1, _local_token_multiple(self.model)
+        )
         self.step = 0
+
+    @property
+    def planner_rank(self) -> int:
+        """This rank's planner rank (its TP group's index; the global rank at TP = 1)."""
+        return self.registry.planner_rank
+
+    @property
+    def num_planner_ranks(self) -> int:
+        return self.registry.mesh.num_planner_ranks
 
     @classmethod
     def from_config(
@@ -224,10 +267,12 @@ class Runtime:
         *,
         seed: int = 1234,
         registry: GroupRegistry | None = None,
+        tensor_parallel_size: int | None = None,
     ) -> Runtime:
         """Build the GPTModel, DDP and megatron-core's optimizer (distributed when
-        ``optim_cfg.distributed``)."""
-        init_megatron_parallel()
+        ``optim_cfg.distributed``). ``tensor_parallel_size`` (default: what megatron's
+        parallel state has, else 1) must agree with an initialised parallel state."""
+        init_megatron_parallel(tensor_parallel_size=tensor_parallel_size)
         model = build_gpt_model(model_cfg, seed=seed)
         if model_cfg.dtype == "bf16":
             # megatron's mixed-precision wrapper: bf16 compute, fp32 logits/loss; the optimizer
@@ -243,7 +288,6 @@ class Runtime:
             clip_grad=optim_cfg.clip_grad,
             lr_schedule=functools.partial(lr_at, cfg=optim_cfg),
             registry=registry,
-            local_token_multiple=model_cfg.local_token_multiple,
         )
 
     def parameters(self):
@@ -269,18 +313,33 @@ class Runtime:
             plan,
             source=source,
             registry=self.registry,
-            rank=self.rank,
             local_token_multiple=self.local_token_multiple,
         )
 
+    def _whole_grads(self, named) -> dict[str, torch.Tensor]:
+        """Gradients by parameter name with TP slices gathered whole (collective over the TP
+        group; the tensors themselves at TP = 1)."""
+        params = dict(self.named_parameters())
+        return dict(gather_whole(named, group=self._tp_group(), like=params))
+
+    def _tp_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Whole parameters by name, TP slices gathered (collective over the TP group)."""
+        return dict(gather_whole(self.named_parameters(), group=self._tp_group()))
+
     def grads(self) -> dict[str, torch.Tensor]:
-        """Reduced gradients by parameter name (valid after ``forward_backward``).
+        """Reduced gradients by parameter name, whole (valid after ``forward_backward``; a
+        collective every rank must call).
 
         With the distributed optimizer each rank holds only its reduced shard of every bucket
         (the rest of its buffer is its unreduced local part): the shards are all-gathered into a
-        copy, a collective every rank must call."""
+        copy. Under TP each parameter's slices are then gathered over the TP group."""
         if not self.distributed_optimizer:
-            return {n: p.main_grad for n, p in self.named_parameters()}
+            return self._whole_grads((n, p.main_grad) for n, p in self.named_parameters())
         full_grads: dict[torch.nn.Parameter, torch.Tensor] = {}
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
             group = buffer.data_parallel_group
@@ -294,7 +353,7 @@ class Runtime:
                 )
             for param, (start, end, _) in buffer.param_index_map.items():
                 full_grads[param] = gathered[start:end].view(param.shape)
-        return {n: full_grads[p] for n, p in self.named_parameters()}
+        return self._whole_grads((n, full_grads[p]) for n, p in self.named_parameters())
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: Adam moments and fp32 main params that are
@@ -323,7 +382,10 @@ class Runtime:
         """
         start = time.perf_counter()
         result = self.forward_backward(plan, source)
-        totals = torch.tensor([result.loss_sum, float(result.tokens_read)], dtype=torch.float64)
+        # Every TP rank of a planner rank computes the same token losses: count them once.
+        totals = torch.tensor(
+            [result.loss_sum / self.tp, float(result.tokens_read)], dtype=torch.float64
+        )
         slowest = torch.tensor([result.compute_time_s], dtype=torch.float64)
         if self.on_gpu:
             totals, slowest = totals.cuda(), slowest.cuda()
@@ -370,8 +432,22 @@ class Runtime:
         )
 
     # -- checkpoint state ------------------------------------------------------------------
+    def model_state(self) -> dict | None:
+        """The model's canonical state (``dcp.weights.canonical``): whole tensors by canonical
+        name. At TP = 1 every rank returns it (the model's own tensors, no copy). Under TP it is
+        gathered over the TP group of global rank 0, one tensor at a time into host memory, and
+        only rank 0 (which writes checkpoints) gets it; every other rank returns ``None``. A
+        collective over that TP group."""
+        if self.tp == 1:
+            return canonical_state(self.model.module.state_dict())
+        if self.planner_rank != 0:
+            return None
+        named = self.model.module.state_dict(keep_vars=True).items()
+        whole = dict(gather_whole(named, group=self._tp_group(), dst=0, to_cpu=True))
+        return canonical_state(whole) if self.rank == 0 else None
+
     def state_dict(self) -> dict:
-        """Model (canonical names, ``dcp.weights.canonical``), optimizer and step.
+        """Model (``model_state``: canonical names, whole tensors), optimizer and step.
 
         With the distributed optimizer ``optimizer`` is this rank's shard (save it per rank):
         megatron's param-group state plus, per inner optimizer, its bucket-space parameter state
@@ -388,7 +464,7 @@ class Runtime:
                     ],
                 }
         return {
-            "model": canonical_state(self.model.module.state_dict()),
+            "model": self.model_state(),
             "optimizer": optimizer,
             "step": self.step,
         }

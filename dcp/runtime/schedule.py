@@ -6,10 +6,15 @@ build a ``device="cuda"`` token counter. A DCP plan gives each rank its own list
 each with its own CP group and recompute level. This schedule, for each of this rank's steps in
 plan order: reads only its shard of the step's sequences, points the model at the step's CP group
 (``use_cp_group``) and recompute level (``use_recompute``), and runs forward and backward under
-DDP's ``no_sync``. After the last step, one gradient reduction (``finish_grad_sync``) runs over
-DDP's fixed DP×CP group. The loss is the sum of token losses divided by the *global* number of
+DDP's ``no_sync``. After the last step, megatron's ``finalize_model_grads`` runs once: one
+gradient reduction over DDP's fixed DP×CP group, then, under tensor parallelism, the sum over the
+TP group of the gradients every TP rank holds only part of (sequence-parallel norms, QK-norms).
+The loss is the sum of token losses divided by the *global* number of
 loss tokens of the whole batch — never by a micro-step count — so uneven micro-step counts per
 rank give exactly the gradient of the full-batch mean loss.
+
+Plans name *planner ranks* (one per TP group, ``dcp.runtime.groups``): every rank of a TP group
+runs its planner rank's steps together, on the same tokens, each in its own TP rank's CP group.
 
 Guards: before the first collective every rank all-reduces (plan checksum, loss-token count); if
 any rank holds a different plan or batch, every rank raises ``RuntimeError`` instead of hanging in
@@ -82,7 +87,6 @@ def run_plan(
     *,
     source: SequenceSource,
     registry: GroupRegistry,
-    rank: int | None = None,
     local_token_multiple: int = 1,
 ) -> ScheduleResult:
     """Forward/backward this rank's micro-steps of ``plan``; gradients end up reduced in ``model``.
@@ -91,7 +95,7 @@ def run_plan(
     module (then no reduction happens: single-process references). Each micro-step's local
     tokens are padded to a multiple of ``local_token_multiple`` (``ShardLayout.aligned``).
     """
-    rank = dist.get_rank() if rank is None else rank
+    me = registry.planner_rank
     lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
     result = ScheduleResult(global_loss_tokens=sum(lengths.values()))
     missing = registry.missing(plan.group_shapes())
@@ -122,11 +126,11 @@ def run_plan(
                 # A schedule that syncs every rank between rounds (megatron's Hybrid-CP) keeps it.
                 with phase(f"the barrier before plan step {index}"):
                     dist.barrier()
-            if rank not in step.ranks:
+            if me not in step.ranks:
                 continue
             start = time.perf_counter()
             group = registry.get(step.ranks)
-            cp_rank = step.ranks.index(rank)
+            cp_rank = step.ranks.index(me)
             layout = ShardLayout.aligned(
                 [lengths[i] for i in step.seq_ids],
                 cp_size=len(step.ranks),
@@ -136,7 +140,12 @@ def run_plan(
             params = layout.packed_seq_params(device=device, cp_group=group)
             with (
                 phase(f"plan step {index} (CP group of ranks {list(step.ranks)})"),
-                use_cp_group(model, group=group, ranks=step.ranks),
+                use_cp_group(
+                    model,
+                    group=group,
+                    ranks=registry.cp_global_ranks(step.ranks),
+                    tp_cp_group=registry.tp_cp(step.ranks),
+                ),
                 use_recompute(model, _GRANULARITY[step.recompute]),
             ):
                 token_loss = model(
@@ -156,6 +165,12 @@ def run_plan(
             result.step_times_s.append((index, elapsed))
     result.compute_time_s = time.perf_counter() - loop_start
     if hasattr(model, "finish_grad_sync"):
+        from megatron.core.distributed import finalize_model_grads
+
         with phase("the gradient reduction over all ranks"):
-            model.finish_grad_sync()
+            # megatron's own end of a step: DP×CP reduction (``finish_grad_sync``), then the TP
+            # sum of sequence-parallel norm and QK-norm gradients
+            # (``_allreduce_non_tensor_model_parallel_grads``; a no-op at TP = 1). No
+            # ``num_tokens``: the loss is already divided by the global token count.
+            finalize_model_grads([model])
     return result

@@ -16,7 +16,9 @@ group's query heads, then its key head, then its value head; ``mlp.linear_fc1`` 
 
 ``canonical_state`` maps a model's state dict to canonical names and ``load_canonical`` maps
 canonical names back onto any such model, so checkpoints and the Hugging Face converter
-(``dcp.weights.hf``) see one layout.
+(``dcp.weights.hf``) see one layout. Canonical tensors are whole: a model built with tensor
+parallelism takes its TP slice of each (``dcp.weights.tensor_parallel``), and its whole state is
+gathered before it is named (``Runtime.state_dict``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from dcp.weights.tensor_parallel import local_slice, tp_coordinates
 
 WRAPPER_PREFIX = "module."
 """What ``Float16Module`` (and DDP's ``.module``) put before every name."""
@@ -81,11 +85,13 @@ def model_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 def load_canonical(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
-    """Load a canonical-named ``state`` into ``model`` (any wrapper or layer spec), strictly:
-    a parameter missing from ``state``, or an entry of ``state`` the model lacks, raises naming
-    it. ``_extra_state`` entries absent from ``state`` keep the model's own values."""
+    """Load a canonical-named ``state`` into ``model`` (any wrapper or layer spec, any TP size:
+    each whole tensor is cut to this rank's TP slice), strictly: a parameter missing from
+    ``state``, or an entry of ``state`` the model lacks, raises naming it. ``_extra_state``
+    entries absent from ``state`` keep the model's own values."""
     names = model_names(model)
-    own = model.state_dict()
+    own = model.state_dict(keep_vars=True)  # parameters keep megatron's TP attributes
+    tp_rank, tp_size = tp_coordinates()
     unexpected = sorted(set(state) - set(names))
     missing = sorted(c for c, n in names.items() if c not in state and not n.endswith(EXTRA_STATE))
     if unexpected or missing:
@@ -94,5 +100,12 @@ def load_canonical(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
             f"{' …' if len(missing) > 5 else ''}, not in the model {unexpected[:5]}"
             f"{' …' if len(unexpected) > 5 else ''}"
         )
-    mapped = {own_name: state.get(c, own[own_name]) for c, own_name in names.items()}
+    mapped = {
+        own_name: (
+            local_slice(state[c], own[own_name], tp_rank=tp_rank, tp_size=tp_size, name=c)
+            if c in state
+            else own[own_name]
+        )
+        for c, own_name in names.items()
+    }
     model.load_state_dict(mapped, strict=True)

@@ -35,6 +35,7 @@ from dcp.weights.hf_config import (
     model_type,
     read_hf_config,
 )
+from dcp.weights.tensor_parallel import local_slice, tp_coordinates
 
 logger = logging.getLogger(__name__)
 
@@ -128,15 +129,18 @@ def load_hf_weights(
     *,
     progress: Progress | None = None,
 ) -> None:
-    """Copy the weights of ``hf_dir`` into ``model`` (built from ``cfg``, any wrapper) in place."""
+    """Copy the weights of ``hf_dir`` into ``model`` (built from ``cfg``, any wrapper, any TP
+    size: each rank copies its TP slice) in place."""
     names = model_names(model)
-    own = model.state_dict()
+    own = model.state_dict(keep_vars=True)  # parameters keep megatron's TP attributes
+    tp_rank, tp_size = tp_coordinates()
     loaded = set()
     with torch.no_grad():
         for name, tensor in iter_canonical_from_hf(hf_dir, cfg, progress=progress):
             if name not in names:
                 raise KeyError(f"the model has no tensor {name!r} (built from another config?)")
             target = own[names[name]]
+            tensor = local_slice(tensor, target, tp_rank=tp_rank, tp_size=tp_size, name=name)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(target.shape)}"

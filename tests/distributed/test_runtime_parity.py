@@ -9,6 +9,7 @@ is torch's AdamW in one process.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -138,12 +139,16 @@ def test_nonfinite_loss_skip_or_stop():
 # forwarded on its own as a plain [1, L] batch, loss = sum of token losses / total tokens.
 
 
-def reference_run(docs: list[np.ndarray], *, train_steps: int = 0) -> dict:
-    """Single process: loss and grads of the whole batch (and weights after ``train_steps``)."""
+def reference_run(
+    docs: list[np.ndarray], *, train_steps: int = 0, model: dict | None = None
+) -> dict:
+    """Single process: loss and grads of the whole batch (and weights after ``train_steps``);
+    ``model`` overrides fields of the tiny model."""
     assert dist.get_world_size() == 1
     init_megatron_parallel()
     try:
-        model = build_gpt_model(ModelConfig(**TINY, core_attention="megatron_local"), seed=SEED)
+        cfg = ModelConfig(**{**TINY, **(model or {})}, core_attention="megatron_local")
+        model = build_gpt_model(cfg, seed=SEED)
         optimizer = build_adamw(model, OPTIM)
         total = sum(len(d) - 1 for d in docs)
 
@@ -161,7 +166,11 @@ def reference_run(docs: list[np.ndarray], *, train_steps: int = 0) -> dict:
             return float(loss_sum) / total
 
         loss = loss_and_grads()
-        out = {"loss": loss, "grads": to_numpy((n, p.grad) for n, p in model.named_parameters())}
+        out = {
+            "loss": loss,
+            "grads": to_numpy((n, p.grad) for n, p in model.named_parameters()),
+            "initial_weights": to_numpy(model.named_parameters()),
+        }
         params = [p for p in model.parameters() if p.requires_grad]
         losses = []
         for step in range(train_steps):
@@ -185,21 +194,33 @@ def dcp_run(
     train_steps: int = 0,
     distributed: bool = True,
     local_token_multiple: int = 1,
+    model: dict | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict | None:
     """DCP runtime on this rank: grads for ``plans[0]``; optionally ``train_steps`` optimizer
-    steps, step i executing ``plans[i % len(plans)]``. Rank 0 returns the results."""
+    steps, step i executing ``plans[i % len(plans)]``. Rank 0 returns the results (whole
+    tensors: TP slices gathered). ``model`` overrides fields of the tiny model; plans name
+    planner ranks (``world / tensor_parallel_size`` of them)."""
     try:
         optim = dataclasses.replace(OPTIM, distributed=distributed)
-        runtime = Runtime.from_config(ModelConfig(**TINY, core_attention="dcp"), optim, seed=SEED)
-        runtime.local_token_multiple = local_token_multiple
+        runtime = Runtime.from_config(
+            ModelConfig(**{**TINY, **(model or {})}, core_attention="dcp"),
+            optim,
+            seed=SEED,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        runtime.local_token_multiple = math.lcm(runtime.local_token_multiple, local_token_multiple)
+        initial = to_numpy(runtime.weights().items())
         source = InMemorySource(docs)
         first = Plan.from_dict(plans[0])
         result = runtime.forward_backward(first, source)
-        loss_sum = torch.tensor([result.loss_sum], dtype=torch.float64)
+        # Each TP rank holds the same token losses: count every planner rank once.
+        loss_sum = torch.tensor([result.loss_sum / tensor_parallel_size], dtype=torch.float64)
         dist.all_reduce(loss_sum)
         out = {
             "loss": float(loss_sum) / result.global_loss_tokens,
             "grads": to_numpy(runtime.grads().items()),
+            "initial_weights": initial,
         }
         if train_steps:
             losses = []
@@ -207,7 +228,7 @@ def dcp_run(
                 plan = Plan.from_dict(plans[step % len(plans)])
                 losses.append(runtime.train_step(plan, source).loss)
             out["losses"] = losses
-            out["weights"] = to_numpy(runtime.named_parameters())
+            out["weights"] = to_numpy(runtime.weights().items())
         return out if dist.get_rank() == 0 else None
     finally:
         cleanup()

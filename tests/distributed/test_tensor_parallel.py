@@ -1,0 +1,211 @@
+"""Tensor parallelism under dynamic CP: 4 gloo ranks = TP 2 × 2 planner ranks.
+
+Parity: for plans with CP = 1 on both planner ranks, CP = 2 across both, mixed recompute and
+uneven micro-step counts, DCP at TP = 2 (megatron's TP layers, sequence parallelism on) gives
+the loss and every gradient of the single-process TP = 1 reference (relative error ≤ 1e-5), and
+the weights after three optimizer steps. The model pads its 61-token vocabulary to 64 rows, so
+TP rank 1's slice holds the padding rows (the vocabulary mask must offset by the slice start).
+
+Checkpoints: a TP = 2 run's weights load into a TP = 1 run and a TP = 1 run's into a TP = 2 run,
+through the one canonical layout, bit for bit, and give the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from dcp.model import ModelConfig
+from dcp.plan import Plan
+from dcp.runtime.dispatch import InMemorySource
+from dcp.runtime.runtime import Runtime
+from tests.distributed.harness import run_on_ranks
+from tests.distributed.test_runtime_parity import (
+    DOCS,
+    RTOL,
+    assert_parity,
+    dcp_run,
+    plan,
+    reference_run,
+    step,
+)
+from tests.distributed.tiny import OPTIM, SEED, TINY, cleanup, to_numpy
+
+TP = 2
+WORLD = 4  # TP 2 x 2 planner ranks
+# 61 tokens padded to 64 rows: 32 per TP rank, the last 3 of rank 1's slice are padding.
+MODEL = {"vocab_size": 61, "make_vocab_size_divisible_by": 4}
+# Qwen-style extras: QKV biases (split with their rows) and QK-norms (replicated, gradient summed
+# over TP by megatron's finalize_model_grads).
+QWEN_LIKE = {**MODEL, "add_qkv_bias": True, "qk_layernorm": True}
+
+PLANS_TP = {
+    "cp1_both_uneven": plan(
+        step([0], [0, 1, 2]), step([1], [3]), step([0], [4, 5]), step([0], [6]), step([1], [7])
+    ),
+    "cp2_across": plan(step([0, 1], [0, 1, 2, 3, 4, 5, 6, 7])),
+    "mixed_recompute": plan(
+        step([0, 1], [3, 1], "full"),
+        step([0], [0], "selective"),
+        step([1], [2, 4, 5], "none"),
+        step([0, 1], [6, 7], "selective"),
+    ),
+    "uneven_cp2_then_cp1": plan(
+        step([0, 1], [0], "selective"),
+        step([0], [1, 2], "full"),
+        step([0], [3]),
+        step([0], [4], "selective"),
+        step([1], [5, 6, 7]),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_on_ranks(1, reference_run, DOCS, model=MODEL)[0]
+
+
+def tp_run(plans, **kwargs) -> dict:
+    return run_on_ranks(
+        WORLD, dcp_run, DOCS, plans, model=MODEL, tensor_parallel_size=TP, timeout_s=300, **kwargs
+    )[0]
+
+
+@pytest.mark.parametrize("name", sorted(PLANS_TP))
+def test_tp_parity(reference, name):
+    got = tp_run([PLANS_TP[name]])
+    assert_parity(reference, got, what=f"TP=2 {name}")
+
+
+def test_tp_parity_initial_weights_do_not_depend_on_tp(reference):
+    """CPU initialisation builds each TP-split weight whole and keeps the rank's slice (SwiGLU's
+    [gate; up] by stride 2): the TP = 2 model is the TP = 1 model cut in two, exactly."""
+    got = tp_run([PLANS_TP["cp2_across"]])
+    assert set(got["initial_weights"]) == set(reference["initial_weights"])
+    for name, w in reference["initial_weights"].items():
+        np.testing.assert_array_equal(got["initial_weights"][name], w, err_msg=name)
+
+
+def test_tp_parity_qkv_bias_and_qk_norm():
+    ref = run_on_ranks(1, reference_run, DOCS, model=QWEN_LIKE)[0]
+    got = run_on_ranks(
+        WORLD,
+        dcp_run,
+        DOCS,
+        [PLANS_TP["mixed_recompute"]],
+        model=QWEN_LIKE,
+        tensor_parallel_size=TP,
+        timeout_s=300,
+    )[0]
+    assert_parity(ref, got, what="TP=2 with QKV biases and QK-norms")
+
+
+def test_tp_parity_with_te_token_alignment(reference):
+    """TE's alignment (8 local tokens) and sequence parallelism's (TP) together: exact."""
+    got = tp_run([PLANS_TP["mixed_recompute"]], local_token_multiple=8)
+    assert_parity(reference, got, what="TP=2 aligned to 8 local tokens")
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed_optimizer", "replicated"])
+def test_tp_parity_weights_after_three_steps(distributed):
+    """Three optimizer steps with megatron's optimizer at TP = 2 (its gradient norm counts each
+    replicated parameter once across TP) against torch's AdamW in one process."""
+    ref = run_on_ranks(1, reference_run, DOCS, train_steps=3, model=MODEL)[0]
+    plans = [PLANS_TP["mixed_recompute"], PLANS_TP["cp1_both_uneven"], PLANS_TP["cp2_across"]]
+    got = tp_run(plans, train_steps=3, distributed=distributed)
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL)
+    for name, w_ref in ref["weights"].items():
+        w = got["weights"][name]
+        err = np.linalg.norm(w - w_ref) / np.linalg.norm(w_ref)
+        assert err <= RTOL, f"weight {name} rel err {err:.2e} after 3 steps"
+
+
+@pytest.mark.parametrize("save_tp, load_tp", [(2, 1), (1, 2)], ids=["tp2_to_tp1", "tp1_to_tp2"])
+def test_checkpoint_reshards_between_tp_sizes(tmp_path, save_tp, load_tp):
+    """One optimizer step at ``save_tp``, checkpoint, then a fresh run at ``load_tp`` starts from
+    it (``init.from_checkpoint``'s path): the same whole weights bit for bit, and the same loss
+    and gradients on the next batch as the saving run computes."""
+    plans = [PLANS_TP["mixed_recompute"], PLANS_TP["cp2_across"]]
+    saved = run_on_ranks(
+        2 * save_tp, train_then_save, DOCS, plans, str(tmp_path), save_tp, timeout_s=300
+    )[0]
+    loaded = run_on_ranks(
+        2 * load_tp, load_and_evaluate, DOCS, plans[1], str(tmp_path), load_tp, timeout_s=300
+    )[0]
+    assert set(loaded["weights"]) == set(saved["weights"])
+    for name, w in saved["weights"].items():
+        np.testing.assert_array_equal(loaded["weights"][name], w, err_msg=name)
+    assert_parity(saved["next"], loaded["next"], what=f"TP {save_tp} checkpoint at TP {load_tp}")
+
+
+# -- rank bodies -------------------------------------------------------------------------------
+def _runtime(tp: int) -> Runtime:
+    return Runtime.from_config(
+        ModelConfig(**{**TINY, **MODEL}, core_attention="dcp"),
+        OPTIM,
+        seed=SEED,
+        tensor_parallel_size=tp,
+    )
+
+
+def _loss_and_grads(runtime: Runtime, plan_dict: dict) -> dict:
+    result = runtime.forward_backward(Plan.from_dict(plan_dict), InMemorySource(DOCS))
+    loss_sum = torch.tensor([result.loss_sum / runtime.tp], dtype=torch.float64)
+    dist.all_reduce(loss_sum)
+    return {
+        "loss": float(loss_sum) / result.global_loss_tokens,
+        "grads": to_numpy(runtime.grads().items()),
+    }
+
+
+def train_then_save(docs, plans, root: str, tp: int) -> dict | None:
+    """Train one step on ``plans[0]``, checkpoint (the trainer's way), then evaluate loss and
+    gradients of ``plans[-1]`` on the trained weights."""
+    from dcp.train.checkpoint import save_checkpoint
+
+    try:
+        runtime = _runtime(tp)
+        runtime.train_step(Plan.from_dict(plans[0]), InMemorySource(docs))
+        state = runtime.state_dict()
+        save_checkpoint(
+            Path(root),
+            1,
+            model_state=state["model"],
+            optimizer_state=state["optimizer"],
+            scheduler_state={"step": 1},
+            sampler_state=None,
+            rng_state=None,
+            extra={"config": {"parallel": {"tensor_parallel_size": tp}}},
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            barrier_fn=dist.barrier,
+            per_rank=("rng_state", "optimizer_state"),
+        )
+        weights = to_numpy(runtime.weights().items())
+        out = {"weights": weights, "next": _loss_and_grads(runtime, plans[-1])}
+        return out if dist.get_rank() == 0 else None
+    finally:
+        cleanup()
+
+
+def load_and_evaluate(docs, plan_dict: dict, root: str, tp: int) -> dict | None:
+    """A fresh runtime at ``tp`` started from the checkpoint's weights; loss and gradients of
+    ``plan_dict``."""
+    from dcp.train.checkpoint import load_component, resolve_checkpoint
+    from dcp.weights.canonical import load_canonical
+
+    try:
+        runtime = _runtime(tp)
+        state = load_component(resolve_checkpoint(root), "model_state")
+        runtime.load_model_weights(lambda module: load_canonical(module, state))
+        out = {
+            "weights": to_numpy(runtime.weights().items()),
+            "next": _loss_and_grads(runtime, plan_dict),
+        }
+        return out if dist.get_rank() == 0 else None
+    finally:
+        cleanup()
