@@ -23,6 +23,11 @@ kernels (megatron-core's THD RoPE loops over documents in Python; docs/design.md
 number): without it, packs of many short documents run slower than predicted and a
 cost-balancing planner overloads the rank that gets them.
 
+TP. Under tensor parallelism the sequence-parallel collectives of a micro-step are timed on their
+own on the TP group (``TPCommPoint``) and fitted as ``latency + per_token·T`` (``fit_tp_comm``);
+the time fit then holds that part fixed (``fixed_s``) and fits the other columns to the rest, so
+the TP term is measured rather than folded into the linear rate.
+
 Memory. Per recompute level, the peak bytes of saved activations during one micro-step are fitted
 as ``a + b·T + q·ΣL²`` (CP=1); the cost model has no ΣL² term, so ``q·ref_len`` is folded into
 the per-token bytes at a reference length (the longest document the run trains on), which makes
@@ -239,13 +244,17 @@ def fit_time(
     logits_per_linear: float,
     linear_half_grid: Sequence[float] = LINEAR_HALF_GRID,
     attention_half_grid: Sequence[float] = ATTENTION_HALF_GRID,
+    fixed_s: Sequence[float] | None = None,
 ) -> TimeFit:
-    """Non-negative least squares on relative error, best grid point for the two half terms."""
+    """Non-negative least squares on relative error, best grid point for the two half terms.
+    ``fixed_s``: seconds of each point's time the fit does not explain (its TP collectives,
+    ``CostModel.tp_time_s``, measured on their own); the columns fit the rest."""
     if len(points) < 3:
         raise ValueError(f"need at least 3 measured points to fit, got {len(points)}")
     if logits_per_linear < 0:
         raise ValueError(f"logits_per_linear must be >= 0, got {logits_per_linear}")
     times = np.array([p.time_s for p in points])
+    target = 1.0 - (np.zeros(len(points)) if fixed_s is None else np.asarray(fixed_s)) / times
     best = None
     for lh in linear_half_grid:
         for ah in attention_half_grid:
@@ -256,8 +265,8 @@ def fit_time(
                 logits_per_linear=logits_per_linear,
             )
             # Relative error: a 10 ms step and a 10 s step weigh the same.
-            x = nnls(a / times[:, None], np.ones(len(points)))
-            sse = float(np.sum((a @ x / times - 1.0) ** 2))
+            x = nnls(a / times[:, None], target)
+            sse = float(np.sum((a @ x / times - target) ** 2))
             if best is None or sse < best[0] - 1e-12:
                 best = (sse, lh, ah, x)
     sse, lh, ah, x = best
@@ -281,6 +290,44 @@ def fit_time(
         measured_recompute=tuple(sorted({p.recompute for p in points})),
         rms_rel_error=math.sqrt(sse / len(points)),
     )
+
+
+# -- TP collectives ---------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class TPCommPoint:
+    """The sequence-parallel collectives of one micro-step, timed on their own on a TP group."""
+
+    tokens: int
+    """The planner rank's local tokens T (each TP rank holds T / TP of them between layers)."""
+    time_s: float
+    """Median seconds of one micro-step's all-gathers and reduce-scatters, forward + backward."""
+    samples_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or not self.time_s > 0:
+            raise ValueError(f"need tokens >= 1 and time_s > 0, got {self.tokens}, {self.time_s}")
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "time_s": self.time_s, "samples_s": list(self.samples_s)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TPCommPoint:
+        return cls(
+            tokens=int(data["tokens"]),
+            time_s=float(data["time_s"]),
+            samples_s=tuple(float(x) for x in data.get("samples_s", ())),
+        )
+
+
+def fit_tp_comm(points: Sequence[TPCommPoint]) -> dict[str, float]:
+    """``tp_latency_s + tp_comm_s_per_token · T`` fitted to the timed collectives
+    (non-negative least squares on relative error; needs two token counts)."""
+    if len({p.tokens for p in points}) < 2:
+        raise ValueError(f"the TP fit needs points at >= 2 token counts, got {len(points)}")
+    times = np.array([p.time_s for p in points])
+    a = np.array([[1.0, float(p.tokens)] for p in points]) / times[:, None]
+    latency, per_token = nnls(a, np.ones(len(points)))
+    return {"tp_latency_s": float(latency), "tp_comm_s_per_token": float(per_token)}
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -411,8 +458,17 @@ def calibrated_spec(base: dict, measurements: dict) -> Calibration:
             )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"malformed measurements: {exc!r}") from exc
+    # Under TP the collectives are timed on their own and held fixed while the rest is fitted.
+    tp_block: dict = {}
+    fixed_s = None
+    if measurements.get("tp_points"):
+        tp_block = fit_tp_comm([TPCommPoint.from_dict(p) for p in measurements["tp_points"]])
+        with_tp = CostModel.from_spec({**analytic_spec, "calibration": tp_block})
+        fixed_s = [with_tp.tp_time_s(p.lengths, p.cp_size, p.recompute) for p in points]
     time_fit = fit_time(
-        points, logits_per_linear=analytic.logits_s_per_token / analytic.linear_s_per_token
+        points,
+        logits_per_linear=analytic.logits_s_per_token / analytic.linear_s_per_token,
+        fixed_s=fixed_s,
     )
     block = calibration_block(
         time_fit,
@@ -420,6 +476,7 @@ def calibrated_spec(base: dict, measurements: dict) -> Calibration:
         cp_bytes_per_token=analytic.cp_bytes_per_token,
         static_mem_bytes=measurements.get("static_mem_bytes"),
     )
+    block.update(_round(tp_block))
     spec = {**analytic_spec, "calibration": block}
     rows = fit_report(CostModel.from_spec(spec), points)
     median, worst = error_summary(rows)

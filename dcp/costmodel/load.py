@@ -82,14 +82,30 @@ def with_runtime_options(spec: dict, options: dict) -> tuple[dict, dict]:
 
 
 def load_cost_model(
-    source: str | Path | dict | CostModel, *, world_size: int | None = None
+    source: str | Path | dict | CostModel,
+    *,
+    world_size: int | None = None,
+    tensor_parallel_size: int | None = None,
 ) -> CostModel:
-    """A ``CostModel`` from any spec source; with ``world_size``, check it matches the job."""
+    """A ``CostModel`` from any spec source, checked against the job when told about it:
+    ``tensor_parallel_size`` must be the spec's ``options.tensor_parallel_size``, and
+    ``world_size`` (the launched ranks, one per GPU) its ``cluster.num_gpus``, i.e. the spec's
+    planner ranks times its TP size."""
     model = source if isinstance(source, CostModel) else CostModel.from_spec(load_spec(source))
-    if world_size is not None and model.num_ranks != world_size:
+    spec_tp = model.tensor_parallel_size
+    if tensor_parallel_size is not None and spec_tp != tensor_parallel_size:
         raise ValueError(
-            f"cost-model spec {model.name!r} describes {model.num_ranks} ranks but the job has "
-            f"{world_size}; use a spec whose cluster.num_gpus matches the launch"
+            f"cost-model spec {model.name!r} plans with tensor parallelism {spec_tp} "
+            f"(options.tensor_parallel_size) but the run uses parallel.tensor_parallel_size="
+            f"{tensor_parallel_size}; use a spec for that TP size (its "
+            "options.tensor_parallel_size and cluster.num_gpus; the CPU presets have the overlay "
+            "'+cpu-tp2' for TP = 2 on 4 ranks)"
+        )
+    if world_size is not None and model.num_ranks * spec_tp != world_size:
+        raise ValueError(
+            f"cost-model spec {model.name!r} describes {model.num_ranks * spec_tp} GPUs "
+            f"({model.num_ranks} planner ranks x TP {spec_tp}) but the job has {world_size} "
+            "ranks; use a spec whose cluster.num_gpus matches the launch"
         )
     return model
 

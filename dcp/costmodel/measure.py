@@ -1,19 +1,25 @@
 """Measure micro-steps on this machine for the cost-model fit (what ``tools.profile`` runs).
 
-``measure`` spawns ``WORLD_SIZE`` gloo ranks (``torch.multiprocessing.spawn``); ``rank_main`` is
-what each runs. Every micro-step goes through the real runtime (``Runtime.forward_backward`` →
-``dcp.runtime.schedule.run_plan``), so the times include what training pays per micro-step:
-reading the shard, switching the CP group and the recompute level, forward and backward.
+``measure`` spawns ``PLANNER_RANKS`` × TP gloo ranks (``torch.multiprocessing.spawn``; TP is the
+spec's ``options.tensor_parallel_size``); ``rank_main`` is what each runs. Every micro-step goes
+through the real runtime (``Runtime.forward_backward`` → ``dcp.runtime.schedule.run_plan``), so
+the times include what training pays per micro-step: reading the shard, switching the CP group
+and the recompute level, forward and backward.
 
 Grid: single documents and packs of short documents, CP size 1 and 2, recompute
-none/selective/full. CP=1 points run on both ranks at once (as in training) and pool both ranks'
-samples; a CP=2 step's time is the slower rank's. Each point: ``warmup`` untimed steps, then
-``samples`` timed ones (CP=1: half on each rank); the median is kept. Points run cheapest first;
-a point whose predicted cost no longer fits in ``budget_s`` is skipped (and listed).
+none/selective/full, on 2 planner ranks (each a TP group). CP=1 points run on both planner ranks
+at once (as in training) and pool both ranks' samples; a step's time is its slowest GPU's. Each
+point: ``warmup`` untimed steps, then ``samples`` timed ones (CP=1: half on each rank); the
+median is kept. Points run cheapest first; a point whose predicted cost no longer fits in
+``budget_s`` is skipped (and listed).
 
 Memory: peak bytes of live saved activations over one micro-step's forward + backward, per
 recompute level (parameters excluded, via saved-tensor hooks), and static bytes (parameters +
-gradient buffers + optimizer state, after one real optimizer step).
+gradient buffers + optimizer state, after one real optimizer step); both per GPU (rank 0).
+
+TP > 1: the sequence-parallel collectives of one micro-step (the all-gathers and reduce-scatters
+``dcp.costmodel.spec`` counts) are also timed on their own on the TP group, at several token
+counts (``TPCommPoint``), so the fit can hold that term fixed.
 """
 
 from __future__ import annotations
@@ -31,12 +37,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dcp.costmodel.calibrate import MemoryPoint, TimePoint, shape_label
+from dcp.costmodel.calibrate import MemoryPoint, TimePoint, TPCommPoint, shape_label
 from dcp.costmodel.model import CostModel
+from dcp.costmodel.spec import (
+    TP_GATHERS_SCATTERS_OUTSIDE_LAYERS,
+    TP_GATHERS_SCATTERS_PER_LAYER,
+)
 from dcp.observability.memory import peak_memory_bytes
 from dcp.plan import RECOMPUTE_LEVELS
 
-WORLD_SIZE = 2
+PLANNER_RANKS = 2
+# Planner-rank token counts at which the TP collectives are timed on their own.
+TP_TOKENS = (256, 1024, 4096)
 # The attention implementation the measurements depend on: its hash goes into the spec.
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "attention"
 
@@ -61,6 +73,7 @@ class Job:
     seed: int
     result_path: str
     store_path: str
+    tensor_parallel_size: int = 1
 
     def steps_per_rank(self, cp_size: int) -> int:
         """Timed steps each rank runs for a point: CP=1 points pool both ranks' samples."""
@@ -170,6 +183,7 @@ class _RankSession:
         self.runtime = Runtime.from_config(
             from_dict(ModelConfig, job.model, prefix="model"),
             from_dict(OptimConfig, job.optim, prefix="optim"),
+            tensor_parallel_size=job.tensor_parallel_size,
         )
         self.vocab = int(job.model["vocab_size"])
         self.rss_after_build = peak_memory_bytes()
@@ -197,12 +211,19 @@ class _RankSession:
         dist.all_gather_object(out, value)
         return out
 
+    def _planner_times(self, times: list[float]) -> list[list[float]]:
+        """Every planner rank's micro-step times: each step's slowest GPU of its TP group."""
+        everyone = self._gather(times)
+        tp = self.job.tensor_parallel_size
+        groups = [everyone[p * tp : (p + 1) * tp] for p in range(len(everyone) // tp)]
+        return [[max(ts) for ts in zip(*group, strict=True)] for group in groups]
+
     def time_point(self, shape: tuple[int, ...], cp: int, level: str, seed: int) -> list[float]:
         """Timed samples of one point (warm-up dropped); CP=1 pools both ranks' steps."""
         n = self.job.warmup + self.job.steps_per_rank(cp)
         groups = [(0,), (1,)] if cp == 1 else [(0, 1)]
         result = self._run([(g, shape, level) for _ in range(n) for g in groups], seed)
-        everyone = self._gather([t for _, t in result.step_times_s])
+        everyone = self._planner_times([t for _, t in result.step_times_s])
         w = self.job.warmup
         if cp == 1:
             return [t for times in everyone for t in times[w:]]
@@ -249,6 +270,36 @@ class _RankSession:
                 seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
+    def tp_point(self, tokens: int) -> TPCommPoint:
+        """One micro-step's sequence-parallel collectives at ``tokens`` planner-rank tokens,
+        timed on this rank's TP group: the all-gathers of [T / TP, h] into [T, h] and the
+        reduce-scatters back, as many as ``dcp.costmodel.spec`` counts, in the model dtype."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        tp = self.job.tensor_parallel_size
+        group = ps.get_tensor_model_parallel_group()
+        layers = int(self.job.model["num_layers"])
+        gathers = TP_GATHERS_SCATTERS_PER_LAYER[0] * layers + TP_GATHERS_SCATTERS_OUTSIDE_LAYERS[0]
+        scatters = TP_GATHERS_SCATTERS_PER_LAYER[1] * layers + TP_GATHERS_SCATTERS_OUTSIDE_LAYERS[1]
+        dtype = torch.bfloat16 if self.job.model.get("dtype") == "bf16" else torch.float32
+        hidden = int(self.job.model["hidden_size"])
+        local = torch.randn(tokens // tp, hidden).to(dtype)
+        whole = torch.empty(tokens // tp * tp, hidden, dtype=dtype)
+        samples = []
+        for i in range(self.job.warmup + self.job.samples):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            for _ in range(gathers):
+                dist.all_gather_into_tensor(whole, local, group=group)
+            for _ in range(scatters):
+                dist.reduce_scatter_tensor(local, whole, group=group)
+            elapsed = time.perf_counter() - start
+            if i >= self.job.warmup:
+                samples.append(max(t for ts in self._gather([elapsed]) for t in ts))
+        return TPCommPoint(tokens=tokens, time_s=statistics.median(samples), samples_s=samples)
+
     def _decide(self, run: bool) -> bool:
         """Rank 0's decision, the same on every rank."""
         import torch
@@ -271,6 +322,12 @@ class _RankSession:
             for level in RECOMPUTE_LEVELS
         ]
         _log(rank, f"warm-up and memory: {time.perf_counter() - start:.0f} s")
+        tp_points = []
+        if job.tensor_parallel_size > 1:
+            for tokens in TP_TOKENS:
+                point = self.tp_point(tokens)
+                tp_points.append(point.to_dict())
+                _log(rank, f"TP collectives, {tokens} tokens: {point.time_s:.4f} s")
         base = CostModel.from_spec(job.spec)
         grid = sorted(
             ((shape, cp, lv) for shape in job.shapes for cp in job.cp_sizes for lv in levels),
@@ -311,6 +368,8 @@ class _RankSession:
         )
         return {
             "time_points": [p.to_dict() for p in points],
+            "tp_points": tp_points,
+            "tensor_parallel_size": job.tensor_parallel_size,
             "memory_points": memory,
             "static_mem_bytes": static,
             "skipped": skipped,
@@ -335,7 +394,7 @@ def measure(
     optim: dict,
     spec: dict,
     shapes: Sequence[tuple[int, ...]],
-    cp_sizes: Sequence[int] = (1, WORLD_SIZE),
+    cp_sizes: Sequence[int] = (1, PLANNER_RANKS),
     levels: Sequence[str] = RECOMPUTE_LEVELS,
     warmup: int = 1,
     samples: int = 6,
@@ -346,14 +405,18 @@ def measure(
     """Spawn the ranks, run the grid, return the measurements as a JSON-able dict.
 
     ``model``/``optim``: the config sections of the model being measured (must match
-    ``spec["model"]``). Raises ``ValueError`` for a bad grid and ``RuntimeError`` if a rank fails.
+    ``spec["model"]``). The spec's ``options.tensor_parallel_size`` sets TP (``PLANNER_RANKS`` x
+    TP ranks are spawned). Raises ``ValueError`` for a bad grid and ``RuntimeError`` if a rank
+    fails.
     """
     import torch.multiprocessing as mp
 
     check_same_model(spec, model)
+    tp = CostModel.from_spec(spec).tensor_parallel_size
+    world_size = PLANNER_RANKS * tp
     cp_sizes = tuple(sorted(set(cp_sizes)))
-    if not set(cp_sizes) <= {1, WORLD_SIZE}:
-        raise ValueError(f"CP sizes must be 1 or {WORLD_SIZE}, got {list(cp_sizes)}")
+    if not set(cp_sizes) <= {1, PLANNER_RANKS}:
+        raise ValueError(f"CP sizes must be 1 or {PLANNER_RANKS}, got {list(cp_sizes)}")
     levels = tuple(levels)
     if not levels or set(levels) - set(RECOMPUTE_LEVELS):
         raise ValueError(f"recompute levels must come from {RECOMPUTE_LEVELS}, got {levels}")
@@ -376,10 +439,11 @@ def measure(
             seed=seed,
             result_path=os.path.join(tmp, "result.json"),
             store_path=os.path.join(tmp, "store"),
+            tensor_parallel_size=tp,
         )
         os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank; inherited by the ranks
         try:
-            mp.spawn(rank_main, args=(WORLD_SIZE, job), nprocs=WORLD_SIZE, join=True)
+            mp.spawn(rank_main, args=(world_size, job), nprocs=world_size, join=True)
         except Exception as exc:  # noqa: BLE001 - the rank's traceback is in the message
             raise RuntimeError(f"profiling ranks failed:\n{exc}") from exc
         result = json.loads(Path(job.result_path).read_text())

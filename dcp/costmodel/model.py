@@ -15,10 +15,16 @@ values (``tools/profile`` writes such blocks). Spec layout::
 
 Time of a micro-step on each rank of a CP group of size ``c`` holding ``T = ΣL/c`` tokens::
 
-    overhead + seq_overhead·n + lin·(1+ρ_lin[r])·(T + lin_half) + logits·T
+    overhead + seq_overhead·n + lin·(1+ρ_lin[r])·(T + lin_half) + logits·T + tp
              + max(attn + (1-overlap)·comm, comm)
     attn = att·(1+ρ_att[r])·Σ(L²/c + att_half·L)      # causal, zig-zag balanced, small-chunk loss
     comm = (c-1)·(cp_bytes·(1+ρ_comm[r])·T / bandwidth + hop_latency)   # ring KV exchange
+    tp   = tp_comm·(1+ρ_tp[r])·T + tp_latency         # sequence-parallel collectives, TP > 1
+
+A rank here is a *planner rank*: one TP group of ``options.tensor_parallel_size`` GPUs (one GPU
+at TP = 1). Its TP collectives (all-gathers and reduce-scatters of the hidden states, inside the
+node, not overlapped) are a term of their own, zero at TP = 1; ``ρ_tp`` counts the forward
+collectives recompute repeats (``dcp.costmodel.spec.tp_recompute_fractions``).
 
 Memory per rank: ``static + (activation_bytes[r] + logits_bytes)·T``. Pure Python, no torch.
 
@@ -74,6 +80,7 @@ class CostModel:
 
         rates = {
             "_linear_rate": per_level(c.linear_s_per_token, c.recompute_linear_frac),
+            "_tp_rate": per_level(c.tp_comm_s_per_token, c.recompute_tp_frac),
             "_attention_rate": per_level(c.attention_s_per_token2, c.recompute_attention_frac),
             "_comm_rate": per_level(c.cp_bytes_per_token, c.recompute_comm_frac),
             "_mem_per_token": tuple(
@@ -176,9 +183,10 @@ class CostModel:
         attn = self._attention_rate[lv] * (sum_sq / cp_size + c.attention_half_tokens * sum_len)
         base = (
             c.step_overhead_s
+            + c.tp_latency_s
             + c.sequence_overhead_s * num_seqs
             + lin
-            + c.logits_s_per_token * tokens
+            + (c.logits_s_per_token + self._tp_rate[lv]) * tokens
         )
         if cp_size == 1:
             return base + attn, 0.0 * base
@@ -246,7 +254,8 @@ class CostModel:
         c = self.coefficients
         lv = _level(recompute)
         lens = np.asarray(lengths, dtype=np.float64)
-        work = (self._linear_rate[lv] + c.logits_s_per_token) * lens + self._attention_rate[lv] * (
+        rate = self._linear_rate[lv] + c.logits_s_per_token + self._tp_rate[lv]
+        work = rate * lens + self._attention_rate[lv] * (
             lens * lens + c.attention_half_tokens * cp_size * lens
         )
         if bandwidth is None:
@@ -261,7 +270,26 @@ class CostModel:
     def step_constant_s(self, recompute: str = "none") -> float:
         """Seconds a micro-step costs on each rank whatever it holds (overhead + kernel ramp)."""
         c = self.coefficients
-        return c.step_overhead_s + self._linear_rate[_level(recompute)] * c.linear_half_tokens
+        return (
+            c.step_overhead_s
+            + c.tp_latency_s
+            + self._linear_rate[_level(recompute)] * c.linear_half_tokens
+        )
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """GPUs per planner rank (the spec's ``options.tensor_parallel_size``)."""
+        return self.options.tensor_parallel_size if self.options is not None else 1
+
+    def tp_time_s(self, lengths: Sequence[int], cp_size: int, recompute: str) -> float:
+        """The TP-collective part of ``step_time_s`` (0 at TP = 1). Calibration keeps it fixed
+        (measured on its own by ``tools.profile``) and fits the rest of the time to what is
+        left (``time_features``)."""
+        c = self.coefficients
+        if c.tp_comm_s_per_token == 0 and c.tp_latency_s == 0:
+            return 0.0
+        tokens = float(sum(lengths)) / cp_size
+        return c.tp_latency_s + self._tp_rate[_level(recompute)] * tokens
 
     def describe(self) -> str:
         caps = ", ".join(f"{lv}={self.max_tokens_per_rank(lv)}" for lv in RECOMPUTE_LEVELS)
@@ -273,9 +301,10 @@ class CostModel:
 
 
 # The step-time formula once more, as a row that is linear in the coefficients (with the two
-# half-efficiency terms fixed and no overlap, as on the blocking gloo runtime): what
-# ``dcp.costmodel.calibrate`` fits. A unit test checks that row · coefficients equals
-# ``CostModel.step_time_s``, so the two cannot drift apart.
+# half-efficiency terms fixed and no overlap, as on the blocking gloo runtime, and the TP
+# collectives, ``CostModel.tp_time_s``, held fixed): what ``dcp.costmodel.calibrate`` fits. A
+# unit test checks that row · coefficients + tp_time_s equals ``CostModel.step_time_s``, so the
+# two cannot drift apart.
 TIME_FEATURES = (
     "overhead",
     "sequence",

@@ -1,7 +1,8 @@
 """Refit a cost model from the micro-steps a training run measured (``dcp.costmodel.records``).
 
 Time: the linearisation of ``dcp.costmodel.calibrate.fit_time`` (rows of ``time_features``,
-``comm_overlap`` fixed at 0, logits tied to linear time by the prior's ratio), with two changes
+``comm_overlap`` fixed at 0, logits tied to linear time by the prior's ratio, the TP collectives
+held at the prior's ``CostModel.tp_time_s``), with two changes
 for a fit that runs beside training on whatever shapes the planner happened to use:
 
 - the half-token terms stay at the prior's values (no grid search: the refit must be fast);
@@ -139,13 +140,14 @@ def _prior_vector(prior: CostModel) -> np.ndarray:
     return x
 
 
-def _solve(rel: np.ndarray, prior_x: np.ndarray, prior_weight: float):
-    """Regularised NNLS on the rows ``rel`` (design / measured time, target 1): (x, live)."""
+def _solve(rel: np.ndarray, target: np.ndarray, prior_x: np.ndarray, prior_weight: float):
+    """Regularised NNLS on the rows ``rel`` (design / measured time) toward ``target`` (1 minus
+    the fixed TP share of each measured time): (x, live)."""
     norms = np.linalg.norm(rel, axis=0)
     live = norms > 0
     reg = math.sqrt(prior_weight) * norms[live]
     a = np.vstack([rel[:, live], np.diag(reg)])
-    b = np.concatenate([np.ones(len(rel)), reg * np.maximum(prior_x[live], 0.0)])
+    b = np.concatenate([target, reg * np.maximum(prior_x[live], 0.0)])
     x = prior_x.copy()
     x[live] = nnls(a, b)
     return x, live
@@ -154,7 +156,13 @@ def _solve(rel: np.ndarray, prior_x: np.ndarray, prior_weight: float):
 _GROUP_COLS = [*_COMM_COLS, _COL["hop"]]
 
 
-def _solve_tied_comm(rel: np.ndarray, multi: np.ndarray, prior_x: np.ndarray, prior_weight: float):
+def _solve_tied_comm(
+    rel: np.ndarray,
+    target: np.ndarray,
+    multi: np.ndarray,
+    prior_x: np.ndarray,
+    prior_weight: float,
+):
     """``_solve`` for records with too few CP > 1 micro-steps to separate the four
     communication columns (bandwidth, its selective and full-recompute extras, hop latency).
 
@@ -164,7 +172,7 @@ def _solve_tied_comm(rel: np.ndarray, multi: np.ndarray, prior_x: np.ndarray, pr
     term, and the recompute extras take the *fitted* attention's recompute fractions (CP
     communication runs inside core attention, so recomputing attention recomputes it). One or
     two CP = 2 records then give a finite link rate, never a free link plus a huge latency."""
-    x, live = _solve(rel[~multi], prior_x, prior_weight)
+    x, live = _solve(rel[~multi], target[~multi], prior_x, prior_weight)
     base = prior_x[_COL["comm"]]
     if base <= 0:  # a prior without CP cost: nothing to scale
         return x, live
@@ -177,11 +185,11 @@ def _solve_tied_comm(rel: np.ndarray, multi: np.ndarray, prior_x: np.ndarray, pr
     rows = rel[multi]
     shape[_COL["hop"]] = prior_x[_COL["hop"]] / base
     others = [j for j in range(len(TIME_FEATURES)) if j not in _GROUP_COLS]
-    target = 1.0 - rows[:, others] @ x[others]
+    left = target[multi] - rows[:, others] @ x[others]
     feature = rows @ shape
     # Regularised scalar least squares toward the prior's rate, as _solve does per column.
     reg = prior_weight * float(feature @ feature)
-    scale = max(0.0, float(feature @ target + reg * base) / (float(feature @ feature) + reg))
+    scale = max(0.0, float(feature @ left + reg * base) / (float(feature @ feature) + reg))
     x[_GROUP_COLS] = scale * shape[_GROUP_COLS]
     live = live.copy()
     live[_GROUP_COLS] = True  # all four are set, by the tie
@@ -190,6 +198,7 @@ def _solve_tied_comm(rel: np.ndarray, multi: np.ndarray, prior_x: np.ndarray, pr
 
 def _solve_records(
     rel: np.ndarray,
+    target: np.ndarray,
     multi: np.ndarray,
     prior_x: np.ndarray,
     prior_weight: float,
@@ -198,8 +207,8 @@ def _solve_records(
     """The regularised fit, with the communication columns tied while fewer than
     ``tie_comm_below`` CP > 1 records exist (``_solve_tied_comm``)."""
     if 0 < multi.sum() < tie_comm_below and (~multi).any():
-        return _solve_tied_comm(rel, multi, prior_x, prior_weight)
-    return _solve(rel, prior_x, prior_weight)
+        return _solve_tied_comm(rel, target, multi, prior_x, prior_weight)
+    return _solve(rel, target, prior_x, prior_weight)
 
 
 def _inliers(residuals: np.ndarray, k: float, floor: float) -> np.ndarray:
@@ -314,12 +323,16 @@ def fit_records(
     kappa = c.logits_s_per_token / c.linear_s_per_token if c.linear_s_per_token > 0 else 0.0
     times = np.array([r.time_s for r in ordered])
     rel = _design(ordered, model, kappa) / times[:, None]
+    # The TP collectives are not refitted (tools.profile measures them on their own): what the
+    # columns fit is the rest of each measured time.
+    fixed = np.array([model.tp_time_s(r.seq_lens, r.cp_size, r.recompute) for r in ordered])
+    target = 1.0 - fixed / times
     prior_x = _prior_vector(model)
     keep = np.ones(len(ordered), dtype=bool)
     multi = np.array([r.cp_size > 1 for r in ordered])
-    x, live = _solve_records(rel, multi, prior_x, prior_weight, tie_comm_below)
+    x, live = _solve_records(rel, target, multi, prior_x, prior_weight, tie_comm_below)
     for _ in range(max_rounds):
-        inliers = _inliers(rel @ x - 1.0, outlier_k, outlier_floor)
+        inliers = _inliers(rel @ x - target, outlier_k, outlier_floor)
         if np.array_equal(inliers, keep):
             break
         keep = inliers
@@ -328,7 +341,9 @@ def fit_records(
                 f"need at least {min_records} micro-step records to refit the cost model, "
                 f"{int(keep.sum())} of {len(ordered)} are left after rejecting outliers"
             )
-        x, live = _solve_records(rel[keep], multi[keep], prior_x, prior_weight, tie_comm_below)
+        x, live = _solve_records(
+            rel[keep], target[keep], multi[keep], prior_x, prior_weight, tie_comm_below
+        )
     used = [r for r, k in zip(ordered, keep, strict=True) if k]
     memory, raised = _memory_calibration(ordered, model)
     calibration = {

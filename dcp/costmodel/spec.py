@@ -8,11 +8,16 @@ block overrides the derived ``Coefficients`` directly.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from dcp.plan import RECOMPUTE_LEVELS
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Sequence-parallel collectives of [tokens, hidden] per micro-step, forward + backward
+# (analytic_coefficients explains the count; dcp.costmodel.measure times exactly these):
+# (all-gathers, reduce-scatters) per layer, and for the embedding and output layer together.
+TP_GATHERS_SCATTERS_PER_LAYER = (6, 4)
+TP_GATHERS_SCATTERS_OUTSIDE_LAYERS = (3, 2)
 
 
 def _positive(obj: object, names: tuple[str, ...], section: str) -> None:
@@ -94,8 +99,9 @@ class Options:
     """Fraction of peak the linear layers (GEMMs) reach on large chunks."""
     attention_efficiency: float = 0.50
     """Fraction of peak causal flash attention (fwd + bwd) reaches on long chunks."""
-    tensor_parallel_efficiency: float = 0.85
-    """Compute efficiency kept under TP > 1 (TP collectives not overlapped)."""
+    tensor_parallel_efficiency: float = 0.9
+    """GEMM efficiency kept when TP > 1 cuts every weight into 1/TP-wide slices (narrower
+    matrices run further from peak). The TP collectives are a term of their own."""
     attention_backward_ratio: float = 2.5
     """Attention backward FLOPs / forward FLOPs (flash attention recomputes scores)."""
     linear_half_tokens: float = 128.0
@@ -180,6 +186,16 @@ class Coefficients:
     """Small-chunk attention loss: adds ``attention_half_tokens · L`` to each sequence's L²/c."""
     logits_s_per_token: float
     """Seconds per local token for the output layer and loss, forward + backward."""
+    tp_comm_s_per_token: float = 0.0
+    """Seconds per local token of the TP group's sequence-parallel all-gathers and
+    reduce-scatters, forward + backward, no recompute (0 at TP = 1)."""
+    tp_latency_s: float = 0.0
+    """Seconds per micro-step of TP collective latency (0 at TP = 1)."""
+    recompute_tp_frac: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(RECOMPUTE_LEVELS, 0.0)
+    )
+    """Extra TP collectives per recompute level: the forward ones recompute repeats, counted
+    (``tp_recompute_fractions``), not fitted."""
     recompute_linear_frac: dict[str, float]
     """Extra linear time per recompute level, as a fraction of fwd+bwd linear time."""
     recompute_attention_frac: dict[str, float]
@@ -348,6 +364,19 @@ def static_memory_parts(model: ModelSpec, options: Options, *, num_ranks: int) -
     }
 
 
+def tp_collectives_per_step(num_layers: int) -> int:
+    """Sequence-parallel all-gathers + reduce-scatters of one micro-step, forward + backward."""
+    return sum(TP_GATHERS_SCATTERS_PER_LAYER) * num_layers + sum(TP_GATHERS_SCATTERS_OUTSIDE_LAYERS)
+
+
+def tp_recompute_fractions(num_layers: int) -> dict[str, float]:
+    """Extra TP collectives recompute runs, as a fraction of a micro-step's: selective
+    recompute (core attention + MLP) repeats the MLP's forward all-gather and reduce-scatter,
+    full recompute every layer's four forward collectives."""
+    total = tp_collectives_per_step(num_layers)
+    return {"none": 0.0, "selective": 2 * num_layers / total, "full": 4 * num_layers / total}
+
+
 def analytic_coefficients(
     cluster: ClusterSpec, model: ModelSpec, options: Options, *, num_ranks: int
 ) -> Coefficients:
@@ -361,7 +390,7 @@ def analytic_coefficients(
     attn_params, mlp_params = params.attention_per_layer, params.mlp_per_layer
     linear_params = params.linear
 
-    # One planner rank is a TP group of ``tp`` GPUs; TP collectives cost a fixed fraction.
+    # One planner rank is a TP group of ``tp`` GPUs; narrower GEMMs lose some efficiency.
     tp_eff = options.tensor_parallel_efficiency if tp > 1 else 1.0
     rank_flops = cluster.peak_tflops * 1e12 * tp * tp_eff
     lin_rate = rank_flops * options.linear_efficiency
@@ -389,6 +418,18 @@ def analytic_coefficients(
     cp_hop_latency_s = 3.0 * layers * options.link_latency_s
     # gigabits/s -> bytes/s; under TP each GPU sends its own 1/tp of the heads over its own link.
     link = options.link_efficiency * 1e9 / 8.0
+    # Sequence parallelism (megatron's ColumnParallelLinear / RowParallelLinear with
+    # sequence_parallel): per layer, forward all-gathers the QKV and FC1 inputs and
+    # reduce-scatters the proj and FC2 outputs; backward all-gathers the two output gradients,
+    # all-gathers the two inputs again for the weight gradients and reduce-scatters the two input
+    # gradients: 10 collectives of [T, h]. Embedding and output layer add 5. Each moves
+    # (tp-1)/tp of the tensor through every GPU's link, inside the node.
+    tp_collectives = tp_collectives_per_step(layers)
+    tp_comm_s_per_token = tp_latency_s = 0.0
+    if tp > 1:
+        tp_bytes_per_token = tp_collectives * h * dt * (tp - 1) / tp
+        tp_comm_s_per_token = tp_bytes_per_token / (cluster.intra_node_gbps * link)
+        tp_latency_s = tp_collectives * options.link_latency_s
 
     # Activations kept per token and layer (in elements): layer input, both norm outputs, q/k/v,
     # attention output, pre-MLP residual, MLP intermediates (fc1 output and activation).
@@ -417,6 +458,9 @@ def analytic_coefficients(
         attention_s_per_token2=attention_s_per_token2,
         attention_half_tokens=options.attention_half_tokens,
         logits_s_per_token=logits_s_per_token,
+        tp_comm_s_per_token=tp_comm_s_per_token,
+        tp_latency_s=tp_latency_s,
+        recompute_tp_frac=tp_recompute_fractions(layers),
         recompute_linear_frac=recompute_linear,
         recompute_attention_frac=recompute_attention,
         recompute_comm_frac=recompute_comm,

@@ -14,11 +14,14 @@ from dcp.costmodel import PROFILES_DIR, CostModel, load_cost_model, load_preset
 from dcp.costmodel.calibrate import (
     MemoryPoint,
     TimePoint,
+    TPCommPoint,
+    calibrated_spec,
     calibration_block,
     error_summary,
     fit_memory,
     fit_report,
     fit_time,
+    fit_tp_comm,
     time_design,
 )
 from dcp.costmodel.load import write_preset_calibration
@@ -123,6 +126,47 @@ def test_fit_time_recovers_known_coefficients():
     fitted = CostModel.from_spec({**spec, "calibration": calibration})
     median, worst = error_summary(fit_report(fitted, points))
     assert worst < 1e-6
+
+
+def test_tp_collectives_are_fitted_on_their_own_and_held_fixed():
+    """Under TP, tools.profile times the sequence-parallel collectives alone; the fit recovers
+    their latency and per-token cost, holds them fixed, and recovers every other coefficient
+    from micro-steps that include them."""
+    spec, kappa = _known_spec()
+    spec["cluster"] = {**spec["cluster"], "num_gpus": 4, "gpus_per_node": 4}
+    spec["options"] = {**spec["options"], "tensor_parallel_size": 2}
+    tp_truth = {"tp_comm_s_per_token": 1.5e-6, "tp_latency_s": 0.003}
+    spec["calibration"] = {**spec["calibration"], **tp_truth}
+    cm = CostModel.from_spec(spec)
+    assert cm.num_ranks == 2 and cm.tensor_parallel_size == 2
+    points = _synthetic_points(cm)
+    assert all(cm.tp_time_s(list(p.lengths), p.cp_size, p.recompute) > 0 for p in points)
+    tp_points = [
+        TPCommPoint(tokens=t, time_s=tp_truth["tp_latency_s"] + tp_truth["tp_comm_s_per_token"] * t)
+        for t in (256, 1024, 4096)
+    ]
+    assert fit_tp_comm(tp_points) == pytest.approx(tp_truth, rel=1e-9)
+    measurements = {
+        "time_points": [p.to_dict() for p in points],
+        "tp_points": [p.to_dict() for p in tp_points],
+    }
+    calibrated = calibrated_spec({**spec, "calibration": {}}, measurements)
+    got = calibrated.spec["calibration"]
+    # The link is fitted as a rate per analytic CP byte (halved under TP): compare the seconds.
+    link = ("cp_bytes_per_token", "intra_node_bytes_per_s", "inter_node_bytes_per_s")
+    for key, want in spec["calibration"].items():
+        if key not in link:
+            assert got[key] == pytest.approx(want, rel=1e-3, abs=1e-9), key
+    fitted = CostModel.from_spec(calibrated.spec).coefficients
+    assert fitted.cp_bytes_per_token / fitted.intra_node_bytes_per_s == pytest.approx(
+        cm.coefficients.cp_bytes_per_token / cm.coefficients.intra_node_bytes_per_s, rel=1e-3
+    )
+    assert max(abs(r.rel_error) for r in calibrated.rows) < 1e-3
+    # Without the collectives timed on their own, the fit cannot tell them from linear time.
+    folded = calibrated_spec(
+        {**spec, "calibration": {}}, {"time_points": measurements["time_points"]}
+    )
+    assert "tp_comm_s_per_token" not in folded.spec["calibration"]
 
 
 def test_fit_time_is_robust_to_noise_and_leaves_unmeasured_terms_analytic():

@@ -14,6 +14,7 @@ from dcp.costmodel import CostModel, available_presets, load_cost_model, load_pr
 from dcp.plan import MicroStep, Plan
 
 H200_8B = "h200x8+llama3-8b"
+H200_70B = "h200x256+llama3-70b"
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +100,16 @@ def test_one_loader_takes_a_preset_a_path_or_a_dict(tmp_path, cm):
     assert load_cost_model(load_preset(H200_8B)).coefficients == cm.coefficients
     assert load_cost_model(cm) is cm
     assert load_cost_model(H200_8B, world_size=8).num_ranks == 8
-    with pytest.raises(ValueError, match="describes 8 ranks but the job has 2"):
+    with pytest.raises(
+        ValueError, match=r"describes 8 GPUs \(8 planner ranks x TP 1\) but the job has 2"
+    ):
         load_cost_model(H200_8B, world_size=2)
+    # Under TP the launch counts GPUs and the spec must plan with the run's TP size.
+    assert load_cost_model(H200_70B, world_size=256, tensor_parallel_size=8).num_ranks == 32
+    with pytest.raises(ValueError, match="tensor parallelism 8 .* parallel.tensor_parallel_size=2"):
+        load_cost_model(H200_70B, world_size=256, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"describes 256 GPUs \(32 planner ranks x TP 8\)"):
+        load_cost_model(H200_70B, world_size=32, tensor_parallel_size=8)
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
         load_cost_model(tmp_path / "bad.json")

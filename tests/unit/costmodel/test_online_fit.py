@@ -30,9 +30,14 @@ def _truth() -> CostModel:
     """cpu-tiny with a calibration the refit can represent exactly (the prior's half-token
     terms and logits/linear ratio, no overlap)."""
     spec = load_preset("cpu-tiny-uncalibrated")
-    analytic = CostModel.from_spec(spec).coefficients
+    spec["calibration"] = _truth_calibration()
+    return CostModel.from_spec(spec)
+
+
+def _truth_calibration() -> dict:
+    analytic = CostModel.from_spec(load_preset("cpu-tiny-uncalibrated")).coefficients
     kappa = analytic.logits_s_per_token / analytic.linear_s_per_token
-    spec["calibration"] = {
+    return {
         "step_overhead_s": 0.01,
         "sequence_overhead_s": 0.002,
         "linear_s_per_token": 1.2e-4,
@@ -46,7 +51,6 @@ def _truth() -> CostModel:
         "cp_hop_latency_s": 0.004,
         "comm_overlap": 0.0,
     }
-    return CostModel.from_spec(spec)
 
 
 def synthetic_records(
@@ -172,6 +176,29 @@ def test_recovers_known_coefficients_from_exact_records():
     exact = fit_records(records, prior=PRIOR, prior_weight=0.0)
     _assert_coefficients(exact.cost_model, truth, rel=1e-9)
     assert load_cost_model(exact.spec).coefficients == exact.cost_model.coefficients
+
+
+def test_tp_collectives_stay_fixed_while_the_rest_is_refitted():
+    """Under TP the prior's TP term (measured by tools.profile) is held; the refit recovers the
+    other coefficients exactly from records that include the TP collectives."""
+    tp = {"tp_comm_s_per_token": 4e-5, "tp_latency_s": 0.006}
+
+    def at_tp2(spec: dict) -> dict:
+        return {
+            **spec,
+            "cluster": {**spec["cluster"], "num_gpus": 4, "gpus_per_node": 4},
+            "options": {**spec.get("options", {}), "tensor_parallel_size": 2},
+            "calibration": {**spec.get("calibration", {}), **tp},
+        }
+
+    truth_spec = at_tp2({**load_preset("cpu-tiny-uncalibrated"), "calibration": {}})
+    truth_spec["calibration"].update({k: v for k, v in _truth_calibration().items() if k not in tp})
+    truth = CostModel.from_spec(truth_spec)
+    assert truth.tp_time_s([1024], 1, "full") > truth.tp_time_s([1024], 1, "none") > 0
+    records = synthetic_records(truth)
+    exact = fit_records(records, prior=at_tp2(load_preset(PRIOR)), prior_weight=0.0)
+    _assert_coefficients(exact.cost_model, truth, rel=1e-9)
+    assert exact.cost_model.coefficients.tp_comm_s_per_token == tp["tp_comm_s_per_token"]
 
 
 def test_bounded_error_with_noise():
