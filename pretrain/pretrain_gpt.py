@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout=timedelta(seconds=startup),
     )
     try:
-        dcp.init(timeout_s=startup)  # megatron patches this machine needs + parallel state
+        # megatron patches this machine needs + parallel state (TP groups of consecutive ranks)
+        dcp.init(timeout_s=startup, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
         Trainer(cfg).train()
     except USER_ERRORS as exc:
         return _fail(rank, f"error: {exc}", code=2)

@@ -4,9 +4,12 @@
         [--warmup 1] [--rounds 2] [--nproc 2] [--planners static,megatron,dcp] [key.sub=value ...]
 
 Started without torchrun it re-launches itself under ``torchrun --standalone`` with ``--nproc``
-ranks. Each planner trains a fresh model (same seed) on the same global batches (same sampler
-seed) through the real trainer; ``static`` runs every fixed (CP size, recompute) configuration
-that holds the run's longest sequence and the fastest is the baseline. ``--rounds`` passes run
+ranks (default: the spec's ``cluster.num_gpus``). Tensor parallelism comes from the spec
+(``options.tensor_parallel_size``) unless the config sets ``parallel.tensor_parallel_size``; the
+launch must match the spec (a clear error otherwise). Each planner trains a fresh model (same
+seed) on the same global batches (same sampler seed) through the real trainer; ``static`` runs
+every fixed (CP size, recompute) configuration that holds the run's longest sequence and the
+fastest is the baseline. ``--rounds`` passes run
 all planners in alternating (forward, reversed) order and pool their throughput, so machine-speed
 drift during the benchmark does not favour whoever runs first. Each run writes
 ``runs/<prefix>-<name>/metrics.jsonl`` (W&B runs share the group ``<prefix>``, so they
@@ -43,7 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--steps", type=int, default=8, help="measured steps per planner")
     parser.add_argument("--warmup", type=int, default=1, help="steps excluded from throughput")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (when not under torchrun)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks when not under torchrun (default: the spec's cluster.num_gpus)",
+    )
     parser.add_argument("--planners", default=",".join(BENCH_PLANNERS))
     parser.add_argument("--prefix", default="bench", help="run names: <prefix>-<planner>")
     parser.add_argument(
@@ -120,27 +128,38 @@ def report(results: dict[str, dict], args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    from dcp.config import load_config
+    from dcp.train.bench import with_spec_tensor_parallelism
+    from dcp.train.config import PretrainConfig
+
+    try:
+        base_cfg = with_spec_tensor_parallelism(
+            load_config(PretrainConfig, args.config, args.overrides)
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if "RANK" not in os.environ:
-        return relaunch(argv, args.nproc)
+        from dcp.costmodel import load_spec
+
+        nproc = args.nproc or int(load_spec(base_cfg.dcp.spec)["cluster"]["num_gpus"])
+        return relaunch(argv, nproc)
 
     import torch
     import torch.distributed as dist
 
     import dcp
-    from dcp.config import load_config
     from dcp.train.bench import run_benchmark
-    from dcp.train.config import PretrainConfig
 
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(name)s: %(message)s")
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|absl|full scope).*")
-    base_cfg = load_config(PretrainConfig, args.config, args.overrides)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group(
         "nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10)
     )
     try:
-        dcp.init()
+        dcp.init(tensor_parallel_size=base_cfg.parallel.tensor_parallel_size)
         results = run_benchmark(
             base_cfg,
             planners=args.planners,

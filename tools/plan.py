@@ -4,11 +4,13 @@
     python -m tools.plan --lengths L.json --spec h200x32+llama3-8b --planner static
 
 ``--lengths``: a JSON list of positive ints. ``--spec``: a cost-model spec JSON file or a preset
-name (``cpu-tiny``, ``<cluster>+<model>``; see ``dcp/costmodel/profiles``). ``--option key=value``
-passes planner options (e.g. ``on_oversize=drop``, ``max_cp_size=8``, ``recompute=full``);
-values are parsed as JSON when they can be. Writes ``{"planner", "predicted_step_time_s",
-"steps"}`` (plus ``meta`` when the planner reports any) to ``--out`` or stdout; a summary goes to
-stderr.
+name (``cpu-tiny``, ``<cluster>+<model>``; see ``dcp/costmodel/profiles``). The spec's
+``options.tensor_parallel_size`` sets TP: plan ranks are planner ranks, one per TP group
+(``cluster.num_gpus / TP`` of them; ``h200x256+llama3-70b`` plans 32 at TP = 8).
+``--option key=value`` passes planner options (e.g. ``on_oversize=drop``, ``max_cp_size=8``,
+``recompute=full``); values are parsed as JSON when they can be. Writes ``{"planner",
+"predicted_step_time_s", "steps"}`` (plus ``meta`` when the planner reports any) to ``--out`` or
+stdout; a summary goes to stderr.
 
 ``--measurements FILE``: micro-step records of a run (``runs/<name>/microsteps.jsonl``, see
 ``dcp.costmodel.records``); the cost model is refitted on them with ``--spec`` as the prior
@@ -101,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     dropped = set(plan.meta.get("dropped", ()))
     bound = lower_bound_s([x for i, x in enumerate(lengths) if i not in dropped], cost_model)
+    tp = cost_model.tensor_parallel_size
     print(
         f"{args.planner}: {len(lengths)} sequences -> {len(plan.steps)} micro-steps on "
-        f"{cost_model.num_ranks} ranks, predicted {plan.predicted_step_time_s:.4f} s "
+        f"{cost_model.num_ranks} planner ranks (TP {tp}: {cost_model.num_ranks * tp} GPUs), "
+        f"predicted {plan.predicted_step_time_s:.4f} s "
         f"(lower bound {bound:.4f} s), planned in {plan_ms:.1f} ms",
         file=sys.stderr,
     )

@@ -87,14 +87,18 @@ class BatchPlanner:
         dcp_cfg,
         *,
         world_size: int,
+        tensor_parallel_size: int = 1,
         max_seq_len: int | None = None,
         runtime_options: dict | None = None,
     ) -> None:
-        """``max_seq_len``: the run's longest sequence; the static baseline is sized for it
+        """``world_size``: the launched ranks (GPUs); plans are over ``world_size /
+        tensor_parallel_size`` planner ranks, and the spec must have that TP size.
+        ``max_seq_len``: the run's longest sequence; the static baseline is sized for it
         (as a static Megatron run must be), not for each batch's longest. ``runtime_options``
         (``dcp.costmodel.spec.runtime_options``) replace the spec's options the run fixes."""
         self.cfg = dcp_cfg
         self.world_size = world_size
+        self.tensor_parallel_size = tensor_parallel_size
         self.max_seq_len = max_seq_len
         self.spec = load_spec(dcp_cfg.spec)
         if runtime_options:
@@ -104,12 +108,21 @@ class BatchPlanner:
                     "cost-model spec options.%s: %s -> %s (the run's setting)", key, old, new
                 )
         self.version = 0
-        self.cost_model = load_cost_model(self.spec, world_size=world_size)
-        self.peak_tflops_per_rank = float(self.spec["cluster"]["peak_tflops"])
+        self.cost_model = self._load(self.spec)
+        self.peak_tflops_per_gpu = float(self.spec["cluster"]["peak_tflops"])
+
+    def _load(self, spec: dict):
+        return load_cost_model(
+            spec, world_size=self.world_size, tensor_parallel_size=self.tensor_parallel_size
+        )
+
+    @property
+    def num_planner_ranks(self) -> int:
+        return self.cost_model.num_ranks
 
     def set_spec(self, spec: dict, *, version: int) -> None:
         """Plan with ``spec`` (model version ``version``: an online refit) from now on."""
-        self.cost_model = load_cost_model(spec, world_size=self.world_size)
+        self.cost_model = self._load(spec)
         self.spec = spec
         self.version = version
 
@@ -130,7 +143,7 @@ class BatchPlanner:
             options["recompute"] = self.cfg.static_recompute
         plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, **options)
         dropped = tuple(int(i) for i in plan.meta.get("dropped", ()))
-        plan.validate(num_sequences=len(lengths), num_ranks=self.world_size, dropped=dropped)
+        plan.validate(num_sequences=len(lengths), num_ranks=self.num_planner_ranks, dropped=dropped)
         sim = simulate(plan, lengths, cost_model)
         mean_busy = sum(sim.busy_s) / len(sim.busy_s)
         imbalance = max(sim.busy_s) / mean_busy if mean_busy > 0 else 1.0

@@ -36,11 +36,27 @@ def static_variants(base_cfg: PretrainConfig) -> list[tuple[str, dict]]:
     """Every fixed (CP size, recompute) a static run can use: sized for the run's longest
     sequence (the dataset's longest document), as in Megatron's static setup."""
     dataset = build_dataset(base_cfg.data, vocab_size=base_cfg.model.vocab_size)
-    cost_model = load_cost_model(base_cfg.dcp.spec, world_size=dist.get_world_size())
+    cost_model = load_cost_model(
+        base_cfg.dcp.spec,
+        world_size=dist.get_world_size(),
+        tensor_parallel_size=base_cfg.parallel.tensor_parallel_size,
+    )
     return [
         (f"static-cp{cp}-{level}", {"static_cp_size": cp, "static_recompute": level})
         for cp, level in static_configs(cost_model, longest_seq_len(dataset))
     ]
+
+
+def with_spec_tensor_parallelism(cfg: PretrainConfig) -> PretrainConfig:
+    """``cfg`` with the TP size of its cost-model spec when the config leaves TP at its default
+    (the benchmark takes TP from the spec); an explicit, different TP is left for the trainer's
+    check to refuse."""
+    if cfg.parallel.tensor_parallel_size != 1:
+        return cfg
+    tp = load_cost_model(cfg.dcp.spec).tensor_parallel_size
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel_size=tp)
+    )
 
 
 def release_memory() -> None:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from dcp.data.indexed import IndexedDataConfig
 from dcp.data.sampler import SamplerConfig
 from dcp.data.synthetic import SyntheticDataConfig
-from dcp.model import WEIGHT_SHAPE_FIELDS, ModelConfig
+from dcp.model import WEIGHT_SHAPE_FIELDS, ModelConfig, check_tensor_parallel
 from dcp.observability.metrics import MetricsConfig
 from dcp.optim import OptimConfig
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS, check_choice
@@ -127,6 +127,22 @@ class DistributedConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    """How the launched ranks are arranged: world = TP × planner ranks."""
+
+    tensor_parallel_size: int = 1
+    """GPUs per tensor-parallel group: consecutive ranks (keep a group inside a node), with
+    sequence parallelism. DCP plans over world / TP planner ranks, one per group; the cost-model
+    spec must have the same ``options.tensor_parallel_size``."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"parallel.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
 class ResumeConfig:
     """What a resumed run may change relative to the checkpoint's config."""
 
@@ -214,6 +230,7 @@ class PretrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     init: InitConfig = field(default_factory=InitConfig)
 
@@ -226,3 +243,4 @@ class PretrainConfig:
                 f"name must be letters, digits, '.', '_' or '-' and start with a letter or digit "
                 f"(it names the directory {self.runs_dir}/<name>), got {self.name!r}"
             )
+        check_tensor_parallel(self.model, self.parallel.tensor_parallel_size)

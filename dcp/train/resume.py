@@ -73,3 +73,21 @@ def check_resume_config(
     for key, (a, b) in changes.items():
         logger.info("resume: %s changed %r -> %r", key, a, b)
     return changes
+
+
+def check_resume_parallelism(old: Mapping[str, Any], new: Mapping[str, Any], *, path) -> None:
+    """Raise ``ValueError`` unless the checkpoint's config (``old``) and the run's (``new``) have
+    the same TP size: the optimizer state of each rank holds its TP slice of every split
+    parameter, so it cannot move to another TP size (the weights can: ``init.from_checkpoint``
+    reshards them)."""
+
+    def tp(config: Mapping[str, Any]) -> int:
+        return int((config.get("parallel") or {}).get("tensor_parallel_size", 1))
+
+    if tp(old) != tp(new):
+        raise ValueError(
+            f"{path} was trained with parallel.tensor_parallel_size={tp(old)}, this run has "
+            f"{tp(new)}: the optimizer state is split by TP, so a resume keeps the TP size; to "
+            f"continue from the weights at another TP size, start a new run with "
+            f"init.from_checkpoint={path}"
+        )

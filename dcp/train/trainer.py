@@ -49,15 +49,16 @@ from dcp.train.batches import (
 from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator
 from dcp.train.checkpoint import (
     capture_rng_state,
+    find_latest,
+    load_checkpoint,
     load_component,
-    load_latest,
     resolve_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock, RunLockedError
-from dcp.train.resume import check_resume_config
+from dcp.train.resume import check_resume_config, check_resume_parallelism
 from dcp.train.signals import StopRequest
 from dcp.weights.canonical import load_canonical
 from dcp.weights.convert import load_hf_weights
@@ -101,6 +102,7 @@ class Trainer:
         self.planner = BatchPlanner(
             cfg.dcp,
             world_size=self.world_size,
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             max_seq_len=longest_seq_len(self.dataset),
             runtime_options=runtime_options(
                 dtype=cfg.model.dtype,
@@ -108,7 +110,12 @@ class Trainer:
                 fp8=cfg.model.fp8,
             ),
         )
-        self.runtime = Runtime.from_config(cfg.model, cfg.optim, seed=cfg.train.seed)
+        self.runtime = Runtime.from_config(
+            cfg.model,
+            cfg.optim,
+            seed=cfg.train.seed,
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+        )
         self._opt_state_bytes: list[int] | None = None
         self.start_step, extra = self._maybe_resume()
         if self.start_step == 0:
@@ -150,12 +157,16 @@ class Trainer:
         """(steps already done, the checkpoint's ``extra``: config, W&B id, calibration)."""
         if not self.cfg.checkpoint.resume:
             return 0, {}
-        loaded = load_latest(
-            self.ckpt_root, rank=self.rank, world_size=self.world_size, weights_only=False
-        )
-        if loaded is None:
+        path = find_latest(self.ckpt_root)
+        if path is None:
             return 0, {}
-        extra = loaded.extra or {}
+        # The config is read first: a resume at another TP size is refused with its reason,
+        # before any per-rank state is looked for.
+        extra = load_component(path, "extra", weights_only=False) or {}
+        check_resume_parallelism(extra.get("config") or {}, to_dict(self.cfg), path=path)
+        loaded = load_checkpoint(
+            path, rank=self.rank, world_size=self.world_size, weights_only=False
+        )
         if "config" in extra:
             check_resume_config(
                 extra["config"], to_dict(self.cfg), allow=self.cfg.resume.allow_changes
@@ -208,9 +219,11 @@ class Trainer:
             world_size=self.world_size,
             barrier_fn=dist.barrier,
             keep_last=self.cfg.checkpoint.keep_last,
+            # Each rank's optimizer state is its own under the distributed optimizer (a DP shard)
+            # and under TP (the TP slice of every split parameter).
             per_rank=(
                 ("rng_state", "optimizer_state")
-                if self.runtime.distributed_optimizer
+                if self.runtime.distributed_optimizer or self.runtime.tp > 1
                 else ("rng_state",)
             ),
         )
@@ -226,7 +239,7 @@ class Trainer:
     ) -> StepRecord:
         """The metrics record of one step; its peak memory is the max over ranks (collective)."""
         tokens = stats.loss_tokens
-        peak_tflops = self.planner.peak_tflops_per_rank
+        peak_tflops = self.planner.peak_tflops_per_gpu
         mfu = None
         if peak_tflops:
             flops = model_flops(planned.lengths, self.cfg.model)
@@ -258,7 +271,7 @@ class Trainer:
             plan=PlanStats.of(
                 planned.plan,
                 planned.lengths,
-                world_size=self.world_size,
+                num_ranks=self.planner.num_planner_ranks,
                 predicted_imbalance=planned.predicted_imbalance,
             ),
             mfu=mfu,

@@ -15,7 +15,7 @@ import pytest
 from dcp.config import load_config
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock, RunLockedError
-from dcp.train.resume import check_resume_config, config_changes
+from dcp.train.resume import check_resume_config, check_resume_parallelism, config_changes
 from dcp.train.trainer import _check_writable
 
 
@@ -64,6 +64,15 @@ def test_resume_refuses_trajectory_changes_unless_allowed():
     # Steps, logging and the planner are free to change.
     free = {**old, "train": {"steps": 99, "seed": 1}, "dcp": {"planner": "static"}}
     check_resume_config({**old, "dcp": {"planner": "dcp"}}, free)
+
+
+def test_resume_refuses_another_tp_size_and_names_the_way_to_keep_the_weights():
+    tp2 = {"parallel": {"tensor_parallel_size": 2}}
+    check_resume_parallelism(tp2, tp2, path="ckpt/step_000010")  # same TP: fine
+    check_resume_parallelism({}, {"parallel": {"tensor_parallel_size": 1}}, path="p")  # old file
+    with pytest.raises(ValueError, match="parallel.tensor_parallel_size=2, this run has 1") as err:
+        check_resume_parallelism(tp2, {}, path="ckpt/step_000010")
+    assert "init.from_checkpoint=ckpt/step_000010" in str(err.value)
 
 
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "", ".hidden", "x y"])
