@@ -12,7 +12,7 @@ PYTHON312   := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/pyth
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo data test unit lint format bench simulate extend-context clean
+.PHONY: setup demo demo-tp data test unit lint format bench simulate extend-context clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,13 @@ data/stdlib.idx: $(STAMP)
 demo: data
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) -m pretrain.pretrain_gpt \
 	  --config pretrain/configs/tiny_cpu.yaml $(ARGS)
+
+# Tensor parallelism on CPU: the demo at TP = 2 on 4 ranks (2 planner ranks of 2, as `make demo`
+# has 2 planner ranks of 1), on the same batches; its losses match the demo's up to rounding.
+demo-tp: data
+	$(VENV)/bin/torchrun --nproc-per-node 4 -m pretrain.pretrain_gpt \
+	  --config pretrain/configs/tiny_cpu.yaml name=demo-tp2 parallel.tensor_parallel_size=2 \
+	  dcp.spec=cpu-tiny+cpu-mem-demo+cpu-tp2 $(ARGS)
 
 # Context extension on CPU (pretrain/configs/extend_context_cpu.yaml): a 512-token base model,
 # exported to Hugging Face format, imported and continued at 2K then 4K tokens.

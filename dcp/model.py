@@ -247,13 +247,14 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def token_multiple(*, te: bool, fp8: bool, tensor_parallel_size: int = 1) -> int:
-    """Local tokens per micro-step must be a multiple of this: TE asserts multiples of 8 for
-    THD input and of 16 for FP8 GEMMs (megatron-core's ``fp8_utils.get_fp8_align_size`` for
-    the current-scaling recipes), 1 for DCP's torch attention; and sequence parallelism splits
-    a rank's tokens evenly over its TP group (megatron's ``scatter_to_sequence_parallel_region``
-    divides the first dimension by the TP size)."""
+    """A planner rank's local tokens per micro-step must be a multiple of this. Sequence
+    parallelism splits them evenly over the TP group (megatron's
+    ``scatter_to_sequence_parallel_region`` divides the first dimension by the TP size), and
+    each TP rank's slice must meet TE's alignment: multiples of 8 for THD input and of 16 for
+    FP8 GEMMs (megatron-core's ``fp8_utils.get_fp8_align_size`` for the current-scaling
+    recipes); DCP's torch attention needs none."""
     base = (16 if fp8 else 8) if te else 1
-    return math.lcm(base, tensor_parallel_size)
+    return base * tensor_parallel_size
 
 
 def resolved_attention(cfg: ModelConfig) -> str:

@@ -15,8 +15,9 @@ What each check needs:
   (``is_first_microbatch``), and the MFU of two Llama-3-8B layers at 16K tokens in bf16 and FP8.
   FP8 ``delayed`` scaling must be refused (it runs on any machine).
 - ``--multi``, 2 to 8 GPUs of one node: TE ring attention at CP = 2, 4, 8 against CP = 1,
-  CP-group switching between micro-steps, and (8 GPUs) the Llama-3-8B recipe's peak memory at
-  its 131K-token sequence against the planner's memory rule.
+  CP-group switching between micro-steps, (4 GPUs) TE's TP layers at TP = 2 with sequence
+  parallelism under mixed CP groups against TP = 1 on the same weights, and (8 GPUs) the
+  Llama-3-8B recipe's peak memory at its 131K-token sequence against the planner's memory rule.
 
 The checks are the pytest tests marked ``gpu`` (``tests/gpu``); this tool runs them, reads their
 JUnit report (outcomes, skip reasons, measured values) and summarises. Exit code 0 when no check

@@ -2,13 +2,15 @@
 
     python -m tools.memory_budget --config pretrain/configs/llama3_8b_h200.yaml [key=value ...]
 
-Prints the static bytes per GPU (weights, main grads, optimizer shard) and, for the recipe's
-longest training sequence, the activation and total bytes at every CP size and recompute
-level against the per-GPU budget of the recipe's cost-model spec (``dcp.spec``). The last
-stdout line is a JSON object: ``fits`` (the longest sequence has a placement within the
-budget), ``static_bytes_per_gpu``, ``budget_bytes_per_gpu``, the breakdown, every cell, and
-``model_matches_spec`` (the spec describes the recipe's model; when it does not, the planner's
-memory rule is about another model). Exit code 1 when the recipe cannot fit.
+Prints the static bytes per GPU (weights, main grads, optimizer shard; split over TP) and, for
+the recipe's longest training sequence, the activation and total bytes at every CP size (in
+planner ranks, one per TP group) and recompute level against the per-GPU budget of the recipe's
+cost-model spec (``dcp.spec``, whose TP must be the recipe's ``parallel.tensor_parallel_size``).
+The last stdout line is a JSON object: ``fits`` (the longest sequence has a placement within the
+budget), ``static_bytes_per_gpu``, ``budget_bytes_per_gpu``, the breakdown, every cell,
+``tensor_parallel_size``, ``num_planner_ranks`` and ``model_matches_spec`` (the spec describes
+the recipe's model; when it does not, the planner's memory rule is about another model). Exit
+code 1 when the recipe cannot fit.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 fp8=cfg.model.fp8,
             ),
         )
-        cost_model = load_cost_model(spec)
+        cost_model = load_cost_model(spec, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -72,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     matches = model_matches_spec(cfg, cost_model)
 
     parts = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in budget.static_parts.items())
-    print(f"spec {cost_model.name}: {cost_model.num_ranks} ranks, budget "
+    tp = cost_model.tensor_parallel_size
+    print(f"spec {cost_model.name}: {cost_model.num_ranks} planner ranks x TP {tp} = "
+          f"{cost_model.num_ranks * tp} GPUs, budget "
           f"{budget.budget_bytes_per_gpu / GB:.1f} GB per GPU")  # fmt: skip
     print(f"static {budget.static_bytes_per_gpu / GB:.1f} GB per GPU ({parts}"
           f"{'; calibrated total' if budget.static_calibrated else ''})")  # fmt: skip
@@ -88,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     if not budget.fits:
         print("the longest sequence fits no CP size and recompute level: raise the GPU count, "
               "shorten data max_doc_len or shrink the model", file=sys.stderr)  # fmt: skip
-    print(json.dumps({**budget.to_json(), "spec": cost_model.name, "model_matches_spec": matches}))
+    print(json.dumps({
+        **budget.to_json(), "spec": cost_model.name, "model_matches_spec": matches,
+        "tensor_parallel_size": tp, "num_planner_ranks": cost_model.num_ranks,
+    }))  # fmt: skip
     return 0 if budget.fits else 1
 
 

@@ -3,11 +3,14 @@
     python -m tools.simulate [--model llama3-8b] [--clusters 8,32,64,256,1024]
                              [--workloads lognormal,...] [--batches 2] [--out-dir runs/simulate]
     python -m tools.simulate --quick      # 8 and 32 GPUs, one small batch each: seconds
+    python -m tools.simulate --model llama3-70b --clusters 64,256,1024   # TP = 8 (the preset's)
 
 All numbers are *simulated* on the cost model (no GPU runs); ``dcp.planning.sweep`` says what is
-compared. Writes ``results.json``, ``table.txt`` and ``speedups.png`` under ``--out-dir``;
-progress goes to stderr. The full run takes 7-10 minutes on one core, mostly in Megatron's
-scheduler on 1,024 GPUs.
+compared. The model preset's ``options.tensor_parallel_size`` applies (``llama3-70b``: TP = 8,
+one planner rank per node); clusters too small for the model's weights are listed as skipped.
+Writes ``results.json``, ``table.txt`` and ``speedups.png`` under ``--out-dir``; progress goes to
+stderr. The full run takes 7-10 minutes on one core, mostly in Megatron's scheduler on 1,024
+GPUs.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ def format_table(results: dict) -> str:
         f"{'(config)':>14} {'oracle s':>8} {'megatr s':>8} {'(rc)':>9} {'x stat':>6} "
         f"{'x orcl':>6} {'x meg':>6} {'dcp/LB':>6} {'plan ms':>7}"
     )
-    lines = ["SIMULATED step times (dcp cost model, not measured on GPUs)", head, "-" * len(head)]
+    tp = results.get("tensor_parallel_size", 1)
+    title = f"SIMULATED step times (dcp cost model, not measured on GPUs), {results['model']}"
+    if tp > 1:
+        title += f", TP {tp}: a planner rank is {tp} GPUs, h200xN has N/{tp} of them"
+    lines = [title, head, "-" * len(head)]
+    for skipped in results.get("skipped_clusters", []):
+        lines.append(f"{skipped['preset']:>9} skipped: {skipped['reason']}")
     for cluster in results["clusters"]:
         for row in cluster["rows"]:
 

@@ -19,7 +19,9 @@
    tokens' outputs are masked out of the loss (``dcp.runtime.dispatch``).
 
 Only ``cp_comm_type="p2p"`` accepts THD with CP in TE (the default TE keeps when megatron builds
-at CP = 1). Nothing here runs on CPU; ``tools/gpu_check.py`` exercises it on a GPU.
+at CP = 1). Under tensor parallelism each TP rank holds its slice of the heads and runs its ring
+over the CP group of its own TP rank (``dcp.runtime.groups``), the group
+``use_cp_group`` hands TE. Nothing here runs on CPU; ``tools/gpu_check.py`` exercises it on a GPU.
 """
 
 from __future__ import annotations

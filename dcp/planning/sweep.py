@@ -214,7 +214,9 @@ def run_sweep(
     log: Log = _quiet,
 ) -> dict:
     """Every planner on ``batches`` global batches of every workload on every H200 cluster
-    preset ``h200x<N>+<model>``, with per-cluster and overall geometric means.
+    preset ``h200x<N>+<model>``, with per-cluster and overall geometric means. A model with
+    tensor parallelism (``llama3-70b``: TP = 8) plans over N / TP planner ranks; a cluster too
+    small to hold the model's static memory is skipped and listed in ``skipped_clusters``.
     ``plan_time_cases``: (GPUs, sequences) pairs to time DCP's planner on. ``log`` receives
     progress lines."""
     planners = tuple(planners)
@@ -225,14 +227,31 @@ def run_sweep(
         get_workload(w)
     if batches < 1:
         raise ValueError(f"batches must be >= 1, got {batches}")
-    results: dict = {"model": model, "simulated": True, "planners": planners, "clusters": []}
+    results: dict = {
+        "model": model,
+        "simulated": True,
+        "planners": planners,
+        "clusters": [],
+        "skipped_clusters": [],
+    }
     total = len(clusters) * len(workloads)
     done = 0
     started = time.perf_counter()
     for size in clusters:
         preset = f"h200x{size}"
         cost_model = load_cost_model(f"{preset}+{model}")
+        results["tensor_parallel_size"] = cost_model.tensor_parallel_size
         log(cost_model.describe())
+        if cost_model.static_mem_bytes >= cost_model.mem_budget_bytes:
+            # Weights, grads and an optimizer shard over too few ranks fill the GPU already.
+            reason = (
+                f"static memory {cost_model.static_mem_bytes / 1e9:.1f} GB per GPU exceeds the "
+                f"{cost_model.mem_budget_bytes / 1e9:.1f} GB budget on {size} GPUs"
+            )
+            log(f"{preset}+{model}: skipped, {reason}")
+            results["skipped_clusters"].append({"preset": preset, "reason": reason})
+            done += len(workloads)
+            continue
         rows = []
         for name in workloads:
             lengths = [

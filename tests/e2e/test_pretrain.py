@@ -41,13 +41,13 @@ OVERRIDES = [
 ]
 
 
-def command(tmp_path: Path, name: str, *extra: str) -> list[str]:
+def command(tmp_path: Path, name: str, *extra: str, nproc: int = 2) -> list[str]:
     """The torchrun command of a test run (later ``key=value`` overrides win)."""
     return [
         str(TORCHRUN),
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "-m",
         "pretrain.pretrain_gpt",
         "--config",
@@ -72,8 +72,8 @@ def start(cmd: list[str]) -> subprocess.Popen:
     )
 
 
-def launch(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
-    return start(command(tmp_path, name, *extra))
+def launch(tmp_path: Path, name: str, *extra: str, nproc: int = 2) -> subprocess.Popen:
+    return start(command(tmp_path, name, *extra, nproc=nproc))
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
@@ -118,7 +118,13 @@ def test_run_writes_metrics_config_and_wandb(uninterrupted):
 
 
 def test_kill_and_resume_reproduces_losses(uninterrupted, tmp_path):
-    proc = launch(tmp_path, "killed", "metrics.wandb_mode=disabled")
+    kill_and_resume(tmp_path, uninterrupted, "metrics.wandb_mode=disabled")
+
+
+def kill_and_resume(tmp_path: Path, reference: Path, *extra: str, nproc: int = 2) -> None:
+    """Kill -9 a run of the test config once it has checkpointed and moved on, run the same
+    command again, and check that it resumed to the losses of ``reference``, exactly."""
+    proc = launch(tmp_path, "killed", *extra, nproc=nproc)
     run_dir = tmp_path / "killed"
     deadline = time.monotonic() + 300
     # Kill -9 the whole job once a checkpoint exists and training has moved past it.
@@ -139,12 +145,11 @@ def test_kill_and_resume_reproduces_losses(uninterrupted, tmp_path):
     killed_at = len(metrics(run_dir))
     assert killed_at < STEPS, "the run finished before the kill; nothing was resumed"
 
-    out = finish(launch(tmp_path, "killed", "metrics.wandb_mode=disabled"))
+    out = finish(launch(tmp_path, "killed", *extra, nproc=nproc))
     assert "resumed from" in out
     resumed = metrics(run_dir)
-    reference = metrics(uninterrupted)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in metrics(reference)]
 
 
 def test_online_calibration_records_microsteps_and_refits(tmp_path):

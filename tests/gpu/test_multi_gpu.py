@@ -1,7 +1,8 @@
 """Checks that need several GPUs of one node (``python -m tools.gpu_check --multi``): TE ring
 attention at CP = 2, 4, 8 against CP = 1 through the runtime, CP-group switching between the
-micro-steps of one step, and the Llama-3-8B recipe's peak memory at its longest sequence against
-the planner's memory rule. Marked ``gpu``; each skips, saying why, without enough GPUs."""
+micro-steps of one step, TE's TP layers (sequence parallel) at TP = 2 under DCP's CP groups
+against TP = 1, and the Llama-3-8B recipe's peak memory at its longest sequence against the
+planner's memory rule. Marked ``gpu``; each skips, saying why, without enough GPUs."""
 
 from __future__ import annotations
 
@@ -36,23 +37,44 @@ def _plan(*steps) -> dict:
     }
 
 
-def grads_for_plans(plans: list[dict]) -> list[dict] | None:
-    """Loss and gradients of the same batch under each plan (rank 0 returns them)."""
+def grads_for_plans(
+    plans: list[dict],
+    *,
+    tensor_parallel_size: int = 1,
+    save_weights: str | None = None,
+    load_weights: str | None = None,
+) -> list[dict] | None:
+    """Loss and gradients of the same batch under each plan (rank 0 returns them, whole).
+    ``save_weights``/``load_weights``: a file of the model's canonical weights, written by rank
+    0 before the plans run / loaded (each rank cutting its TP slice) before they run. GPU
+    initialisation draws each TP rank's slice from its own stream, so runs at different TP
+    sizes compare on loaded weights."""
     from dcp.model import ModelConfig
     from dcp.optim import OptimConfig
     from dcp.plan import Plan
     from dcp.runtime.dispatch import InMemorySource
     from dcp.runtime.runtime import Runtime
+    from dcp.weights.canonical import load_canonical
     from tests.distributed.tiny import cleanup
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 512, size=n + 1) for n in (4093, 1000, 130, 7, 1, 2900)]
     out = []
     try:
-        runtime = Runtime.from_config(ModelConfig(**MODEL), OptimConfig(), seed=5)
+        runtime = Runtime.from_config(
+            ModelConfig(**MODEL), OptimConfig(), seed=5, tensor_parallel_size=tensor_parallel_size
+        )
+        if load_weights:
+            state = torch.load(load_weights, map_location="cpu")
+            runtime.load_model_weights(lambda module: load_canonical(module, state))
+        if save_weights:
+            state = runtime.model_state()  # collective over the TP group of rank 0
+            if torch.distributed.get_rank() == 0:
+                torch.save({k: v.detach().cpu() for k, v in state.items()}, save_weights)
         for plan in plans:
             result = runtime.forward_backward(Plan.from_dict(plan), InMemorySource(docs))
-            loss = torch.tensor([result.loss_sum], dtype=torch.float64, device="cuda")
+            # Every TP rank holds the same token losses: count each planner rank once.
+            loss = torch.tensor([result.loss_sum / runtime.tp], dtype=torch.float64, device="cuda")
             torch.distributed.all_reduce(loss)
             grads = {n: g.float().cpu().numpy() for n, g in runtime.grads().items()}
             out.append({"loss": float(loss) / result.global_loss_tokens, "grads": grads})
@@ -94,6 +116,30 @@ def test_cp_groups_switch_within_one_step():
     )
     ref, got = run_on_ranks(4, grads_for_plans, [cp1, switching], timeout_s=480)[0]
     _assert_close(ref, got, "switching CP groups")
+
+
+def test_tensor_parallel_te_matches_tp1_with_cp_switching(tmp_path):
+    """TE layers at TP = 2 with sequence parallelism on 4 GPUs (2 planner ranks), CP = 1 on
+    both and CP = 2 across both in one step, against TE at TP = 1 on one GPU, same weights."""
+    _need_gpus(4)
+    weights = str(tmp_path / "weights.pt")
+    cp1 = _plan(((0,), range(6), "none"))
+    [ref] = run_on_ranks(1, grads_for_plans, [cp1], save_weights=weights, timeout_s=480)[0]
+    mixed = _plan(
+        ((0, 1), [0], "selective"),
+        ((0,), [1, 2], "full"),
+        ((1,), [3, 4, 5], "none"),
+    )
+    got = run_on_ranks(
+        4,
+        grads_for_plans,
+        [cp1, mixed],
+        tensor_parallel_size=2,
+        load_weights=weights,
+        timeout_s=480,
+    )[0]
+    _assert_close(ref, got[0], "TP=2, CP=1 on planner rank 0")
+    _assert_close(ref, got[1], "TP=2, CP=2 and CP=1 mixed")
 
 
 def llama3_8b_peak_memory(seq_len: int) -> dict:

@@ -38,6 +38,32 @@ def test_llama3_8b_recipe_fits_on_h200(capsys):
     assert not any(c["fits"] for c in out["cells"] if c["cp_size"] == 1)
 
 
+def test_llama3_70b_recipe_fits_at_tp8_on_256_h200s(capsys):
+    assert tool.main(["--config", str(REPO / "pretrain/configs/llama3_70b_h200.yaml")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["fits"] and out["model_matches_spec"]
+    assert (out["tensor_parallel_size"], out["num_planner_ranks"]) == (8, 32)
+    # 70.6B params, 1/8 per GPU: bf16 weights 2 B, optimizer 12 B sharded over 32 DP x CP ranks.
+    params = 70.55e9 / 8
+    assert out["static_parts"]["weights"] == pytest.approx(2 * params, rel=0.01)
+    assert out["static_parts"]["optimizer"] == pytest.approx(12 * params / 32, rel=0.01)
+    assert out["static_bytes_per_gpu"] < out["budget_bytes_per_gpu"]
+    # CP sizes are in planner ranks (up to 32); 131K tokens on one TP group fit only with full
+    # recompute.
+    cp1 = {c["recompute"]: c["fits"] for c in out["cells"] if c["cp_size"] == 1}
+    assert cp1 == {"none": False, "selective": False, "full": True}
+    assert max(c["cp_size"] for c in out["cells"]) == 32
+
+
+def test_a_recipe_whose_tp_differs_from_its_spec_is_refused(capsys):
+    code = tool.main([
+        "--config", str(REPO / "pretrain/configs/llama3_70b_h200.yaml"),
+        "parallel.tensor_parallel_size=4",
+    ])  # fmt: skip
+    assert code == 2
+    assert "parallel.tensor_parallel_size=4" in capsys.readouterr().err
+
+
 def test_a_recipe_that_cannot_fit_exits_1(capsys):
     code = tool.main([
         "--config", str(REPO / "pretrain/configs/tiny_cpu.yaml"),

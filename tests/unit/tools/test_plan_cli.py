@@ -150,3 +150,34 @@ def test_simulate_cli_quick(tmp_path, capsys):
     assert results["plan_time"][0]["num_sequences"] == 512
     assert (out_dir / "speedups.png").stat().st_size > 1000
     assert (out_dir / "table.txt").read_text().startswith("SIMULATED")
+
+
+def test_simulate_cli_covers_the_70b_tp8_preset(tmp_path, capsys):
+    """llama3-70b plans with TP = 8: h200x8 (one planner rank, the optimizer unsharded) cannot
+    hold its weights and is listed as skipped; h200x32 plans over 4 planner ranks."""
+    out_dir = tmp_path / "sim70"
+    rc = simulate_cli.main(
+        ["--model", "llama3-70b", "--quick", "--workloads", "lognormal", "--out-dir", str(out_dir)]
+    )
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "SIMULATED" in table and "TP 8: a planner rank is 8 GPUs" in table
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["tensor_parallel_size"] == 8
+    assert [c["preset"] for c in results["skipped_clusters"]] == ["h200x8"]
+    assert "static memory" in results["skipped_clusters"][0]["reason"]
+    [cluster] = results["clusters"]
+    assert cluster["preset"] == "h200x32"
+    cm = load_cost_model("h200x32+llama3-70b")
+    assert cm.num_ranks == 4 and cm.coefficients.tp_comm_s_per_token > 0
+    [row] = cluster["rows"]
+    assert row["dcp_over_lower_bound"] >= 1.0 - 1e-9 and row["speedup_vs_static"] >= 1.0 - 1e-9
+
+
+def test_plan_cli_plans_planner_ranks_under_tp(lengths_file, capsys):
+    rc = plan_cli.main(["--lengths", str(lengths_file), "--spec", "h200x256+llama3-70b"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "on 32 planner ranks (TP 8: 256 GPUs)" in captured.err
+    plan = Plan.from_dict(json.loads(captured.out))
+    assert max(r for s in plan.steps for r in s.ranks) < 32

@@ -86,6 +86,32 @@ def test_h200_recipe_is_a_valid_config():
     assert cfg.model.dtype == "bf16" and cfg.dcp.spec == "h200x8+llama3-8b"
 
 
+def test_70b_recipe_runs_tp8_on_256_h200s_and_its_spec_agrees():
+    from dcp.costmodel import load_cost_model
+
+    cfg = load_config(PretrainConfig, REPO / "pretrain/configs/llama3_70b_h200.yaml")
+    assert cfg.parallel.tensor_parallel_size == 8 and cfg.model.dtype == "bf16"
+    spec = load_cost_model(cfg.dcp.spec, world_size=256, tensor_parallel_size=8)
+    assert spec.num_ranks == 32  # one planner rank per node's TP group
+    assert (spec.model.num_layers, spec.model.hidden_size) == (80, 8192)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["parallel.tensor_parallel_size=0"], r"parallel\.tensor_parallel_size must be >= 1"),
+        (["parallel.tensor_parallel_size=3"], r"model\.num_attention_heads=4 must be divisible"),
+        (
+            ["parallel.tensor_parallel_size=2", "model.make_vocab_size_divisible_by=1"],
+            r"padded vocabulary \(257 rows\) must be divisible .*make_vocab_size_divisible_by",
+        ),
+    ],
+)
+def test_tensor_parallel_size_must_split_the_model(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(PretrainConfig, REPO / "pretrain/configs/tiny_cpu.yaml", overrides)
+
+
 def _hf_config_dir(path, **fields):
     import json
 
