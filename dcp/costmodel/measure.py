@@ -248,7 +248,6 @@ class _RankSession:
 
     def static_bytes(self) -> int:
         """Parameters + gradient buffers + optimizer state, after one real optimizer step."""
-        import torch
 
         from dcp.plan import MicroStep, Plan
         from dcp.runtime.dispatch import InMemorySource
@@ -258,17 +257,15 @@ class _RankSession:
             steps=(MicroStep(ranks=(0,), seq_ids=(0,)), MicroStep(ranks=(1,), seq_ids=(1,)))
         )
         self.runtime.train_step(plan, InMemorySource(docs))
-        tensors = []
-        for p in self.runtime.parameters():
-            tensors += [p, getattr(p, "main_grad", None), p.grad]
-        for state in self.runtime.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
         seen = {}
-        for t in tensors:
-            if t is not None:
-                storage = t.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
+        for p in self.runtime.parameters():
+            for t in (p, getattr(p, "main_grad", None), p.grad):
+                if t is not None:
+                    storage = t.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+        # Adam's moments and any fp32 main params apart from the model's own storage (megatron's
+        # chained and distributed optimizers keep them per inner optimizer).
+        return sum(seen.values()) + self.runtime.optimizer_state_bytes()
 
     def tp_point(self, tokens: int) -> TPCommPoint:
         """One micro-step's sequence-parallel collectives at ``tokens`` planner-rank tokens,
