@@ -9,9 +9,10 @@ Runs micro-steps of ``--config``'s model on 2 gloo ranks through the real runtim
 (``dcp.costmodel.measure``: the grid, the memory probes) and fits the cost model to them
 (``dcp.costmodel.calibrate``). With a spec whose ``options.tensor_parallel_size`` is TP > 1
 (``--spec cpu-tiny+cpu-tp2``) it runs 2 planner ranks of TP ranks each and also times the TP
-collectives on their own, which the fit keeps as the cost model's TP term. The default grid takes about 4 minutes on 2 cores; it reaches
-8K-token documents because attention's L² term dominates long ones and should not be
-extrapolated. The fit report (measured vs predicted per point) goes to stderr.
+collectives on their own, which the fit keeps as the cost model's TP term. The default grid
+takes about 4 minutes on 2 cores; it reaches 8K-token documents because attention's L² term
+dominates long ones and should not be extrapolated. The fit report (measured vs predicted per
+point) goes to stderr.
 """
 
 from __future__ import annotations

@@ -255,10 +255,6 @@ class Runtime:
         """This rank's planner rank (its TP group's index; the global rank at TP = 1)."""
         return self.registry.planner_rank
 
-    @property
-    def num_planner_ranks(self) -> int:
-        return self.registry.mesh.num_planner_ranks
-
     @classmethod
     def from_config(
         cls,
@@ -315,6 +311,20 @@ class Runtime:
             registry=self.registry,
             local_token_multiple=self.local_token_multiple,
         )
+
+    def _counted_loss_sum(self, result) -> float:
+        """This rank's share of the batch's summed token loss: every TP rank of a planner rank
+        computes the same token losses, so each counts 1/TP of them."""
+        return result.loss_sum / self.tp
+
+    def global_loss(self, result) -> float:
+        """The batch's mean token loss from every rank's ``forward_backward`` result (a
+        collective every rank must call)."""
+        total = torch.tensor([self._counted_loss_sum(result)], dtype=torch.float64)
+        if self.on_gpu:
+            total = total.cuda()
+        dist.all_reduce(total)
+        return float(total) / result.global_loss_tokens
 
     def _whole_grads(self, named) -> dict[str, torch.Tensor]:
         """Gradients by parameter name with TP slices gathered whole (collective over the TP
@@ -382,9 +392,8 @@ class Runtime:
         """
         start = time.perf_counter()
         result = self.forward_backward(plan, source)
-        # Every TP rank of a planner rank computes the same token losses: count them once.
         totals = torch.tensor(
-            [result.loss_sum / self.tp, float(result.tokens_read)], dtype=torch.float64
+            [self._counted_loss_sum(result), float(result.tokens_read)], dtype=torch.float64
         )
         slowest = torch.tensor([result.compute_time_s], dtype=torch.float64)
         if self.on_gpu:

@@ -214,11 +214,8 @@ def dcp_run(
         source = InMemorySource(docs)
         first = Plan.from_dict(plans[0])
         result = runtime.forward_backward(first, source)
-        # Each TP rank holds the same token losses: count every planner rank once.
-        loss_sum = torch.tensor([result.loss_sum / tensor_parallel_size], dtype=torch.float64)
-        dist.all_reduce(loss_sum)
         out = {
-            "loss": float(loss_sum) / result.global_loss_tokens,
+            "loss": runtime.global_loss(result),
             "grads": to_numpy(runtime.grads().items()),
             "initial_weights": initial,
         }

@@ -73,11 +73,8 @@ def grads_for_plans(
                 torch.save({k: v.detach().cpu() for k, v in state.items()}, save_weights)
         for plan in plans:
             result = runtime.forward_backward(Plan.from_dict(plan), InMemorySource(docs))
-            # Every TP rank holds the same token losses: count each planner rank once.
-            loss = torch.tensor([result.loss_sum / runtime.tp], dtype=torch.float64, device="cuda")
-            torch.distributed.all_reduce(loss)
             grads = {n: g.float().cpu().numpy() for n, g in runtime.grads().items()}
-            out.append({"loss": float(loss) / result.global_loss_tokens, "grads": grads})
+            out.append({"loss": runtime.global_loss(result), "grads": grads})
         return out if torch.distributed.get_rank() == 0 else None
     finally:
         cleanup()
