@@ -107,6 +107,9 @@ class StepRecord:
     """Optimizer state bytes held by each rank, by rank (``Runtime.optimizer_state_bytes``)."""
     exploration: str | None = None
     """The configuration online calibration tried on this step's longest sequence, if any."""
+    padding_tokens: int = 0
+    """Padding tokens the step ran (zig-zag layout, TE and sequence-parallel alignment), masked
+    out of the loss; each planner rank's counted once."""
 
     def to_dict(self) -> dict:
         out = asdict(self)

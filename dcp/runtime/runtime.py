@@ -187,6 +187,8 @@ class StepStats:
     micro_step_times_s: list[tuple[int, float]] = field(default_factory=list)
     """(plan step index, seconds) of each micro-step this rank ran."""
     tokens_read: int = 0
+    padding_tokens: int = 0
+    """Padding tokens of the step, masked out of the loss (each planner rank counted once)."""
     skipped: bool = False
     compute_time_s: float = 0.0
     """Slowest rank's wall time for its micro-steps (what the planner predicts)."""
@@ -393,7 +395,12 @@ class Runtime:
         start = time.perf_counter()
         result = self.forward_backward(plan, source)
         totals = torch.tensor(
-            [self._counted_loss_sum(result), float(result.tokens_read)], dtype=torch.float64
+            [
+                self._counted_loss_sum(result),
+                float(result.tokens_read),
+                result.padding_tokens / self.tp,  # the same shards on every TP rank
+            ],
+            dtype=torch.float64,
         )
         slowest = torch.tensor([result.compute_time_s], dtype=torch.float64)
         if self.on_gpu:
@@ -436,6 +443,7 @@ class Runtime:
             step_time_s=time.perf_counter() - start,
             micro_step_times_s=result.step_times_s,
             tokens_read=int(totals[1]),
+            padding_tokens=round(float(totals[2])),
             skipped=skipped,
             compute_time_s=float(slowest[0]),
         )

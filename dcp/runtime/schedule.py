@@ -58,6 +58,8 @@ class ScheduleResult:
     """(plan step index, seconds of forward+backward) for each of this rank's steps."""
     tokens_read: int = 0
     """Tokens this rank read from the source (its shards only)."""
+    padding_tokens: int = 0
+    """Padding tokens in this rank's shards (layout and alignment), masked out of the loss."""
     compute_time_s: float = 0.0
     """Wall seconds from the first micro-step to the end of the last (waits included)."""
 
@@ -161,6 +163,7 @@ def run_plan(
             elapsed = time.perf_counter() - start
             result.loss_sum += float(loss_sum.detach())
             result.loss_tokens += batch.num_loss_tokens
+            result.padding_tokens += layout.local_num_tokens - batch.num_loss_tokens
             result.tokens_read += batch.tokens_read
             result.step_times_s.append((index, elapsed))
     result.compute_time_s = time.perf_counter() - loop_start

@@ -471,7 +471,9 @@ def load_checkpoint(
     """Load one complete checkpoint directory for ``rank``.
 
     Raises ``ValueError`` if the directory is incomplete, or if it was written by a different
-    number of ranks than ``world_size`` while holding per-rank state.
+    number of ranks than ``world_size`` while holding per-rank state. The model state, the one
+    file every rank reads whole, is memory-mapped when loaded to the CPU: a rank copies only the
+    tensors (under TP: the slices) it keeps, and a node's ranks share one copy in the page cache.
     """
     p = Path(path)
     if not is_complete(p):
@@ -495,7 +497,10 @@ def load_checkpoint(
         file = p / _file_name(component, rank if component in per_rank else None)
         try:
             values[component] = torch.load(
-                file, map_location=map_location, weights_only=weights_only
+                file,
+                map_location=map_location,
+                weights_only=weights_only,
+                mmap=component == "model_state" and str(map_location) == "cpu",
             )
         except Exception as exc:
             hint = (

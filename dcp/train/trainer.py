@@ -190,8 +190,11 @@ class Trainer:
             source = init.from_hf
         elif init.from_checkpoint:
             path = resolve_checkpoint(init.from_checkpoint)
-            state = load_component(path, "model_state")
-            self.runtime.load_model_weights(lambda module: load_canonical(module, state))
+            state = load_component(path, "model_state", mmap=True)  # each rank copies its slices
+            # Another run's vocabulary padding (or TP size) is fine: the rows are re-padded.
+            self.runtime.load_model_weights(
+                lambda module: load_canonical(module, state, vocab_size=self.cfg.model.vocab_size)
+            )
             source = str(path)
         else:
             return
@@ -267,6 +270,7 @@ class Trainer:
             peak_mem_bytes=max_peak_memory_bytes(),
             optimizer_state_bytes=self._optimizer_state_bytes(),
             exploration=planned.exploration,
+            padding_tokens=stats.padding_tokens,
             planner=planned.plan.planner,
             plan=PlanStats.of(
                 planned.plan,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dcp.weights.tensor_parallel import local_slice, tp_coordinates
+from dcp.weights.tensor_parallel import is_split, local_slice, tp_coordinates
 
 WRAPPER_PREFIX = "module."
 """What ``Float16Module`` (and DDP's ``.module``) put before every name."""
@@ -84,14 +84,44 @@ def model_names(model: torch.nn.Module) -> dict[str, str]:
     return {canonical_name(name): name for name in model.state_dict()}
 
 
-def load_canonical(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""Canonical tensors with one row per vocabulary entry (padding rows included)."""
+
+
+def repad_vocab(tensor: torch.Tensor, rows: int, *, vocab_size: int, name: str) -> torch.Tensor:
+    """``tensor``'s real vocabulary rows (its first ``vocab_size``) followed by zero padding rows
+    up to ``rows``: the same weights under another ``make_vocab_size_divisible_by`` (padding
+    logits are masked and padding ids never occur, so their rows carry nothing)."""
+    if tensor.size(0) < vocab_size or rows < vocab_size:
+        raise ValueError(
+            f"{name}: {tensor.size(0)} rows cannot hold the {vocab_size}-token vocabulary as "
+            f"{rows} rows (a checkpoint of another vocabulary?)"
+        )
+    if tensor.size(0) == rows:
+        return tensor
+    padding = tensor.new_zeros(rows - vocab_size, *tensor.shape[1:])
+    return torch.cat([tensor[:vocab_size], padding], dim=0)
+
+
+def load_canonical(
+    model: torch.nn.Module, state: Mapping[str, Any], *, vocab_size: int | None = None
+) -> None:
     """Load a canonical-named ``state`` into ``model`` (any wrapper or layer spec, any TP size:
     each whole tensor is cut to this rank's TP slice), strictly: a parameter missing from
     ``state``, or an entry of ``state`` the model lacks, raises naming it. ``_extra_state``
-    entries absent from ``state`` keep the model's own values."""
+    entries absent from ``state`` keep the model's own values. With ``vocab_size`` (the
+    model's real vocabulary), vocabulary tensors padded to another multiple are re-padded to the
+    model's rows (``repad_vocab``); without it their shapes must match."""
     names = model_names(model)
     own = model.state_dict(keep_vars=True)  # parameters keep megatron's TP attributes
     tp_rank, tp_size = tp_coordinates()
+    if vocab_size is not None:
+        state = dict(state)
+        for c in VOCAB_TENSORS:
+            if c in state and c in names:
+                like = own[names[c]]
+                rows = like.size(0) * (tp_size if is_split(like) else 1)
+                state[c] = repad_vocab(state[c], rows, vocab_size=vocab_size, name=c)
     unexpected = sorted(set(state) - set(names))
     missing = sorted(c for c, n in names.items() if c not in state and not n.endswith(EXTRA_STATE))
     if unexpected or missing:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from dcp.model import ModelConfig
+from dcp.weights.canonical import repad_vocab
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _CANONICAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -118,10 +119,7 @@ def _split(name: str, fused: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.
 def _pad_vocab(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     if t.size(0) != cfg.vocab_size:
         raise ValueError(f"vocabulary matrix has {t.size(0)} rows, config.json {cfg.vocab_size}")
-    extra = cfg.padded_vocab_size - cfg.vocab_size
-    if not extra:
-        return t
-    return torch.cat([t, t.new_zeros(extra, *t.shape[1:])], dim=0)
+    return repad_vocab(t, cfg.padded_vocab_size, vocab_size=cfg.vocab_size, name="vocabulary")
 
 
 # -- HF → canonical --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dcp.model import ModelConfig
 from dcp.plan import Plan
 from dcp.runtime.dispatch import InMemorySource
+from dcp.runtime.layout import ShardLayout
 from dcp.runtime.runtime import Runtime
 from tests.distributed.harness import run_on_ranks
 from tests.distributed.test_runtime_parity import (
@@ -139,12 +140,41 @@ def test_checkpoint_reshards_between_tp_sizes(tmp_path, save_tp, load_tp):
     for name, w in saved["weights"].items():
         np.testing.assert_array_equal(loaded["weights"][name], w, err_msg=name)
     assert_parity(saved["next"], loaded["next"], what=f"TP {save_tp} checkpoint at TP {load_tp}")
+    # The saving step's padding (zig-zag layout, plus sequence parallelism's alignment to the TP
+    # size) is counted once per planner rank.
+    expected = 0
+    for s in plans[0]["steps"]:
+        lens = [len(DOCS[i]) - 1 for i in s["seq_ids"]]
+        layout = ShardLayout.aligned(lens, cp_size=len(s["ranks"]), local_token_multiple=save_tp)
+        expected += layout.num_padded_tokens - layout.num_real_tokens
+    assert saved["padding_tokens"] == expected > 0
+
+
+def test_unpadded_tp1_checkpoint_starts_a_padded_tp2_run(tmp_path):
+    """A TP = 1 run with the vocabulary unpadded (61 rows, which TP = 2 cannot split) starts a
+    TP = 2 run that pads it to 64 (``init.from_checkpoint`` re-pads with ``vocab_size``): the
+    real rows load bit for bit, and loss and gradients are the saving run's."""
+    plans = [PLANS_TP["mixed_recompute"], PLANS_TP["cp2_across"]]
+    unpadded = {"vocab_size": 61}
+    saved = run_on_ranks(2, train_then_save, DOCS, plans, str(tmp_path), 1, unpadded)[0]
+    loaded = run_on_ranks(
+        WORLD, load_and_evaluate, DOCS, plans[1], str(tmp_path), TP, 61, timeout_s=300
+    )[0]
+    for name, w in saved["weights"].items():
+        np.testing.assert_array_equal(loaded["weights"][name][: w.shape[0]], w, err_msg=name)
+    vocab = ("embedding.word_embeddings.weight", "output_layer.weight")
+    for name in vocab:
+        assert loaded["weights"][name].shape[0] == 64
+        assert not loaded["weights"][name][61:].any(), f"{name}: padding rows are not zero"
+    # Padding rows get no gradient (masked logits, ids never drawn): compare the real rows.
+    got = {n: g[:61] if n in vocab else g for n, g in loaded["next"]["grads"].items()}
+    assert_parity(saved["next"], {**loaded["next"], "grads": got}, what="re-padded vocabulary")
 
 
 # -- rank bodies -------------------------------------------------------------------------------
-def _runtime(tp: int) -> Runtime:
+def _runtime(tp: int, model: dict = MODEL) -> Runtime:
     return Runtime.from_config(
-        ModelConfig(**{**TINY, **MODEL}, core_attention="dcp"),
+        ModelConfig(**{**TINY, **model}, core_attention="dcp"),
         OPTIM,
         seed=SEED,
         tensor_parallel_size=tp,
@@ -156,14 +186,14 @@ def _loss_and_grads(runtime: Runtime, plan_dict: dict) -> dict:
     return {"loss": runtime.global_loss(result), "grads": to_numpy(runtime.grads().items())}
 
 
-def train_then_save(docs, plans, root: str, tp: int) -> dict | None:
+def train_then_save(docs, plans, root: str, tp: int, model: dict = MODEL) -> dict | None:
     """Train one step on ``plans[0]``, checkpoint (the trainer's way), then evaluate loss and
     gradients of ``plans[-1]`` on the trained weights."""
     from dcp.train.checkpoint import save_checkpoint
 
     try:
-        runtime = _runtime(tp)
-        runtime.train_step(Plan.from_dict(plans[0]), InMemorySource(docs))
+        runtime = _runtime(tp, model)
+        stats = runtime.train_step(Plan.from_dict(plans[0]), InMemorySource(docs))
         state = runtime.state_dict()
         save_checkpoint(
             Path(root),
@@ -180,22 +210,30 @@ def train_then_save(docs, plans, root: str, tp: int) -> dict | None:
             per_rank=("rng_state", "optimizer_state"),
         )
         weights = to_numpy(runtime.weights().items())
-        out = {"weights": weights, "next": _loss_and_grads(runtime, plans[-1])}
+        out = {
+            "weights": weights,
+            "next": _loss_and_grads(runtime, plans[-1]),
+            "padding_tokens": stats.padding_tokens,
+        }
         return out if dist.get_rank() == 0 else None
     finally:
         cleanup()
 
 
-def load_and_evaluate(docs, plan_dict: dict, root: str, tp: int) -> dict | None:
-    """A fresh runtime at ``tp`` started from the checkpoint's weights; loss and gradients of
-    ``plan_dict``."""
+def load_and_evaluate(
+    docs, plan_dict: dict, root: str, tp: int, vocab_size: int | None = None
+) -> dict | None:
+    """A fresh runtime at ``tp`` started from the checkpoint's weights (re-padding the
+    vocabulary when ``vocab_size`` is given); loss and gradients of ``plan_dict``."""
     from dcp.train.checkpoint import load_component, resolve_checkpoint
     from dcp.weights.canonical import load_canonical
 
     try:
         runtime = _runtime(tp)
         state = load_component(resolve_checkpoint(root), "model_state")
-        runtime.load_model_weights(lambda module: load_canonical(module, state))
+        runtime.load_model_weights(
+            lambda module: load_canonical(module, state, vocab_size=vocab_size)
+        )
         out = {
             "weights": to_numpy(runtime.weights().items()),
             "next": _loss_and_grads(runtime, plan_dict),

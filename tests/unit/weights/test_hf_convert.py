@@ -214,3 +214,18 @@ def test_rope_frequencies_equal_transformers(hf_dirs, scaling):
     else:
         ref, _ = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     assert torch.allclose(ours, ref.float(), rtol=1e-6, atol=0), (ours, ref)
+
+
+def test_repad_vocab_keeps_the_real_rows_and_zeroes_the_padding():
+    import torch
+
+    from dcp.weights.canonical import repad_vocab
+
+    real = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)
+    padded = torch.cat([real, torch.full((3, 3), 7.0)])  # another run's padding rows
+    out = repad_vocab(padded, 6, vocab_size=5, name="w")
+    assert torch.equal(out[:5], real) and torch.equal(out[5:], torch.zeros(1, 3))
+    assert repad_vocab(real, 5, vocab_size=5, name="w") is real
+    assert torch.equal(repad_vocab(real, 8, vocab_size=5, name="w")[:5], real)
+    with pytest.raises(ValueError, match="cannot hold the 5-token vocabulary"):
+        repad_vocab(real[:4], 8, vocab_size=5, name="w")
