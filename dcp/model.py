@@ -180,12 +180,6 @@ class ModelConfig:
         """The parameter/compute dtype as a torch dtype."""
         return torch.bfloat16 if self.dtype == "bf16" else torch.float32
 
-    @property
-    def local_token_multiple(self) -> int:
-        """Each rank's tokens per micro-step are padded to a multiple of this
-        (``token_multiple``)."""
-        return token_multiple(te=resolved_attention(self) == "te", fp8=self.fp8)
-
     def num_params(self) -> int:
         """Parameter count (for MFU: 6·N·tokens plus attention FLOPs)."""
         return ParamCounts.of(

@@ -237,7 +237,7 @@ class ShardLayout:
     ) -> ShardLayout:
         """The default layout, with the last document's padding extended so that every rank's
         local token count is a multiple of ``local_token_multiple`` (TE's GEMM/THD alignment:
-        ``ModelConfig.local_token_multiple``). Padding sits at the end of the last document,
+        ``dcp.model.token_multiple``). Padding sits at the end of the last document,
         where causal attention hides it from every real token."""
         if local_token_multiple < 1:
             raise ValueError(f"local_token_multiple must be >= 1, got {local_token_multiple}")

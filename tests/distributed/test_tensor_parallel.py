@@ -171,6 +171,16 @@ def test_unpadded_tp1_checkpoint_starts_a_padded_tp2_run(tmp_path):
     assert_parity(saved["next"], {**loaded["next"], "grads": got}, what="re-padded vocabulary")
 
 
+def test_packed_logits_at_tp2_equal_tp1():
+    """Scoring through the runtime (``packed_logits``): at TP = 2 with CP over both planner
+    ranks the gathered vocabulary slices give the TP = 1 logits."""
+    ref = run_on_ranks(1, packed_logits_at, 1, (0,))[0]
+    got = run_on_ranks(WORLD, packed_logits_at, TP, (0, 1), timeout_s=300)[0]
+    for r, g in zip(ref, got, strict=True):
+        assert g.shape == r.shape == (r.shape[0], 64)
+        np.testing.assert_allclose(g[:, :61], r[:, :61], rtol=1e-5, atol=1e-6)
+
+
 # -- rank bodies -------------------------------------------------------------------------------
 def _runtime(tp: int, model: dict = MODEL) -> Runtime:
     return Runtime.from_config(
@@ -238,6 +248,19 @@ def load_and_evaluate(
             "weights": to_numpy(runtime.weights().items()),
             "next": _loss_and_grads(runtime, plan_dict),
         }
+        return out if dist.get_rank() == 0 else None
+    finally:
+        cleanup()
+
+
+def packed_logits_at(tp: int, ranks: tuple[int, ...]) -> list[np.ndarray] | None:
+    """Logits of four documents scored by ``packed_logits`` on the planner ranks ``ranks``."""
+    from dcp.runtime.evaluate import packed_logits
+
+    try:
+        runtime = _runtime(tp)
+        logits = packed_logits(runtime.model, DOCS[:4], ranks=ranks, registry=runtime.registry)
+        out = [t.detach().double().numpy() for t in logits]
         return out if dist.get_rank() == 0 else None
     finally:
         cleanup()

@@ -11,7 +11,13 @@ import torch
 
 from dcp.costmodel import load_spec, with_runtime_options
 from dcp.costmodel.spec import Options, optimizer_bytes_per_param, runtime_options
-from dcp.model import ModelConfig, check_device_support, layer_spec, resolved_attention
+from dcp.model import (
+    ModelConfig,
+    check_device_support,
+    layer_spec,
+    resolved_attention,
+    token_multiple,
+)
 from dcp.runtime.layout import ShardLayout
 from megatron_patches.cpu_optimizer import cuda_on_cpu
 
@@ -31,14 +37,21 @@ def test_fp8_needs_bf16_and_the_te_spec():
     with pytest.raises(ValueError, match="fp8 needs"):
         ModelConfig(dtype="bf16", fp8=True, core_attention="dcp")
     cfg = ModelConfig(dtype="bf16", fp8=True, fp8_recipe="blockwise", core_attention="te")
-    assert cfg.local_token_multiple == 16
+    assert cfg.fp8_recipe == "blockwise"
+
+
+def test_token_alignment_for_te_fp8_and_sequence_parallelism():
+    assert token_multiple(te=True, fp8=True) == 16 and token_multiple(te=True, fp8=False) == 8
+    assert token_multiple(te=False, fp8=False) == 1
+    # Sequence parallelism splits a rank's tokens over TP; each slice keeps TE's alignment.
+    assert token_multiple(te=True, fp8=True, tensor_parallel_size=2) == 32
+    assert token_multiple(te=False, fp8=False, tensor_parallel_size=4) == 4
 
 
 @no_cuda
 def test_auto_attention_is_the_torch_path_without_a_gpu():
     cfg = ModelConfig()
     assert resolved_attention(cfg) == "dcp"
-    assert cfg.local_token_multiple == 1
     from dcp.attention import DCPCoreAttention
 
     core = layer_spec(cfg).submodules.self_attention.submodules.core_attention
