@@ -285,11 +285,8 @@ class CostModel:
         """The TP-collective part of ``step_time_s`` (0 at TP = 1). Calibration keeps it fixed
         (measured on its own by ``tools.profile``) and fits the rest of the time to what is
         left (``time_features``)."""
-        c = self.coefficients
-        if c.tp_comm_s_per_token == 0 and c.tp_latency_s == 0:
-            return 0.0
         tokens = float(sum(lengths)) / cp_size
-        return c.tp_latency_s + self._tp_rate[_level(recompute)] * tokens
+        return self.coefficients.tp_latency_s + self._tp_rate[_level(recompute)] * tokens
 
     def describe(self) -> str:
         caps = ", ".join(f"{lv}={self.max_tokens_per_rank(lv)}" for lv in RECOMPUTE_LEVELS)

@@ -314,15 +314,15 @@ class Runtime:
             local_token_multiple=self.local_token_multiple,
         )
 
-    def _counted_loss_sum(self, result) -> float:
-        """This rank's share of the batch's summed token loss: every TP rank of a planner rank
-        computes the same token losses, so each counts 1/TP of them."""
-        return result.loss_sum / self.tp
+    def _per_planner_rank(self, value: float) -> float:
+        """This rank's share of a sum over the batch: every TP rank of a planner rank runs the
+        same shards (same token losses, same padding), so each counts 1/TP of its value."""
+        return value / self.tp
 
     def global_loss(self, result) -> float:
         """The batch's mean token loss from every rank's ``forward_backward`` result (a
         collective every rank must call)."""
-        total = torch.tensor([self._counted_loss_sum(result)], dtype=torch.float64)
+        total = torch.tensor([self._per_planner_rank(result.loss_sum)], dtype=torch.float64)
         if self.on_gpu:
             total = total.cuda()
         dist.all_reduce(total)
@@ -396,9 +396,9 @@ class Runtime:
         result = self.forward_backward(plan, source)
         totals = torch.tensor(
             [
-                self._counted_loss_sum(result),
+                self._per_planner_rank(result.loss_sum),
                 float(result.tokens_read),
-                result.padding_tokens / self.tp,  # the same shards on every TP rank
+                self._per_planner_rank(result.padding_tokens),
             ],
             dtype=torch.float64,
         )
