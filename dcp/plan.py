@@ -1,9 +1,11 @@
-"""The Plan contract: what every planner produces and the runtime executes (docs/design.md).
+"""The Plan contract: what every planner produces and the runtime executes.
 
 A ``Plan`` is an ordered tuple of ``MicroStep``. Each micro-step names the CP group that runs it
-(global ranks of the DP×CP domain, ascending), the sequences packed into it (indices into the
-batch's length list) and the recompute level. Every sequence id appears in exactly one step; each
-rank runs, in list order, the steps that contain it; the ranks of one step run it together.
+(planner ranks of the DP×CP domain, ascending: one per TP group, the global ranks at TP = 1), the
+sequences packed into it (indices into the batch's length list) and the recompute level. Every
+sequence id appears in exactly one step (except those a planner dropped); each rank runs, in list
+order, the steps that contain it; the ranks of one step run it together. See docs/design.md,
+'The Plan contract'.
 
 This module is also the one home of the vocabularies other modules validate against:
 recompute levels, planner names and what a planner does with a sequence no plan can fit.

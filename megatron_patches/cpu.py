@@ -1,25 +1,13 @@
 """Let megatron-core 0.19.2 run forward/backward on CPU with gloo process groups.
 
-Why upstream can't: megatron-core assumes a CUDA device everywhere it allocates or seeds. Its
-modules call ``torch.cuda.current_device()`` for buffers (rotary ``inv_freq``, tensor-parallel
-layers, DDP grad buffers), the RNG tracker seeds and swaps CUDA generator states, and DDP touches
-``torch.cuda.current_stream``/``synchronize``. None of these has a CPU switch. This module
-redirects exactly those touch points to CPU equivalents:
-
-- ``torch.cuda.current_device`` → ``"cpu"`` (used only as a ``device=`` argument by megatron);
-- ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed(_all)`` and megatron's
-  ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` → the CPU generator, so
-  ``model_parallel_cuda_manual_seed`` and the RNG tracker's ``fork()`` work and restore state;
-- ``torch.cuda.current_stream`` / ``stream`` / ``synchronize`` / ``empty_cache`` → no-ops;
-- the causal masks of ``transformer/utils.py`` (built with a literal ``device="cuda"``, used by the
-  local ``DotProductAttention``'s softmax) → the same masks on CPU.
-
-It is applied by ``megatron_patches.apply()`` (called by entry points, never on import), only
-when CUDA is absent (on a GPU machine ``apply()`` does nothing and returns False), is idempotent,
-and refuses any megatron-core other than the pinned release. Megatron's own optimizer and
-``clip_grads`` remain CUDA-bound (fused multi-tensor kernels): on CPU the trainer uses
-``torch.optim`` instead. Megatron's pipeline schedules (which build a ``device="cuda"`` tensor)
-are not used by DCP, which runs its own micro-step loop.
+Why upstream can't: megatron-core assumes a CUDA device wherever it allocates or seeds (buffers on
+``torch.cuda.current_device()``, CUDA RNG states, streams, causal masks built with a literal
+``device="cuda"``) and has no CPU switch. ``apply()`` redirects exactly those calls to CPU
+equivalents: called by entry points, never on import; only when CUDA is absent (else it does
+nothing and returns False); idempotent; refusing any megatron-core but the pinned release. The
+optimizer is made CPU-ready separately, around optimizer calls only
+(``megatron_patches.cpu_optimizer``). The calls redirected: docs/design.md, 'megatron-core 0.19.2
+facts the code depends on'.
 """
 
 from __future__ import annotations

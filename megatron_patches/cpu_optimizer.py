@@ -1,20 +1,13 @@
 """Let megatron-core 0.19.2's optimizer (plain and distributed) run on CPU tensors.
 
-Why upstream can't: ``megatron/core/optimizer`` allocates its bookkeeping tensors with a literal
-``device='cuda'`` (``optimizer.py``: ``found_inf``, ``_dummy_overflow_buf``, ``_scale_one``;
-``clip_grads.py``: the norm buffers; ``grad_scaler.py``), moves state with ``.cuda()``, and
-decides which parameters get fp32 main copies by comparing ``param.type()`` with the strings
-``'torch.cuda.FloatTensor'`` / ``'torch.cuda.BFloat16Tensor'`` (``distrib_optimizer.py``
-``_build_model_and_main_param_groups``, ``optimizer.py`` ``Float16OptimizerWithFloat16Params``).
-Without TE or apex it already falls back to ``torch.optim.AdamW`` and to local multi-tensor
-helpers, and gloo (torch 2.14) runs the reduce-scatter / all-gather the distributed optimizer
-issues, so those literals are all that keeps the production optimizer off CPU.
-
-``cuda_on_cpu()`` is a ``TorchFunctionMode`` active only inside the ``with`` block: it rewrites
+Why upstream can't: ``megatron/core/optimizer`` allocates bookkeeping tensors with a literal
+``device='cuda'``, moves state with ``.cuda()`` and picks which parameters get fp32 main copies
+by comparing ``param.type()`` with CUDA type names; its math already runs on CPU.
+``cuda_on_cpu()`` is a ``TorchFunctionMode`` active only inside its ``with`` block: it rewrites
 ``device='cuda…'`` arguments to ``'cpu'``, makes ``Tensor.cuda()`` the identity and answers
-``Tensor.type()`` with the CUDA type name. The runtime enters it around optimizer construction,
-``step``, ``zero_grad`` and state (de)serialisation, never around the model's forward/backward,
-so it adds no per-op overhead to compute. With CUDA present it is a no-op context.
+``Tensor.type()`` with the CUDA type name. The runtime enters it only around optimizer calls,
+never around forward/backward; with CUDA present it is a no-op context. See docs/design.md, 'The
+optimizer: one path on CPU and GPU'.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Point a built megatron-core model at one micro-step's context-parallel group, then restore.
 
-Why upstream can't: megatron-core fixes the CP group at ``initialize_model_parallel`` time. The CP
-group is read from several places that all assume it never changes: the ``parallel_state`` globals
-(``_CONTEXT_PARALLEL_GROUP``, its global ranks, the tensor-and-CP group), the
-``ProcessGroupCollection`` shared by every layer (``pg_collection.cp`` /
-``pg_collection.tp_cp``), the ``cp_group`` cached by ``LanguageModule`` and by the rotary
-embedding, ``config.context_parallel_size`` (read by RoPE and the layers each forward), and, on GPU,
-Transformer Engine's attention (``set_context_parallel_group``). DCP regroups ranks per micro-step,
-so ``use_cp_group`` swaps all of them for the duration of one micro-step's forward *and* backward
-and restores the previous values afterwards (nesting works). Under tensor parallelism the CP group
-is the ranks of this rank's TP rank across the step's TP groups, and the tensor-and-CP group their
-union (megatron reads it for MoE routing and CUDA graphs, ``pg_collection.tp_cp``); the TP group
-itself never changes. DDP, the optimizer and the gradient / token reductions stay on the fixed
-DP×CP group: they are never touched here.
+Why upstream can't: megatron-core fixes the CP group at ``initialize_model_parallel`` and reads
+it from several places that assume it never changes. ``use_cp_group`` swaps all of them for one
+micro-step's forward *and* backward and restores the previous values afterwards (nesting works).
+Under tensor parallelism it swaps the tensor-and-CP group too; the TP group, DDP, the optimizer
+and the gradient / token reductions are never touched. The places it swaps: docs/design.md,
+'megatron-core 0.19.2 facts the code depends on'.
 """
 
 from __future__ import annotations

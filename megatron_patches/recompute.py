@@ -1,22 +1,12 @@
 """Set the activation-recompute level of a built megatron-core GPTModel for one micro-step.
 
-Why upstream can't: megatron-core picks recompute once per run. Full recompute is read from the
-config at forward time (``TransformerBlock.forward`` checks ``recompute_granularity == "full"``),
-but selective recompute is decided in the constructors and cached on the modules
-(``Attention.checkpoint_core_attention``, ``TransformerLayer.recompute_mlp``,
-``recompute_input_layernorm``, ``recompute_pre_mlp_layernorm``). DCP chooses a level per
-micro-step, so ``use_recompute`` sets both the config fields and those cached attributes, and
-restores them afterwards. It must wrap the backward pass too: checkpointed regions re-run their
-forward inside backward and read the same settings.
-
-The argument is megatron's own ``recompute_granularity`` vocabulary:
-- ``None``: everything saved;
-- ``"selective"``: core attention and the MLP are recomputed (``checkpoint_core_attention``,
-  ``recompute_mlp``). Layernorm recompute is left off: in 0.19.2 it needs Transformer Engine's
-  ``CheckpointWithoutOutput``. MLP recompute requires ``add_bias_linear=False`` (0.19.2 recurses
-  forever otherwise);
-- ``"full"``: every transformer layer is checkpointed (method ``uniform``, one layer per
-  checkpoint), so only layer inputs are kept.
+Why upstream can't: megatron-core picks recompute once per run; full recompute is read from the
+config at every forward, but selective recompute is cached on the modules at construction.
+``use_recompute`` sets both and restores them afterwards; it must wrap the backward pass too,
+where checkpointed regions re-run their forward. The level is megatron's own
+``recompute_granularity`` vocabulary: ``None`` (everything saved), ``"selective"`` (core
+attention and MLP recomputed) or ``"full"`` (every layer checkpointed). See docs/design.md,
+'megatron-core 0.19.2 facts the code depends on'.
 """
 
 from __future__ import annotations

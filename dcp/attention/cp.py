@@ -1,17 +1,12 @@
 """Exact causal attention over a context-parallel group for packed variable-length documents.
 
 Each rank holds its zig-zag shard (``dcp.runtime.layout``) of q/k/v in megatron's THD layout
-``[t_local, heads, head_dim]``. K and V are all-gathered over the CP group in one collective, put
-back into global order, and every local real query attends to the keys of its own document at
-positions <= its own (true global positions, so the result is the CP=1 result). The backward of
-the gather is a reduce-scatter, which sums every rank's gradient of each K/V token and hands it
-to the rank that owns the token. fp32 math, GQA, no collectives at CP=1. This is the CPU/gloo
-path; it is device-agnostic but O(t_global) in K/V memory per rank, so GPUs use Transformer
-Engine's ring attention instead.
-
-The math runs in ``torch.nn.functional.scaled_dot_product_attention`` (a flash kernel on CPU:
-memory O(tokens), not O(tokens^2)) over blocks (``dcp.attention.kernels``); blocks of similar
-length share one batched call, padded at their end.
+``[t_local, heads, head_dim]``; every real query attends to the keys of its own document at
+positions <= its own, so the result (and its gradient) is the CP = 1 result. K and V are
+all-gathered over the group in one collective, whose backward is a reduce-scatter back to the
+owning ranks. fp32, GQA, no collectives at CP = 1. This is the CPU/gloo path; GPUs use Transformer
+Engine's ring attention (``dcp.attention.te``). See docs/design.md, 'How a plan runs on
+megatron-core'.
 """
 
 from __future__ import annotations

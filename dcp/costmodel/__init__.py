@@ -3,7 +3,8 @@
 ``load_cost_model`` is the one entry point (preset name, spec JSON path or dict);
 ``dcp.costmodel.calibrate`` fits coefficients to a profiling grid, ``dcp.costmodel.measure`` takes
 it on gloo ranks (imports torch, megatron-core), and ``dcp.costmodel.online`` refits a spec on
-the micro-step records a training run writes (``dcp.costmodel.records``).
+the micro-step records a training run writes (``dcp.costmodel.records``). See docs/design.md,
+'The cost model'.
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """Fit ``dcp.costmodel`` coefficients to measured micro-step times and activation memory.
 
-``dcp.costmodel.measure`` measures; this module only does the math (numpy, no torch, no I/O),
-so the fit can be re-run from saved measurements and is unit-tested against data that
-``CostModel`` itself generates.
-
-Time. ``CostModel.step_time_s`` is linear in its coefficients once three of them are fixed:
-``linear_half_tokens`` and ``attention_half_tokens`` (products with other coefficients; a grid
-search picks them), and ``comm_overlap = 0`` (gloo collectives block, and DCP's CPU attention
-gathers K/V before it computes, so nothing overlaps: ``max(attn + comm, comm) = attn + comm``).
-Logits time is tied to linear time by the analytic FLOP ratio ``logits_per_linear`` (both scale
-with local tokens, so the data cannot separate them). Recompute fractions are parametrised as
-``selective = s``, ``full = s + d`` with ``s, d >= 0``: full recompute redoes a superset of what
-selective redoes. The rest is a non-negative least squares on relative errors (rows divided by
-the measured time) over the columns of ``dcp.costmodel.model.time_features``:
-
-    1 | n | (T + lh) + κT | (T + lh)[sel|full] | (T + lh)[full] | W | W[sel|full] | W[full]
-      | (c-1)T | (c-1)T[sel|full] | (c-1)T[full] | (c-1)
-    with n = sequences in the micro-step, T = ΣL/c, W = ΣL²/c + ah·ΣL, κ = logits_per_linear
-
-The per-sequence column exists because the CPU runtime pays a per-document cost outside the
-kernels (megatron-core's THD RoPE loops over documents in Python; docs/design.md has the measured
-number): without it, packs of many short documents run slower than predicted and a
-cost-balancing planner overloads the rank that gets them.
-
-TP. Under tensor parallelism the sequence-parallel collectives of a micro-step are timed on their
-own on the TP group (``TPCommPoint``) and fitted as ``latency + per_token·T`` (``fit_tp_comm``);
-the time fit then holds that part fixed (``fixed_s``) and fits the other columns to the rest, so
-the TP term is measured rather than folded into the linear rate.
-
-Memory. Per recompute level, the peak bytes of saved activations during one micro-step are fitted
-as ``a + b·T + q·ΣL²`` (CP=1); the cost model has no ΣL² term, so ``q·ref_len`` is folded into
-the per-token bytes at a reference length (the longest document the run trains on), which makes
-the per-token number exact there and an over-estimate for shorter documents.
+``dcp.costmodel.measure`` measures; this module only does the math (numpy, no torch, no I/O), so
+a fit can be re-run from saved measurements and is unit-tested against data that ``CostModel``
+itself generates. Time: a non-negative least squares on relative errors over the columns of
+``dcp.costmodel.model.time_features``, with the TP collectives (``TPCommPoint``, measured on
+their own) fitted apart by ``fit_tp_comm`` and held fixed. Memory: per recompute level, the
+saved-activation bytes per token. The fit's parametrisation and why: docs/design.md, 'Offline
+calibration'.
 """
 
 from __future__ import annotations

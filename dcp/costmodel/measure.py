@@ -2,24 +2,10 @@
 
 ``measure`` spawns ``PLANNER_RANKS`` × TP gloo ranks (``torch.multiprocessing.spawn``; TP is the
 spec's ``options.tensor_parallel_size``); ``rank_main`` is what each runs. Every micro-step goes
-through the real runtime (``Runtime.forward_backward`` → ``dcp.runtime.schedule.run_plan``), so
-the times include what training pays per micro-step: reading the shard, switching the CP group
-and the recompute level, forward and backward.
-
-Grid: single documents and packs of short documents, CP size 1 and 2, recompute
-none/selective/full, on 2 planner ranks (each a TP group). CP=1 points run on both planner ranks
-at once (as in training) and pool both ranks' samples; a step's time is its slowest GPU's. Each
-point: ``warmup`` untimed steps, then ``samples`` timed ones (CP=1: half on each rank); the
-median is kept. Points run cheapest first; a point whose predicted cost no longer fits in
-``budget_s`` is skipped (and listed).
-
-Memory: peak bytes of live saved activations over one micro-step's forward + backward, per
-recompute level (parameters excluded, via saved-tensor hooks), and static bytes (parameters +
-gradient buffers + optimizer state, after one real optimizer step); both per GPU (rank 0).
-
-TP > 1: the sequence-parallel collectives of one micro-step (the all-gathers and reduce-scatters
-``dcp.costmodel.spec`` counts) are also timed on their own on the TP group, at several token
-counts (``TPCommPoint``), so the fit can hold that term fixed.
+through the real runtime (``Runtime.forward_backward``), so the times include what training pays
+per micro-step. Points run cheapest first; a point whose predicted cost no longer fits in
+``budget_s`` is skipped (and listed). The grid and what is measured: docs/design.md, 'Offline
+calibration'.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Cost model: predicted time and memory of one micro-step (sequences, CP group, recompute level).
 
-A *spec* (JSON) describes the cluster and the model; ``CostModel.from_spec`` turns it into the
-handful of ``Coefficients`` the model evaluates (``dcp.costmodel.load`` finds specs by preset
-name or path). Analytic coefficients come from model dims and the
-hardware datasheet; a ``"calibration"`` block in the spec overrides any of them with measured
-values (``tools/profile`` writes such blocks). Spec layout::
-
-    {"cluster": {"num_gpus", "gpus_per_node", "gpu_memory_gb", "peak_tflops",
-                 "intra_node_gbps", "inter_node_gbps"},          # link speeds in gigabits/s
-     "model":   {"num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                 "ffn_hidden_size", "vocab_size"},
-     "options": {...},       # optional, see ``Options`` for every key and its default
-     "calibration": {...}}   # optional, any ``Coefficients`` field; dict fields merge per level
-
-Time of a micro-step on each rank of a CP group of size ``c`` holding ``T = ΣL/c`` tokens::
+``CostModel.from_spec`` turns a spec (cluster, model, options, calibration: docs/configuration.md,
+'Cost-model specs') into the ``Coefficients`` it evaluates. Time of a micro-step on each rank of
+a CP group of size ``c`` holding ``T = ΣL/c`` tokens::
 
     overhead + seq_overhead·n + lin·(1+ρ_lin[r])·(T + lin_half) + logits·T + tp
              + max(attn + (1-overlap)·comm, comm)
@@ -21,19 +10,9 @@ Time of a micro-step on each rank of a CP group of size ``c`` holding ``T = ΣL/
     comm = (c-1)·(cp_bytes·(1+ρ_comm[r])·T / bandwidth + hop_latency)   # ring KV exchange
     tp   = tp_comm·(1+ρ_tp[r])·T + tp_latency         # sequence-parallel collectives, TP > 1
 
-A rank here is a *planner rank*: one TP group of ``options.tensor_parallel_size`` GPUs (one GPU
-at TP = 1). Its TP collectives (all-gathers and reduce-scatters of the hidden states, inside the
-node, not overlapped) are a term of their own, zero at TP = 1; ``ρ_tp`` counts the forward
-collectives recompute repeats (``dcp.costmodel.spec.tp_recompute_fractions``).
-
-Memory per rank: ``static + (activation_bytes[r] + logits_bytes)·T``. Pure Python, no torch.
-
-The formula above is written once, in ``CostModel._time_terms`` (vectorised: the planner calls it
-on arrays of lengths, the simulator on one micro-step). Everything else derives from it or from
-its parts: ``packed_marginal_s`` and ``step_constant_s`` split it into per-sequence and
-per-micro-step shares (exact at CP=1, where the time is additive), ``sequence_rank_s`` is the
-relaxation the lower bound uses, and ``time_features`` is the same formula as a row that is
-linear in the coefficients (what calibration fits).
+Memory per rank: ``static + (activation_bytes[r] + logits_bytes)·T``. A rank is a planner rank
+(one TP group). The formula is written once, in ``CostModel._time_terms``; its parts and its
+linear form derive from it. Pure Python, no torch. See docs/design.md, 'The cost model'.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Refit a cost model from the micro-steps a training run measured (``dcp.costmodel.records``).
 
-Time: the linearisation of ``dcp.costmodel.calibrate.fit_time`` (rows of ``time_features``,
-``comm_overlap`` fixed at 0, logits tied to linear time by the prior's ratio, the TP collectives
-held at the prior's ``CostModel.tp_time_s``), with two changes
-for a fit that runs beside training on whatever shapes the planner happened to use:
-
-- the half-token terms stay at the prior's values (no grid search: the refit must be fast);
-- the non-negative least squares on relative errors is regularised toward the prior: for each
-  feature column ``a_j`` the records touch, one extra row ``sqrt(λ)·|a_j|·(x_j − prior_j)``.
-  Scaled by the column norm, λ weighs the same against the data however many records there are;
-  directions the records pin down follow the data, directions they cannot separate (only
-  selective records: linear vs its recompute extra) split toward the prior. Columns the records
-  never touch (no CP > 1 record: communication; no ``full`` record: its extra) are not fitted at
-  all and keep the prior's values exactly; recompute extras are kept as fractions of the base.
-  Once CP > 1 records exist the fit writes ``comm_overlap = 0`` and one link rate that scales
-  both the intra- and the inter-node bandwidth, keeping the prior's ratio between them.
-
-Robustness: after each fit, records whose |relative residual| exceeds
-``max(k·1.4826·MAD, floor)`` are dropped and the fit repeats until the kept set is stable (a few
-rounds), so a stalled step does not move the model. Records are sorted first, so the same
-records in any order give a bit-identical model on every rank.
-
-Memory never becomes less conservative (an OOM costs more than a slow step): per recompute
-level with records at two or more token counts, the per-token bytes rise to the measured slope
-where it exceeds the prior's; then static bytes rise until every measured peak is covered.
-Nothing is ever lowered, and every record with ``mem_bytes`` counts (a step too slow to fit the
-time model still measured real memory).
+Time: the linear form of ``dcp.costmodel.calibrate.fit_time`` with the prior's half-token terms
+and TP collectives, regularised toward the prior, so that what the records cannot separate (or
+never touch) keeps the prior's values; records with an outlying relative residual are dropped
+and the fit repeated. Memory is never lowered: per-token and static bytes only rise to cover
+what was measured. Records are sorted first, so the same records in any order give a
+bit-identical model on every rank. The details: docs/design.md, 'Online calibration'.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 Torch-free. ``plan_batch`` dispatches by name to DCP's planner or one of the two baselines it is
 measured against; ``simulate`` executes a plan on the cost model and ``lower_bound_s`` says how
 far from optimal any plan is. Every planner takes ``on_oversize`` (``dcp.plan.ON_OVERSIZE``).
+See docs/planner.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The DCP planner: one global batch's lengths -> a Plan that minimises the predicted step time.
 
-Decisions, per batch: the CP degree and recompute level of every sequence (jointly, from the cost
-model), which short sequences share a micro-step, which aligned power-of-two rank block runs each
-micro-step, and so how many micro-steps each rank runs.
-
-Why aligned power-of-two blocks: they nest, so if every rank runs its steps from the largest group
-down to CP=1, no rank ever waits for a group member: a rank finishes at the sum of the work on
-the blocks that contain it (its root-to-leaf path). The planner balances those path sums:
-
-1. For every sequence and CP size, the cheapest feasible recompute level and the step time alone.
-2. Short sequences (fit one rank without recompute) go to CP=1 and are packed; the others are
-   "solo" jobs whose CP size is chosen against a target makespan ``T``: the least rank-seconds
-   config whose block finishes by ``T``, else the one that finishes first.
-3. Solo jobs are placed largest first on the least-loaded block; short sequences are dealt
-   longest-first to the least-loaded rank, opening a new micro-step when the current one is full.
-4. ``T`` is searched from the lower bound upwards; the best schedule wins.
-
-Deterministic: ties break on indices; no RNG, no unordered iteration.
+Per batch it chooses every sequence's CP degree and recompute level (jointly, from the cost
+model), packs short sequences into shared micro-steps and places every micro-step on an aligned
+power-of-two rank block, so ranks may run different numbers of micro-steps and finish together.
+Deterministic: ties break on indices; no RNG, no unordered iteration. How it decides:
+docs/planner.md, 'How it decides'.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The static baseline: what a static Megatron run does, as a ``Plan``.
 
-``plan_static``: One CP size and one recompute level for the
-  whole run, sized so the run's longest sequence fits one micro-batch; sequences packed into
-  micro-batches of that capacity (the run's max length: Megatron's ``--seq-length``) and dealt to
-  the DP replicas, every replica running the same number of micro-batches. A static run has no
-  cost model, so packing and dealing balance *tokens* (longest first into the emptiest bin: the
-  best a cost-blind packer does). Without ``cp_size``/``recompute`` the fastest config for the
-  batch is returned. ``tuned=True`` is a stronger variant than any static Megatron run: it also
-  tries micro-batches up to the memory limit (a ``--seq-length`` beyond the longest document)
-  and balances predicted time with the cost model.
+``plan_static`` gives the whole run one CP size and one recompute level, sized so its longest
+sequence fits one micro-batch, and packs and deals sequences by *tokens*, as a run without a cost
+model does; without ``cp_size``/``recompute`` it returns the fastest such config for the batch.
+``tuned=True`` is the static oracle, stronger than any static Megatron run. See
+docs/planner.md, 'Baselines'.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The simulated comparison behind the README's headline table: DCP against static CP, the
-tuned static oracle and Megatron Hybrid-CP on H200 cluster presets (``python -m tools.simulate``).
+"""The simulated comparison of DCP with the static baseline, the tuned static oracle and Megatron
+Hybrid-CP on H200 cluster presets (``python -m tools.simulate``).
 
-All numbers are *simulated* on the cost model (no GPU runs). For each cluster and workload: step
-time per planner (mean over batches), DCP's speedups, DCP / lower bound, plan times. Baselines:
-``static`` (best CP size x recompute for the workload, sized for the run's longest sequence,
-micro-batches of that many tokens packed by token counts as a cost-blind static run does),
-``static-oracle`` (the same configs, also with micro-batches up to the memory limit and packing
-by predicted time: stronger than any static Megatron run) and ``megatron`` (Megatron-Core's
-BalancedCPScheduler, best single recompute level for the workload).
+All numbers are *simulated* on the cost model (no GPU runs): for each cluster and workload, the
+step time per planner (mean over batches), DCP's speedups, DCP / lower bound and plan times. The
+baselines: docs/planner.md, 'Baselines'; the results: docs/results.md.
 """
 
 from __future__ import annotations
