@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_shard_bytes=int(args.max_shard_gb * 1024**3),
                 progress=progress,
             )
-    except (ValueError, KeyError, FileNotFoundError) as exc:
+    except (ValueError, KeyError, OSError) as exc:  # bad input or an unreadable file: one line
         bar.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2

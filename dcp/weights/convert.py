@@ -12,10 +12,15 @@ Memory: reading goes one safetensors shard and one tensor at a time (only the pa
 QKV/gate-up matrix wait for their siblings); writing memory-maps the DCP checkpoint and flushes
 a HF shard whenever ``max_shard_bytes`` are buffered. ``load_hf_model`` copies into the model's
 own parameters, so at most one model plus one tensor is in memory.
+
+A HF directory is untrusted input: ``check_hf_checkpoint`` validates it from the safetensors
+headers alone before any import reads a tensor, builds a model or writes a file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -28,12 +33,20 @@ import torch
 
 from dcp.model import ModelConfig, build_gpt_model
 from dcp.weights.canonical import canonical_state, model_names
-from dcp.weights.hf import HFToCanonical, canonical_names, canonical_to_hf
+from dcp.weights.hf import (
+    HFToCanonical,
+    canonical_names,
+    canonical_to_hf,
+    hf_names,
+    hf_shape,
+    is_ignored,
+)
 from dcp.weights.hf_config import (
     hf_config_from_model,
     model_config_from_hf,
     model_type,
     read_hf_config,
+    read_json_object,
 )
 from dcp.weights.tensor_parallel import local_slice, tp_coordinates
 
@@ -53,6 +66,8 @@ TOKENIZER_FILES = (
 )
 """Files copied next to an exported model when the run's tokenizer directory has them."""
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+"""safetensors dtypes an imported tensor may have (the model casts them on copy)."""
 
 Progress = Callable[[int, int, str], None]
 """``progress(done, total, name)``: called after each tensor (tools print a bar from it)."""
@@ -60,26 +75,60 @@ Progress = Callable[[int, int, str], None]
 
 def _safetensors():
     try:
-        from safetensors import safe_open
-        from safetensors.torch import save_file
+        import safetensors.torch
     except ImportError as exc:  # pragma: no cover - requirements.txt pins it
         raise ImportError("reading Hugging Face checkpoints needs `safetensors`") from exc
-    return safe_open, save_file
+    return safetensors
+
+
+@contextlib.contextmanager
+def _open_shard(path: Path) -> Iterator[Any]:
+    """``safe_open(path)``; a corrupt file (bad header, truncated data, a tensor it lacks) is a
+    one-line ValueError naming it instead of safetensors' own error."""
+    st = _safetensors()
+    if not path.is_file():
+        raise ValueError(f"{path} is listed in {SAFETENSORS_INDEX} but is not a file")
+    try:
+        with st.safe_open(path, framework="pt") as f:
+            yield f
+    except st.SafetensorError as exc:
+        raise ValueError(f"{path}: not a valid safetensors file ({exc})") from exc
+
+
+def _inside(root: Path, file: str) -> Path:
+    """``root / file``, refused unless it resolves (symlinks followed) inside ``root``: the
+    index names files, and ``../`` or a link must not make an import read other files."""
+    path = root / file
+    target, allowed = path.resolve(), [root.resolve()]
+    if allowed[0].parent.name == "snapshots":
+        # huggingface_hub's cache links snapshots/<revision>/<file> to ../../blobs/<hash>.
+        allowed.append(allowed[0].parent.parent / "blobs")
+    if not any(target.is_relative_to(base) for base in allowed):
+        raise ValueError(
+            f"{root}: {file!r} resolves to {target}, outside the model directory; refusing it"
+        )
+    return path
 
 
 def hf_shards(hf_dir: str | os.PathLike) -> dict[str, list[str]]:
-    """Shard file → the tensor names it holds, in the order the shards are listed."""
+    """Shard file → the tensor names it holds, in the order the shards are listed. Every shard
+    (and the index) lies inside ``hf_dir``: checked before any of them is opened."""
     root = Path(hf_dir)
     index = root / SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_object(_inside(root, SAFETENSORS_INDEX)).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(file, str) for file in weight_map.values()
+        ):
+            raise ValueError(f"{index}: weight_map must map tensor names to file names")
         shards: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             shards.setdefault(file, []).append(name)
+        for file in shards:
+            _inside(root, file)
         return shards
     if (root / SINGLE_FILE).is_file():
-        safe_open, _ = _safetensors()
-        with safe_open(root / SINGLE_FILE, framework="pt") as f:
+        with _open_shard(_inside(root, SINGLE_FILE)) as f:
             return {SINGLE_FILE: list(f.keys())}
     raise ValueError(
         f"{hf_dir}: no {SINGLE_FILE} or {SAFETENSORS_INDEX} (only safetensors checkpoints "
@@ -87,19 +136,60 @@ def hf_shards(hf_dir: str | os.PathLike) -> dict[str, list[str]]:
     )
 
 
+def check_hf_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig) -> None:
+    """Refuse ``hf_dir`` unless its shards lie inside it, are valid safetensors files, and hold
+    exactly the tensors of the model ``cfg`` describes, each with a floating dtype and the
+    shape ``cfg`` implies: a one-line ValueError naming the tensor and file otherwise.
+
+    Reads the safetensors headers only, so a malformed directory, or a ``config.json`` whose
+    sizes the tensors do not have (``hidden_size`` = 10⁹), is refused before a tensor is loaded,
+    a model is built or a file is written."""
+    root = Path(hf_dir)
+    seen: set[str] = set()
+    for file, names in hf_shards(root).items():
+        path = root / file
+        with _open_shard(path) as f:
+            held = set(f.keys())
+            for name in names:
+                if name not in held:
+                    raise ValueError(f"{path}: no tensor {name!r} (listed in {SAFETENSORS_INDEX})")
+                expected = hf_shape(name, cfg)
+                if expected is None and not is_ignored(name):
+                    raise ValueError(
+                        f"{path}: unexpected tensor {name!r} for the model config.json describes"
+                    )
+                header = f.get_slice(name)
+                dtype, shape = header.get_dtype(), list(header.get_shape())
+                if dtype not in FLOAT_DTYPES:
+                    raise ValueError(
+                        f"{path}: tensor {name!r} has dtype {dtype}, expected a floating dtype "
+                        f"{FLOAT_DTYPES}"
+                    )
+                if expected is not None and shape != list(expected):
+                    raise ValueError(
+                        f"{path}: tensor {name!r} has shape {shape}, config.json implies "
+                        f"{list(expected)}"
+                    )
+                seen.add(name)
+    # hf_names is lazy: an absurd num_hidden_layers stops at its first missing layers.
+    missing = list(itertools.islice((n for n in hf_names(cfg) if n not in seen), 6))
+    if missing:
+        raise ValueError(
+            f"{hf_dir}: the checkpoint lacks tensors config.json implies: {missing[:5]}"
+            f"{' …' if len(missing) > 5 else ''}"
+        )
+
+
 def iter_hf_tensors(
     hf_dir: str | os.PathLike, *, progress: Progress | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a HF directory, one shard open at a time."""
-    safe_open, _ = _safetensors()
+    """Every tensor of a HF directory, one shard open at a time (unvalidated: see
+    ``check_hf_checkpoint``)."""
     shards = hf_shards(hf_dir)
     total = sum(len(names) for names in shards.values())
     done = 0
     for file, names in shards.items():
-        path = Path(hf_dir) / file
-        if not path.is_file():
-            raise ValueError(f"{path} is listed in {SAFETENSORS_INDEX} but does not exist")
-        with safe_open(path, framework="pt") as f:
+        with _open_shard(Path(hf_dir) / file) as f:
             for name in names:
                 yield name, f.get_tensor(name)
                 done += 1
@@ -110,7 +200,9 @@ def iter_hf_tensors(
 def iter_canonical_from_hf(
     hf_dir: str | os.PathLike, cfg: ModelConfig, *, progress: Progress | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Canonical tensors of a HF directory, as each one completes; checks completeness."""
+    """Canonical tensors of a HF directory, as each one completes, once ``check_hf_checkpoint``
+    has accepted the whole directory (so a caller copies or writes nothing from a bad one)."""
+    check_hf_checkpoint(hf_dir, cfg)
     assembler = HFToCanonical(cfg)
     for hf_name, tensor in iter_hf_tensors(hf_dir, progress=progress):
         yield from assembler.add(hf_name, tensor)
@@ -130,7 +222,8 @@ def load_hf_weights(
     progress: Progress | None = None,
 ) -> None:
     """Copy the weights of ``hf_dir`` into ``model`` (built from ``cfg``, any wrapper, any TP
-    size: each rank copies its TP slice) in place."""
+    size: each rank copies its TP slice) in place; a directory ``check_hf_checkpoint`` refuses
+    leaves the model untouched."""
     names = model_names(model)
     own = model.state_dict(keep_vars=True)  # parameters keep megatron's TP attributes
     tp_rank, tp_size = tp_coordinates()
@@ -160,6 +253,7 @@ def load_hf_model(hf_dir: str | os.PathLike, **overrides: Any):
     (``dcp.init()``).
     """
     cfg = hf_model_config(hf_dir, **overrides)
+    check_hf_checkpoint(hf_dir, cfg)  # before the model's memory is allocated from config.json
     model = build_gpt_model(cfg)
     load_hf_weights(model, hf_dir, cfg)
     return model
@@ -223,9 +317,8 @@ class ShardWriter:
         self.total_bytes += size
 
     def _flush(self) -> None:
-        _, save_file = _safetensors()
         path = self.out_dir / f".shard-{len(self._files):05d}.safetensors"
-        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        _safetensors().torch.save_file(self._buffer, str(path), metadata={"format": "pt"})
         self._files.append((path, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 
@@ -282,7 +375,7 @@ def dcp_to_hf(
     from dcp.train.checkpoint import load_component, resolve_checkpoint
 
     path = resolve_checkpoint(checkpoint)
-    extra = load_component(path, "extra", weights_only=False) or {}
+    extra = load_component(path, "extra") or {}
     run_config = extra.get("config") or {}
     if "model" not in run_config:
         raise ValueError(f"{path}: the checkpoint records no model config (extra.config.model)")

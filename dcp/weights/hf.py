@@ -60,6 +60,63 @@ _GLOBAL = {
 _GLOBAL_TO_HF = {c: hf for hf, c in _GLOBAL.items()}
 
 
+def is_ignored(hf_name: str) -> bool:
+    """Whether the HF tensor ``hf_name`` is dropped on import: the RoPE table some older
+    checkpoints carry (DCP derives it)."""
+    return hf_name.endswith(".rotary_emb.inv_freq")
+
+
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF suffix within a layer → shape, for every per-layer tensor of ``cfg``."""
+    hidden, ffn, head_dim = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_query_groups * head_dim
+    shapes = {
+        "input_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (ffn, hidden),
+        "mlp.up_proj.weight": (ffn, hidden),
+        "mlp.down_proj.weight": (hidden, ffn),
+    }
+    if cfg.add_qkv_bias:
+        shapes |= {
+            "self_attn.q_proj.bias": (q,),
+            "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,),
+        }
+    if cfg.qk_layernorm:
+        shapes |= {"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
+    return shapes
+
+
+def hf_shape(hf_name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
+    """The shape ``cfg`` implies for the HF tensor ``hf_name`` (vocabulary unpadded); None when
+    a checkpoint of ``cfg`` holds no such tensor. ``lm_head.weight`` has one even when the
+    embeddings are tied: such checkpoints may still store it."""
+    if hf_name in _GLOBAL:
+        vocab, hidden = cfg.vocab_size, cfg.hidden_size
+        return (hidden,) if _GLOBAL[hf_name] == FINAL_NORM else (vocab, hidden)
+    match = _HF_LAYER.match(hf_name)
+    if match is None or int(match.group(1)) >= cfg.num_layers:
+        return None
+    return _layer_shapes(cfg).get(match.group(2))
+
+
+def hf_names(cfg: ModelConfig) -> Iterator[str]:
+    """Every HF tensor a checkpoint of ``cfg`` must hold, in model order. Lazy, so that an
+    absurd ``num_layers`` costs nothing until that many names are asked for."""
+    yield _GLOBAL_TO_HF[EMBEDDING]
+    suffixes = list(_layer_shapes(cfg))
+    for layer in range(cfg.num_layers):
+        yield from (f"model.layers.{layer}.{suffix}" for suffix in suffixes)
+    yield _GLOBAL_TO_HF[FINAL_NORM]
+    if not cfg.tie_embeddings:
+        yield _GLOBAL_TO_HF[OUTPUT]
+
+
 def canonical_names(cfg: ModelConfig) -> list[str]:
     """Every canonical tensor name of the model ``cfg`` describes, in model order."""
     layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]
@@ -137,8 +194,8 @@ class HFToCanonical:
         self._embedding: torch.Tensor | None = None
 
     def add(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if hf_name.endswith(".rotary_emb.inv_freq"):
-            return []  # a cached table some older checkpoints carry; DCP derives it
+        if is_ignored(hf_name):
+            return []
         if hf_name in _GLOBAL:
             name = _GLOBAL[hf_name]
             if name == OUTPUT and self.cfg.tie_embeddings:

@@ -49,15 +49,31 @@ _MAPPED = {
 }  # fmt: skip
 
 
+# Sizes that must be positive integers; those in _DERIVED_SIZES may be null or absent.
+_SIZES = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+)  # fmt: skip
+_DERIVED_SIZES = {"num_key_value_heads", "head_dim"}
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file ``path``; a one-line ValueError naming the file otherwise."""
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as exc:  # invalid JSON or invalid UTF-8
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``config.json`` of a local Hugging Face model directory."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{hf_dir} is not a Hugging Face model directory: no config.json")
-    data = json.loads(path.read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def model_type(hf: Mapping[str, Any]) -> str:
@@ -96,6 +112,30 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+def _check_sizes(hf: Mapping[str, Any]) -> None:
+    """Every size of ``hf`` is a positive integer and the head counts divide evenly, else a
+    ValueError naming the config.json field. Runs before any arithmetic on the sizes, so a 0
+    never reaches a division and a float such as ``1e9`` never reaches a shape."""
+    for field in _SIZES:
+        value = hf.get(field)
+        if value is None and field in _DERIVED_SIZES:
+            continue
+        if type(value) is not int or value < 1:  # bool is an int subclass: refused too
+            raise ValueError(f"config.json {field}={value!r} must be a positive integer")
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if hf.get("head_dim") is None and hf["hidden_size"] % heads:
+        raise ValueError(
+            f"config.json hidden_size={hf['hidden_size']} must be divisible by "
+            f"num_attention_heads={heads} (or config.json must set head_dim)"
+        )
+    if heads % kv_heads:
+        raise ValueError(
+            f"config.json num_attention_heads={heads} must be divisible by "
+            f"num_key_value_heads={kv_heads}"
+        )
+
+
 def _require(hf: Mapping[str, Any], field: str, ok: bool, allowed: str) -> None:
     if not ok:
         raise ValueError(
@@ -110,6 +150,7 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
     missing = sorted(f for f in _MAPPED - {"tie_word_embeddings"} if f not in hf)
     if missing:
         raise ValueError(f"config.json lacks required field(s) {missing}")
+    _check_sizes(hf)
     _require(hf, "hidden_act", hf.get("hidden_act", "silu") == "silu", "silu only")
     _require(hf, "mlp_bias", not hf.get("mlp_bias", False), "no MLP biases")
     _require(hf, "attention_dropout", not hf.get("attention_dropout", 0.0), "0 only")
@@ -131,22 +172,22 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
     if unknown:
         logger.warning("config.json fields not used by DCP's model: %s", unknown)
 
-    heads = int(hf["num_attention_heads"])
+    heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) == int(hf["hidden_size"]) // heads:
+    if head_dim is not None and head_dim * heads == hf["hidden_size"]:
         head_dim = None
     theta, scaling = _rope(hf)
     fields: dict[str, Any] = dict(
-        num_layers=int(hf["num_hidden_layers"]),
-        hidden_size=int(hf["hidden_size"]),
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
-        num_query_groups=int(hf.get("num_key_value_heads") or heads),
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        vocab_size=int(hf["vocab_size"]),
-        max_seq_len=int(hf["max_position_embeddings"]),
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_seq_len=hf["max_position_embeddings"],
         rotary_base=theta,
         rope_scaling=scaling,
-        kv_channels=None if head_dim is None else int(head_dim),
+        kv_channels=head_dim,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf["rms_norm_eps"]),
         init_std=float(hf.get("initializer_range", 0.02)),
