@@ -11,6 +11,10 @@ run-directory lock of a killed job is taken over), so every step is trained exac
 
 It stops retrying on exit 0 (done, or stopped cleanly by SIGTERM/SIGUSR1), on exit 2 (a config,
 data or directory error: a retry would fail the same way) and after ``--max-restarts`` restarts.
+torchrun reports every failed worker as exit 1, so the workers' own exit 2 reaches the wrapper
+through a file: each attempt gets a fresh path in ``DCP_EXIT_RECORD`` (``dcp.train.exit_record``),
+and when any worker recorded exit 2 the attempt counts as exit 2. Only the workers on the
+wrapper's own machine can write there; on several nodes, run the wrapper on each.
 SIGTERM/SIGUSR1/SIGINT sent to the wrapper go to the command's process group and end the loop.
 """
 
@@ -21,9 +25,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
-NO_RETRY_CODES = (0, 2)
+from dcp.train.exit_record import EXIT_RECORD_ENV, read_exit_records
+
+USER_ERROR_CODE = 2  # pretrain.pretrain_gpt's exit code for a config, data or directory error
+NO_RETRY_CODES = (0, USER_ERROR_CODE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,29 +58,51 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, forward)
 
-    attempt = 0
-    while True:
-        attempt += 1
-        print(f"[supervise] attempt {attempt}: {' '.join(command)}", file=sys.stderr, flush=True)
-        child = subprocess.Popen(command, start_new_session=True)
-        code = child.wait()
-        if code in NO_RETRY_CODES or stopping:
-            print(f"[supervise] exit code {code}; done", file=sys.stderr, flush=True)
-            return code
-        if attempt > args.max_restarts:
+    # One fresh record path per attempt: a record left by an earlier attempt never counts.
+    with tempfile.TemporaryDirectory(prefix="dcp-supervise-") as record_dir:
+        attempt = 0
+        while True:
+            attempt += 1
             print(
-                f"[supervise] exit code {code}; giving up after {args.max_restarts} restart(s)",
+                f"[supervise] attempt {attempt}: {' '.join(command)}", file=sys.stderr, flush=True
+            )
+            record_path = os.path.join(record_dir, f"attempt{attempt}")
+            env = {**os.environ, EXIT_RECORD_ENV: record_path}
+            child = subprocess.Popen(command, start_new_session=True, env=env)
+            code = child.wait()
+            if code != 0:
+                code = _recorded_code(code, record_path)
+            if code in NO_RETRY_CODES or stopping:
+                print(f"[supervise] exit code {code}; done", file=sys.stderr, flush=True)
+                return code
+            if attempt > args.max_restarts:
+                print(
+                    f"[supervise] exit code {code}; giving up after {args.max_restarts} restart(s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return code
+            print(
+                f"[supervise] exit code {code}; restarting in {args.delay_s:g} s "
+                f"({attempt}/{args.max_restarts}), resuming from the last complete checkpoint",
                 file=sys.stderr,
                 flush=True,
             )
-            return code
-        print(
-            f"[supervise] exit code {code}; restarting in {args.delay_s:g} s "
-            f"({attempt}/{args.max_restarts}), resuming from the last complete checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
-        time.sleep(args.delay_s)
+            time.sleep(args.delay_s)
+
+
+def _recorded_code(code: int, record_path: str) -> int:
+    """``USER_ERROR_CODE`` if any worker recorded it at ``record_path``, else ``code``."""
+    for record in read_exit_records(record_path):
+        if record.code == USER_ERROR_CODE:
+            lines = record.message.strip().splitlines() or ["(no message)"]
+            print(
+                f"[supervise] rank {record.rank} exited with code {record.code}: {lines[0]}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return record.code
+    return code
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ One document per JSONL line (its ``--text-key`` field, default ``text``) or per 
 the tokenizer's EOD id is appended to each document; empty documents are skipped and counted.
 The pair is written by megatron-core's ``IndexedDatasetBuilder`` (so Megatron reads it too), plus
 ``<out>.meta.json`` with the tokenizer and corpus stats. Files are written under temporary names
-and renamed at the end, so an interrupted run never leaves a half-written dataset at ``--out``.
+and renamed at the end, so an interrupted run never leaves a half-written dataset at ``--out``;
+the next run for the same ``--out`` removes the temporary files a killed run left behind.
 
 Examples::
 

@@ -4,16 +4,20 @@ One document per JSONL line (its ``text_key`` field) or per plain-text file; the
 id is appended to each document; empty documents are skipped and counted. The pair is written by
 megatron-core's ``IndexedDatasetBuilder`` (so Megatron reads it too), plus ``<out>.meta.json``
 with the tokenizer and corpus stats. Files are written under temporary names and renamed at the
-end, so an interrupted run never leaves a half-written dataset. ``stdlib_files`` lists this
-Python's own standard-library ``.py`` sources: a variable-length corpus every machine has.
-``python -m tools.prepare_data`` is the command line.
+end, so an interrupted run never leaves a half-written dataset; the temporary files of a killed
+run (``<out>.tmp<pid>.*`` of a pid that no longer runs) are removed by the next run for the same
+``<out>``. ``stdlib_files`` lists this Python's own standard-library ``.py`` sources: a
+variable-length corpus every machine has. ``python -m tools.prepare_data`` is the command line.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import glob
 import json
+import logging
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -25,6 +29,8 @@ import numpy as np
 
 from dcp.data.indexed import META_SUFFIX, megatron_indexed_dataset
 from dcp.data.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PATTERNS: tuple[str, ...] = ("*.jsonl", "*.txt", "*.md", "*.rst")
 DECODE_ERRORS: tuple[str, ...] = ("strict", "skip", "replace")
@@ -183,7 +189,8 @@ def write_indexed_dataset(
 
     out_dir = os.path.dirname(os.path.abspath(out_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    tmp = f"{out_prefix}.tmp{os.getpid()}"
+    remove_stale_temp_files(out_prefix)
+    tmp = _temp_prefix(out_prefix, os.getpid())
     indexed_dataset = megatron_indexed_dataset()  # slow import: keep it out of the timing
     t0 = time.perf_counter()
     builder = indexed_dataset.IndexedDatasetBuilder(tmp + ".bin", dtype=tokenizer.storage_dtype)
@@ -232,6 +239,48 @@ def write_indexed_dataset(
     for suffix in (".bin", META_SUFFIX, ".idx"):
         os.replace(tmp + suffix, out_prefix + suffix)
     return stats
+
+
+_TEMP_INFIX = ".tmp"  # <out_prefix>.tmp<pid>.bin/.idx/.meta.json while a run writes them
+
+
+def _temp_prefix(out_prefix: str, pid: int) -> str:
+    return f"{out_prefix}{_TEMP_INFIX}{pid}"
+
+
+def _pid_gone(pid: int) -> bool:
+    """True only if no process ``pid`` runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):  # another user's process; a number that is no pid
+        return False
+    return False
+
+
+def remove_stale_temp_files(out_prefix: str) -> list[str]:
+    """Remove ``<out_prefix>.tmp<pid>.*`` files of runs whose process is gone; return them.
+
+    Files of a live pid are kept: a concurrent run for the same prefix may be writing them. Only
+    pids of this machine (of this pid namespace) can be checked, so runs on two machines or in two
+    containers must not prepare the same prefix on a shared file system at once (their renames
+    would race anyway).
+    """
+    stem = out_prefix + _TEMP_INFIX
+    temp_name = re.compile(re.escape(stem) + r"(\d+)\.")
+    removed = []
+    for path in sorted(glob.glob(glob.escape(stem) + "*")):
+        match = temp_name.match(path)
+        if match is None or not os.path.isfile(path) or not _pid_gone(int(match.group(1))):
+            continue
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            continue  # another run removed it first
+        removed.append(path)
+        logger.warning("removed %s, left by an interrupted run (pid %s)", path, match.group(1))
+    return removed
 
 
 def summary(stats: PrepareStats, out_prefix: str) -> str:

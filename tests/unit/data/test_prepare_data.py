@@ -142,3 +142,25 @@ def test_missing_input_undecodable_and_empty_corpus(tmp_path, capsys):
     assert not any(p.name.startswith("e.") for p in tmp_path.iterdir())
     rc, _, err = _run(["--out", out], capsys)
     assert rc == 2 and "exactly one of the two" in err
+
+
+@pytest.mark.filterwarnings("ignore:Could not determine rank")  # megatron, outside distributed
+def test_temp_files_of_a_killed_run_are_removed(tmp_path, capsys, caplog):
+    dead, live = 999_999, os.getppid()  # no such process; pytest's parent
+    with pytest.raises(ProcessLookupError):
+        os.kill(dead, 0)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    stale = [f"corpus.tmp{dead}.bin", f"corpus.tmp{dead}.idx", f"corpus.tmp{dead}.meta.json"]
+    kept = [f"corpus.tmp{live}.bin", f"other.tmp{dead}.bin", "corpus.tmpx.bin", "corpus.notes"]
+    for name in stale + kept:
+        (out_dir / name).write_bytes(b"left over")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("tiny", encoding="utf-8")
+    rc, _, err = _run([str(doc), "--out", str(out_dir / "corpus")], capsys)
+    assert rc == 0, err
+    written = ["corpus.bin", "corpus.idx", "corpus.meta.json"]
+    assert sorted(os.listdir(out_dir)) == sorted(written + kept)
+    assert _read_back(str(out_dir / "corpus")) == ["tiny"]
+    removed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("removed ")]
+    assert len(removed) == 3 and all(f"(pid {dead})" in m for m in removed), removed

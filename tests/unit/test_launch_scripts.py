@@ -1,0 +1,119 @@
+"""docker/launch_slurm.sbatch under stand-ins for ``srun`` and ``scontrol``: SIGUSR1 ahead of the
+time limit reaches the step, the job is requeued once the step has saved, and a step that ends
+by itself, or one stopped by SIGTERM (preemption, scancel), is not requeued; the first node of
+a long node list is the rendezvous host."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+SBATCH = Path(__file__).resolve().parents[2] / "docker" / "launch_slurm.sbatch"
+JOB_ID = "4242"
+
+# The step: logs its arguments and the signals it gets; a signal makes it "save" (0.3 s) and
+# exit 0, as the workers do. With STUB_SRUN_EXIT set it ends at once with that status instead.
+SRUN = """#!/usr/bin/env bash
+printf '%s\\n' "$@" > "$STUB_DIR/srun.args"
+echo "$MASTER_ADDR:$MASTER_PORT" > "$STUB_DIR/srun.master"
+log() { echo "$*" >> "$STUB_DIR/log"; }
+stop() { log "srun got $1"; sleep 0.3; log "srun saved"; exit 0; }
+trap 'stop USR1' USR1
+trap 'stop TERM' TERM
+if [[ -n "${STUB_SRUN_EXIT:-}" ]]; then log "srun finished"; exit "$STUB_SRUN_EXIT"; fi
+echo $$ > "$STUB_DIR/srun.pid.tmp" && mv "$STUB_DIR/srun.pid.tmp" "$STUB_DIR/srun.pid"
+for _ in $(seq 600); do sleep 0.05; done
+log "srun was never signalled"
+exit 1
+"""
+
+# A long node list (1 MB, more than a pipe holds): `scontrol show hostnames | head -n 1` under
+# pipefail would fail the job with SIGPIPE.
+SCONTROL = """#!/usr/bin/env bash
+echo "scontrol $*" >> "$STUB_DIR/log"
+if [[ "$1" == show ]]; then seq -f 'node%g' 100000; fi
+"""
+
+
+def _launch(tmp_path: Path, **env: str) -> subprocess.Popen:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return subprocess.Popen(
+        ["bash", str(SBATCH), "--config", "pretrain/configs/x.yaml", "train.steps=3"],
+        cwd=tmp_path,
+        env={
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "STUB_DIR": str(tmp_path),
+            "SLURM_JOB_ID": JOB_ID,
+            "SLURM_JOB_NODELIST": "node[1-100000]",
+            **env,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _step_pid(tmp_path: Path, proc: subprocess.Popen, timeout_s: float = 20) -> int:
+    """The stand-in step's pid, once it is running with its signal handlers installed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (tmp_path / "srun.pid").exists():
+            return int((tmp_path / "srun.pid").read_text())
+        if proc.poll() is not None:
+            pytest.fail(f"the batch script ended before the step started:\n{proc.stdout.read()}")
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail("the step did not start")
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+def _log(tmp_path: Path) -> list[str]:
+    return (tmp_path / "log").read_text().splitlines()
+
+
+def test_sigusr1_checkpoints_then_requeues(tmp_path):
+    proc = _launch(tmp_path)
+    _step_pid(tmp_path, proc)
+    proc.send_signal(signal.SIGUSR1)  # --signal=B:USR1 signals the batch shell only
+    out = _finish(proc)
+    assert proc.returncode == 0, out
+    assert _log(tmp_path)[1:] == ["srun got USR1", "srun saved", f"scontrol requeue {JOB_ID}"]
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    assert any(a.startswith("exec torchrun ") for a in args), args  # signals reach torchrun
+    assert args[-3:] == ["--config", "pretrain/configs/x.yaml", "train.steps=3"]
+    assert (tmp_path / "srun.master").read_text() == "node1:29500\n"
+
+
+def test_sigterm_waits_for_the_checkpoint_and_does_not_requeue(tmp_path):
+    proc = _launch(tmp_path)
+    step = _step_pid(tmp_path, proc)
+    # Preemption and scancel signal every process of the job, the step included.
+    proc.send_signal(signal.SIGTERM)
+    os.kill(step, signal.SIGTERM)
+    out = _finish(proc)
+    assert proc.returncode == 0, out  # the step's status: the shell outlived it
+    assert _log(tmp_path)[1:] == ["srun got TERM", "srun saved"]
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_step_that_ends_by_itself_is_not_requeued(tmp_path, code):
+    proc = _launch(tmp_path, STUB_SRUN_EXIT=str(code))
+    out = _finish(proc)
+    assert proc.returncode == code, out
+    assert _log(tmp_path) == ["scontrol show hostnames node[1-100000]", "srun finished"]
