@@ -3,12 +3,20 @@
 Each component owns a ``@dataclass(kw_only=True, frozen=True)`` config that validates itself in
 ``__post_init__``. This module only builds them from plain dicts: an unknown key anywhere raises
 ``ValueError`` naming its dotted path and the keys that are allowed there, and a value of the wrong
-type raises naming the key. No global config object exists: configs are passed explicitly.
+type raises naming the key. ``check_range`` is the one numeric check every ``__post_init__`` uses.
+No global config object exists: configs are passed explicitly.
+
+An override's value is read as YAML (``train.steps=7``, ``metrics.wandb_tags=[a, b]``), except
+that a ``str`` field keeps the text as typed: ``name=2024`` names the run "2024", ``name=nan``
+"nan" (a YAML file's ``name: 2024`` stays an integer and is refused; quote it there).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import operator
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -17,9 +25,71 @@ from typing import Any
 
 import yaml
 
+MAX_SEED = 2**63 - 1
+"""Largest seed a config takes: torch seeds are 64-bit, and megatron adds per-rank offsets."""
+
+_BOUNDS = ((">=", operator.ge), (">", operator.gt), ("<=", operator.le), ("<", operator.lt))
+
+
+def check_range(
+    value: Any,
+    key: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    integer: bool = False,
+) -> None:
+    """Raise ``ValueError`` naming ``key`` and the allowed range unless ``value`` is a finite
+    number (an int when ``integer``; never a bool) with ``value >= ge``, ``> gt``, ``<= le`` and
+    ``< lt`` (a bound left at None does not apply)."""
+    bounds = [
+        (symbol, test, bound)
+        for (symbol, test), bound in zip(_BOUNDS, (ge, gt, le, lt), strict=True)
+        if bound is not None
+    ]
+    if (
+        isinstance(value, int if integer else int | float)
+        and not isinstance(value, bool)
+        and (isinstance(value, int) or math.isfinite(value))
+        and all(test(value, bound) for _, test, bound in bounds)
+    ):
+        return
+    allowed = " and ".join(f"{symbol} {_number(bound)}" for symbol, _, bound in bounds)
+    kind = "an integer" if integer else "a finite number"
+    raise ValueError(f"{key} must be {kind} {allowed}".rstrip() + f", got {value!r}")
+
+
+def _number(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
 
 def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _section_types(tp: Any) -> tuple[type, ...]:
+    """The config classes an annotation holds: ``tp`` itself, or the members of a union."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return tuple(
+        arg for arg in (typing.get_args(tp) if union else (tp,)) if _is_dataclass_type(arg)
+    )
+
+
+@functools.cache
+def config_keys(cls: type) -> frozenset[str]:
+    """Every dotted key of config class ``cls``: its fields, and below each config section
+    (optional ones too) the section's own keys: ``optim``, ``optim.lr``,
+    ``model.rope_scaling.factor``."""
+    hints = typing.get_type_hints(cls)
+    keys = set()
+    for f in dataclasses.fields(cls):
+        if f.init:
+            keys.add(f.name)
+            for section in _section_types(hints[f.name]):
+                keys.update(f"{f.name}.{key}" for key in config_keys(section))
+    return frozenset(keys)
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -87,7 +157,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def from_dict[T](cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``; unknown keys and bad values raise ``ValueError``."""
+    """Build dataclass ``cls`` from ``data``; unknown keys and bad values raise ``ValueError``
+    naming the dotted key."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
@@ -103,8 +174,10 @@ def from_dict[T](cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> 
     try:
         return cls(**kwargs)
     except ValueError as exc:
-        if prefix and not str(exc).startswith(prefix):
-            raise ValueError(f"{prefix}.{exc}") from exc
+        # A config names its fields bare or as ``ClassName.field``; here they get their path.
+        message = str(exc).removeprefix(f"{cls.__name__}.")
+        if prefix and not message.startswith(prefix):
+            raise ValueError(f"{prefix}.{message}") from exc
         raise
 
 
@@ -121,7 +194,16 @@ def to_dict(obj: Any) -> Any:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with each ``a.b.c=value`` applied (value parsed as YAML)."""
+    return _apply_overrides(data, overrides)[0]
+
+
+def _apply_overrides(
+    data: dict[str, Any], overrides: Sequence[str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``apply_overrides``, and the text each override's dotted key was given (a key that a
+    later override replaces, its section included, loses its text)."""
     out = _deepcopy(data)
+    text: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key.sub=value")
@@ -135,8 +217,14 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ValueError(f"override {item!r}: {part} is not a section")
             node = child
-        node[parts[-1]] = _parse_value(raw)
-    return out
+        try:
+            node[parts[-1]] = _parse_value(raw)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"override {item!r}: not valid YAML ({_yaml_problem(exc)})") from None
+        key = ".".join(parts)
+        text = {k: v for k, v in text.items() if k != key and not k.startswith(key + ".")}
+        text[key] = raw.strip()
+    return out, text
 
 
 def _parse_value(raw: str) -> Any:
@@ -152,6 +240,51 @@ def _parse_value(raw: str) -> Any:
     return value
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: what the YAML parser found wrong, and where (1-based line and column)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        context = f"{exc.context}: " if exc.context else ""
+        return f"{context}{exc.problem} at line {mark.line + 1}, column {mark.column + 1}"
+    if isinstance(exc, yaml.reader.ReaderError) and isinstance(exc.character, int):
+        return f"unacceptable character #x{exc.character:04x} at position {exc.position}"
+    return " ".join(str(exc).split())
+
+
+def _keep_text_of_str_fields(
+    cls: type, data: dict[str, Any], override_text: dict[str, str]
+) -> None:
+    """Where an override gave a ``str`` field of ``cls`` a value YAML reads as something else (a
+    number, bool, date, or null where the field is not optional), put back the text as typed:
+    ``name=2024`` names the run "2024"."""
+    for key, text in override_text.items():
+        *parents, name = key.split(".")
+        tp = _annotation(cls, key)
+        union = (
+            typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
+        )
+        if tp is not str and str not in union:
+            continue
+        optional = type(None) in union
+        node = data
+        for part in parents:
+            node = node[part]
+        value = node[name]
+        if not isinstance(value, str | Mapping | list) and not (value is None and optional):
+            node[name] = text
+
+
+def _annotation(cls: type, key: str) -> Any:
+    """The annotation of dotted ``key`` in config class ``cls``; None for an unknown key."""
+    *sections, name = key.split(".")
+    for part in sections:
+        found = _section_types(typing.get_type_hints(cls).get(part))
+        if not found:
+            return None
+        cls = found[0]
+    return typing.get_type_hints(cls).get(name)
+
+
 def _deepcopy(data: Any) -> Any:
     if isinstance(data, dict):
         return {k: _deepcopy(v) for k, v in data.items()}
@@ -164,7 +297,14 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML ({_yaml_problem(exc)})") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping at top level")
     return data
@@ -176,7 +316,8 @@ def load_config[T](cls: type[T], path: str | Path | None, overrides: Sequence[st
     A config class may define ``prepare_dict(data) -> data``: it fills defaults that depend on
     the merged data itself (``PretrainConfig``: the model section from ``init.from_hf``).
     """
-    data = apply_overrides(load_yaml(path) if path is not None else {}, overrides)
+    data, override_text = _apply_overrides(load_yaml(path) if path is not None else {}, overrides)
+    _keep_text_of_str_fields(cls, data, override_text)
     prepare = getattr(cls, "prepare_dict", None)
     if prepare is not None:
         data = prepare(data)

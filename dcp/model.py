@@ -21,13 +21,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from dcp.costmodel.spec import ParamCounts
+from dcp.config import check_range
+from dcp.costmodel.spec import Options, ParamCounts, optimizer_bytes_per_param
 
 CoreAttention = Literal["auto", "te", "dcp", "megatron_local"]
 logger = logging.getLogger(__name__)
@@ -44,27 +47,30 @@ class RopeScaling:
     """``linear``: every frequency divided by ``factor`` (position interpolation);
     ``llama3``: Llama-3.1's wavelength-dependent rescaling."""
     factor: float
-    """Context extension factor (> 1 extends)."""
+    """Context extension factor (finite, > 0; > 1 extends)."""
     low_freq_factor: float = 1.0
     """llama3: wavelengths above ``original_max_position_embeddings / low_freq_factor`` are
-    divided by ``factor``."""
+    divided by ``factor`` (finite, > 0)."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below ``original_max_position_embeddings / high_freq_factor`` are
-    kept; those in between are interpolated."""
+    kept; those in between are interpolated (finite, > low_freq_factor)."""
     original_max_position_embeddings: int = 8192
-    """llama3: the context the model was pretrained at."""
+    """llama3: the context the model was pretrained at (>= 1)."""
 
     def __post_init__(self) -> None:
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
-        if self.type == "llama3":
-            if not self.high_freq_factor > self.low_freq_factor > 0:
-                raise ValueError(
-                    "rope_scaling: need high_freq_factor > low_freq_factor > 0, got "
-                    f"{self.high_freq_factor} and {self.low_freq_factor}"
-                )
-            if self.original_max_position_embeddings < 1:
-                raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            check_range(getattr(self, name), f"RopeScaling.{name}", gt=0)
+        check_range(
+            self.original_max_position_embeddings,
+            "RopeScaling.original_max_position_embeddings",
+            ge=1,
+            integer=True,
+        )
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                "RopeScaling.high_freq_factor must be > low_freq_factor for llama3, got "
+                f"{self.high_freq_factor} and {self.low_freq_factor}"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -89,7 +95,7 @@ class ModelConfig:
     max_seq_len: int = 4096
     """Longest document (RoPE table size); longer documents are chunked by the data pipeline."""
     rotary_base: float = 10000
-    """RoPE base (``rope_theta``)."""
+    """RoPE base (``rope_theta``; finite, > 0)."""
     rope_scaling: RopeScaling | None = None
     """Frequency rescaling for extended contexts (None: plain RoPE)."""
     kv_channels: int | None = None
@@ -101,9 +107,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     """Share input embedding and output projection."""
     init_std: float = 0.02
-    """Std of the normal init."""
+    """Std of the normal init (finite, > 0)."""
     norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
+    """RMSNorm epsilon (finite, > 0)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter/compute dtype. bf16 trains with fp32 main params and grads (CPU and GPU); the
     TE spec needs bf16 (TE has no fp32 THD attention backend)."""
@@ -128,12 +134,11 @@ class ModelConfig:
             "make_vocab_size_divisible_by",
             "max_seq_len",
         ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_channels is not None and self.kv_channels < 1:
-            raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
-        if not self.rotary_base > 0:
-            raise ValueError(f"rotary_base must be > 0, got {self.rotary_base}")
+            check_range(getattr(self, name), name, ge=1, integer=True)
+        if self.kv_channels is not None:
+            check_range(self.kv_channels, "kv_channels", ge=1, integer=True)
+        for name in ("rotary_base", "init_std", "norm_eps"):
+            check_range(getattr(self, name), name, gt=0)
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -145,9 +150,8 @@ class ModelConfig:
                 f"({self.num_attention_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"the head dim ({self.head_dim}) must be even for RoPE")
-        if not self.init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+            width = "kv_channels" if self.kv_channels else "hidden_size / num_attention_heads"
+            raise ValueError(f"{width} (the head dim, {self.head_dim}) must be even for RoPE")
         if self.fp8_recipe == "delayed":
             raise ValueError(
                 "fp8_recipe 'delayed' is not supported: its amax reduction over a fixed group "
@@ -308,6 +312,71 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
             f"parallel.tensor_parallel_size={tp}: set model.make_vocab_size_divisible_by to a "
             f"multiple of {tp} (e.g. {math.lcm(cfg.make_vocab_size_divisible_by, tp, 8)})"
         )
+
+
+MEMINFO_PATH = Path("/proc/meminfo")
+"""Linux's memory counters; ``MemAvailable`` is what processes can allocate without swapping."""
+
+
+def model_state_bytes(
+    cfg: ModelConfig, *, tensor_parallel_size: int, optimizer_shards: int = 1
+) -> float:
+    """Bytes one rank holds for the model's weights (in ``cfg.dtype``), fp32 main grads and
+    Adam state (``optimizer_bytes_per_param``, split over ``optimizer_shards`` ranks by the
+    distributed optimizer), all split over TP. Activations come on top."""
+    # The cost-model spec's default main-grad bytes: megatron's fp32 gradient buffer.
+    grad_bytes = Options.grad_bytes_per_param
+    per_param = (
+        cfg.torch_dtype.itemsize
+        + grad_bytes
+        + optimizer_bytes_per_param(cfg.dtype) / optimizer_shards
+    )
+    return cfg.num_params() / tensor_parallel_size * per_param
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process can still allocate: the current GPU's free memory, or on CPU the
+    node's ``MemAvailable`` divided among the ranks torchrun started on it
+    (``LOCAL_WORLD_SIZE``), which all draw on it. None where neither can be read."""
+    if torch.cuda.is_available():
+        free_bytes, _ = torch.cuda.mem_get_info()
+        return free_bytes
+    try:
+        lines = MEMINFO_PATH.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            return int(line.split()[1]) * 1024 // local_ranks
+    return None
+
+
+def check_model_fits(
+    cfg: ModelConfig, *, tensor_parallel_size: int, optimizer_shards: int = 1
+) -> None:
+    """Raise ``ValueError`` when the model's weights, gradients and optimizer state alone
+    (``model_state_bytes``) exceed the memory this process can still allocate, so a model that
+    cannot fit is refused with the numbers instead of failing inside the allocator. Call it on
+    every rank before the model is built, after the rank's GPU is selected. Passing promises no
+    fit: activations come on top."""
+    need = model_state_bytes(
+        cfg, tensor_parallel_size=tensor_parallel_size, optimizer_shards=optimizer_shards
+    )
+    free = available_memory_bytes()
+    if free is None or need <= free:
+        return
+    device = "GPU" if torch.cuda.is_available() else "CPU"
+    sharding = f"sharded over {optimizer_shards} ranks" if optimizer_shards > 1 else "not sharded"
+    shard = "" if optimizer_shards > 1 else ", or shard the optimizer state (optim.distributed)"
+    raise ValueError(
+        f"the model does not fit: its {cfg.num_params():,} parameters need "
+        f"{need / 2**30:.1f} GiB per rank for weights, gradients and optimizer state "
+        f"(tensor parallel size {tensor_parallel_size}, optimizer state {sharding}), but only "
+        f"{free / 2**30:.1f} GiB of {device} memory is available: make the model smaller "
+        f"(model.hidden_size, model.num_layers, model.ffn_hidden_size, model.vocab_size), split "
+        f"it over more ranks (parallel.tensor_parallel_size){shard}"
+    )
 
 
 def transformer_config(cfg: ModelConfig, *, tensor_parallel_size: int = 1, **overrides):

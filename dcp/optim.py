@@ -8,52 +8,51 @@ from dataclasses import dataclass
 
 import torch
 
+from dcp.config import check_range
+
 
 @dataclass(kw_only=True, frozen=True)
 class OptimConfig:
     """AdamW with linear warmup then cosine decay to ``min_lr``."""
 
     lr: float = 3e-3
-    """Peak learning rate."""
+    """Peak learning rate (finite, > 0)."""
     min_lr: float = 3e-4
-    """Floor reached at the end of the decay."""
+    """Floor reached at the end of the decay (in [0, lr])."""
     warmup_steps: int = 5
-    """Linear warmup from 0 to ``lr``."""
+    """Linear warmup from 0 to ``lr`` (>= 0)."""
     decay_steps: int = 50
-    """Steps from the start to the end of the cosine decay (>= warmup_steps)."""
+    """Steps from the start to the end of the cosine decay (>= warmup_steps, >= 1)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay (not applied to norms)."""
+    """Decoupled weight decay (not applied to norms; finite, >= 0)."""
     beta1: float = 0.9
-    """Adam beta1."""
+    """Adam beta1, in [0, 1)."""
     beta2: float = 0.95
-    """Adam beta2."""
+    """Adam beta2, in [0, 1)."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (finite, > 0: it keeps the update's denominator away from 0)."""
     clip_grad: float = 1.0
-    """Max global gradient L2 norm; 0 disables clipping."""
+    """Max global gradient L2 norm (finite, >= 0); 0 disables clipping."""
     distributed: bool = True
     """megatron-core's distributed optimizer: fp32 main params and Adam moments sharded over
     the DP×CP group (ZeRO-1), gradients reduce-scattered. False replicates them on every rank."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.decay_steps < max(1, self.warmup_steps):
+        check_range(self.lr, "lr", gt=0)
+        check_range(self.min_lr, "min_lr", ge=0)
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
+        check_range(self.warmup_steps, "warmup_steps", ge=0, integer=True)
+        check_range(self.decay_steps, "decay_steps", ge=1, integer=True)
+        if self.decay_steps < self.warmup_steps:
             raise ValueError(
-                f"decay_steps must be >= max(1, warmup_steps={self.warmup_steps}), "
-                f"got {self.decay_steps}"
+                f"decay_steps ({self.decay_steps}) must be >= warmup_steps ({self.warmup_steps})"
             )
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.clip_grad < 0:
-            raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+        check_range(self.weight_decay, "weight_decay", ge=0)
+        check_range(self.beta1, "beta1", ge=0, lt=1)
+        check_range(self.beta2, "beta2", ge=0, lt=1)
+        check_range(self.eps, "eps", gt=0)
+        check_range(self.clip_grad, "clip_grad", ge=0)
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:

@@ -1,36 +1,24 @@
 """Document-level dataset over megatron indexed datasets (``.bin``/``.idx``), with blending.
 
-A *document* here is what the sampler batches and the planner sees as one sequence. Source
-documents come from one or more megatron-core ``IndexedDataset`` prefixes (memory-mapped, read
-with megatron's own reader). Before anything is read, each prefix is checked
-(``dcp.data.idx.check_prefix``): a missing, truncated or corrupt ``.idx``/``.bin`` raises an error
-that names the file.
-
-Source documents are then turned into dataset documents:
-
-- empty documents (zero tokens) are skipped and counted;
-- documents longer than ``max_doc_len`` are split into chunks of ``max_doc_len`` tokens plus a
-  remainder, counted and logged (never dropped);
-- with ``weights``, sources are blended by *token* share: each source's documents are visited in
-  a seed-shuffled order (reshuffled whenever a source is exhausted and reused) and the next
-  document always comes from the source furthest below its target share, until
-  ``blend_num_tokens`` tokens are reached. Without weights the sources are concatenated in order.
-
-``doc_lengths`` comes from the index alone; ``get_tokens(doc_id, start, length)`` reads only that
-slice of the ``.bin`` file.
+A document here is what the sampler batches and the planner sees as one sequence. Every prefix
+is checked before anything is read (``dcp.data.idx.check_prefix``: an error names a missing,
+truncated or corrupt file). Empty documents are skipped, documents longer than ``max_doc_len``
+are split into chunks that share one boundary token, and with ``weights`` sources are blended by
+token share. ``get_tokens(doc_id, start, length)`` reads only that slice of the ``.bin`` file.
+See docs/configuration.md, 'Data'.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
+from dcp.config import MAX_SEED, check_range
 from dcp.data.base import check_token_slice
 from dcp.data.idx import IndexInfo, check_prefix, first_token_out_of_range
 
@@ -59,14 +47,16 @@ class IndexedDataConfig:
     prefixes: tuple[str, ...]
     """Path prefixes of ``.bin``/``.idx`` pairs (``data/stdlib`` for ``data/stdlib.bin``)."""
     weights: tuple[float, ...] = ()
-    """Token-share blend weight per prefix (normalised); empty = concatenate sources once."""
+    """Token-share blend weight per prefix (each finite, > 0; normalised); empty = concatenate
+    sources once."""
     blend_num_tokens: int | None = None
-    """Tokens in the blended corpus (weights only); default: all tokens of all sources."""
+    """Tokens in the blended corpus (weights only; >= 1); default: all tokens of all sources."""
     max_doc_len: int | None = None
     """Split documents longer than this many tokens into chunks that share one boundary token
-    (every next-token prediction is kept, no chunk is shorter than 2); ``None`` = never split."""
+    (every next-token prediction is kept, no chunk is shorter than 2; >= 2); ``None`` = never
+    split."""
     seed: int = 0
-    """Seed of the per-source shuffles used by blending."""
+    """Seed of the per-source shuffles used by blending, in [0, 2**63 - 1]."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefixes", tuple(str(p) for p in self.prefixes))
@@ -79,16 +69,17 @@ class IndexedDataConfig:
                     f"IndexedDataConfig.weights: {len(self.weights)} weights for "
                     f"{len(self.prefixes)} prefixes; give one weight per prefix"
                 )
-            if any(not (w > 0 and math.isfinite(w)) for w in self.weights):
-                raise ValueError(f"IndexedDataConfig.weights={self.weights}: each must be > 0")
+            for i, weight in enumerate(self.weights):
+                check_range(weight, f"IndexedDataConfig.weights[{i}]", gt=0)
         elif self.blend_num_tokens is not None:
             raise ValueError("IndexedDataConfig.blend_num_tokens: only used together with weights")
-        if self.blend_num_tokens is not None and self.blend_num_tokens < 1:
-            raise ValueError(f"IndexedDataConfig.blend_num_tokens={self.blend_num_tokens}: >= 1")
-        if self.max_doc_len is not None and self.max_doc_len < 2:
-            raise ValueError(f"IndexedDataConfig.max_doc_len={self.max_doc_len}: must be >= 2")
-        if self.seed < 0:
-            raise ValueError(f"IndexedDataConfig.seed={self.seed}: must be >= 0")
+        if self.blend_num_tokens is not None:
+            check_range(
+                self.blend_num_tokens, "IndexedDataConfig.blend_num_tokens", ge=1, integer=True
+            )
+        if self.max_doc_len is not None:
+            check_range(self.max_doc_len, "IndexedDataConfig.max_doc_len", ge=2, integer=True)
+        check_range(self.seed, "IndexedDataConfig.seed", ge=0, le=MAX_SEED, integer=True)
 
 
 class _Source:

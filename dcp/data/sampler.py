@@ -1,17 +1,12 @@
 """Global-batch sampler (token budget and/or sequence count), deterministic and resumable.
 
-``GlobalBatchSampler`` walks a seed-shuffled permutation of the documents, epoch after epoch
-(forever), and cuts it greedily into global batches: a document joins the current batch while the
-sum of lengths stays within ``max_tokens_per_batch`` and the count within ``max_seqs_per_batch``;
-otherwise the batch is closed and the document opens the next one. A batch never spans two
-epochs. Every rank builds the same sampler and sees the same batches, so the planner (which needs
-all lengths of the batch) runs identically everywhere.
-
-Resuming: ``state_dict()`` records the position of the *next* batch; a fresh sampler given that
-state yields exactly the batches the uninterrupted sampler would have yielded next.
-
-Which tokens of a batch each rank reads is decided per micro-step by ``dcp.dispatch`` (the
-zig-zag shard layout of ``dcp.layout``): a rank reads only its own shards.
+``GlobalBatchSampler`` cuts a seed-shuffled permutation of the documents, epoch after epoch, into
+global batches; a batch never spans two epochs. Every rank builds the same sampler and sees the
+same batches, so the planner runs identically everywhere. ``state_dict()`` records the position
+of the next batch: a fresh sampler given that state yields exactly the batches the uninterrupted
+one would have. Which tokens of a batch each rank reads is decided per micro-step by
+``dcp.runtime.dispatch`` (the zig-zag shard layout of ``dcp.runtime.layout``). See
+docs/configuration.md, 'Data'.
 """
 
 from __future__ import annotations
@@ -22,17 +17,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dcp.config import MAX_SEED, check_range
+
 
 @dataclass(kw_only=True, frozen=True)
 class SamplerConfig:
     """How the document stream is cut into global batches."""
 
     max_tokens_per_batch: int | None = None
-    """Token budget of one global batch (sum of document lengths); ``None`` = no budget."""
+    """Token budget of one global batch (sum of document lengths; >= 1); ``None`` = no budget."""
     max_seqs_per_batch: int | None = None
-    """Most documents in one global batch; ``None`` = no limit (a token budget is then needed)."""
+    """Most documents in one global batch (>= 1); ``None`` = no limit (a token budget is then
+    needed)."""
     seed: int = 0
-    """Seed of the per-epoch shuffle."""
+    """Seed of the per-epoch shuffle, in [0, 2**63 - 1]."""
     shuffle: bool = True
     """Shuffle documents each epoch (``False``: dataset order, for debugging)."""
     drop_last: bool = False
@@ -41,16 +39,13 @@ class SamplerConfig:
     def __post_init__(self) -> None:
         if self.max_tokens_per_batch is None and self.max_seqs_per_batch is None:
             raise ValueError(
-                "SamplerConfig: set max_tokens_per_batch and/or max_seqs_per_batch (both are None)"
+                "SamplerConfig.max_tokens_per_batch: set max_tokens_per_batch and/or "
+                "max_seqs_per_batch (both are None)"
             )
-        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
-            raise ValueError(
-                f"SamplerConfig.max_tokens_per_batch={self.max_tokens_per_batch}: >= 1"
-            )
-        if self.max_seqs_per_batch is not None and self.max_seqs_per_batch < 1:
-            raise ValueError(f"SamplerConfig.max_seqs_per_batch={self.max_seqs_per_batch}: >= 1")
-        if self.seed < 0:
-            raise ValueError(f"SamplerConfig.seed={self.seed}: must be >= 0")
+        for name in ("max_tokens_per_batch", "max_seqs_per_batch"):
+            if getattr(self, name) is not None:
+                check_range(getattr(self, name), f"SamplerConfig.{name}", ge=1, integer=True)
+        check_range(self.seed, "SamplerConfig.seed", ge=0, le=MAX_SEED, integer=True)
 
 
 @dataclass(frozen=True)
@@ -198,4 +193,3 @@ class GlobalBatchSampler:
         self._cursor = int(state["cursor"])
         self._batch_in_epoch = int(state["batch_in_epoch"])
         self._step = int(state["step"])
-

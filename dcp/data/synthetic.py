@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dcp.config import MAX_SEED, check_range
 from dcp.data.base import check_token_slice
 
 LENGTH_DISTS: tuple[str, ...] = ("lognormal", "uniform", "fixed", "choice")
@@ -46,80 +47,78 @@ class SyntheticDataConfig:
     """Shape of the synthetic corpus. Same config + seed → same documents, on every rank."""
 
     num_docs: int = 4096
-    """Documents in the corpus (the sampler loops over them epoch after epoch)."""
+    """Documents in the corpus (>= 1; the sampler loops over them epoch after epoch)."""
     vocab_size: int = 257
-    """Ids ``0..vocab_size-2`` are content, ``vocab_size-1`` is EOD (257 matches ByteTokenizer)."""
+    """Ids ``0..vocab_size-2`` are content, ``vocab_size-1`` is EOD (>= 3; 257 matches
+    ByteTokenizer)."""
     length_dist: str = "lognormal"
     """One of ``lognormal``, ``uniform``, ``fixed``, ``choice``."""
     min_len: int = 16
     """Shortest document in tokens, EOD included (lognormal/uniform clip; at least 2)."""
     max_len: int = 4096
-    """Longest document in tokens (lognormal/uniform clip; ``fixed`` uses it for every doc)."""
+    """Longest document in tokens (>= min_len; lognormal/uniform clip; ``fixed`` uses it for
+    every doc)."""
     median_len: int = 256
-    """Median length of the log-normal distribution before clipping."""
+    """lognormal only: median length before clipping, in ``[min_len, max_len]``."""
     sigma: float = 1.0
-    """Log-space standard deviation of the log-normal (larger = more skewed)."""
+    """Log-space standard deviation of the log-normal (finite, >= 0; larger = more skewed)."""
     length_choices: tuple[int, ...] = ()
     """``choice`` only: the possible lengths, each in ``[min_len, max_len]``."""
     length_weights: tuple[float, ...] = ()
-    """``choice`` only: relative probability of each length (normalised; empty = uniform)."""
+    """``choice`` only: relative probability of each length (each finite, >= 0, sum > 0;
+    normalised; empty = uniform)."""
     num_strides: int = 4
-    """Strides of the arithmetic pattern are drawn from ``1..num_strides``."""
+    """Strides of the arithmetic pattern are drawn from ``1..num_strides`` (at most
+    ``vocab_size - 2``)."""
     noise_prob: float = 0.05
-    """Probability that a content token is replaced by a uniformly random content id."""
+    """Probability that a content token is replaced by a uniformly random content id, in
+    [0, 1]."""
     seed: int = 0
-    """Seed of lengths, patterns and noise."""
+    """Seed of lengths, patterns and noise, in [0, 2**63 - 1]."""
 
     def __post_init__(self) -> None:
+        def check(name: str, **bounds) -> None:
+            check_range(getattr(self, name), f"SyntheticDataConfig.{name}", **bounds)
+
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"SyntheticDataConfig.{name}={getattr(self, name)!r}: {allowed}")
+            return ValueError(f"SyntheticDataConfig.{name} {allowed}, got {getattr(self, name)!r}")
 
         # YAML gives lists; keep the frozen config hashable.
         object.__setattr__(self, "length_choices", tuple(int(n) for n in self.length_choices))
         object.__setattr__(self, "length_weights", tuple(float(w) for w in self.length_weights))
 
-        if self.num_docs < 1:
-            raise bad("num_docs", "must be >= 1")
-        if self.vocab_size < 3:
-            raise bad("vocab_size", "must be >= 3 (two content ids + EOD)")
+        check("num_docs", ge=1, integer=True)
+        check("vocab_size", ge=3, integer=True)  # two content ids + EOD
         if self.length_dist not in LENGTH_DISTS:
             raise bad("length_dist", f"must be one of {LENGTH_DISTS}")
-        if self.min_len < 2:
-            raise bad("min_len", "must be >= 2 (one content token + EOD)")
-        if self.max_len < self.min_len:
-            raise bad("max_len", f"must be >= min_len={self.min_len}")
+        check("min_len", ge=2, integer=True)  # one content token + EOD
+        check("max_len", ge=self.min_len, integer=True)
+        check("sigma", ge=0)
         if self.length_dist == "lognormal":
-            if not self.min_len <= self.median_len <= self.max_len:
-                raise bad(
-                    "median_len", f"must lie in [min_len, max_len]=[{self.min_len}, {self.max_len}]"
-                )
-            if not (self.sigma >= 0 and math.isfinite(self.sigma)):
-                raise bad("sigma", "must be a finite number >= 0")
+            check("median_len", ge=self.min_len, le=self.max_len, integer=True)
         if self.length_dist == "choice":
             if not self.length_choices:
                 raise bad("length_choices", "must be non-empty when length_dist='choice'")
-            for n in self.length_choices:
-                if not self.min_len <= n <= self.max_len:
-                    raise bad(
-                        "length_choices",
-                        f"every length must lie in [min_len, max_len]="
-                        f"[{self.min_len}, {self.max_len}]",
-                    )
+            for i, n in enumerate(self.length_choices):
+                check_range(
+                    n,
+                    f"SyntheticDataConfig.length_choices[{i}]",
+                    ge=self.min_len,
+                    le=self.max_len,
+                    integer=True,
+                )
             if self.length_weights:
                 if len(self.length_weights) != len(self.length_choices):
                     raise bad("length_weights", "must have one weight per length_choices entry")
-                if any(not (w >= 0 and math.isfinite(w)) for w in self.length_weights) or (
-                    sum(self.length_weights) <= 0
-                ):
-                    raise bad("length_weights", "weights must be finite, >= 0, sum > 0")
+                for i, w in enumerate(self.length_weights):
+                    check_range(w, f"SyntheticDataConfig.length_weights[{i}]", ge=0)
+                if sum(self.length_weights) <= 0:
+                    raise bad("length_weights", "must have a sum > 0")
         elif self.length_choices or self.length_weights:
-            raise bad("length_choices", "only used with length_dist='choice'")
-        if not 1 <= self.num_strides < self.vocab_size - 1:
-            raise bad("num_strides", f"must lie in [1, vocab_size-2={self.vocab_size - 2}]")
-        if not 0.0 <= self.noise_prob <= 1.0:
-            raise bad("noise_prob", "must lie in [0, 1]")
-        if self.seed < 0:
-            raise bad("seed", "must be >= 0")
+            raise bad("length_choices", "is only used with length_dist='choice'")
+        check("num_strides", ge=1, le=self.vocab_size - 2, integer=True)
+        check("noise_prob", ge=0, le=1)
+        check("seed", ge=0, le=MAX_SEED, integer=True)
 
 
 def draw_lengths(config: SyntheticDataConfig) -> np.ndarray:

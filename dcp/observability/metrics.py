@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dcp.config import check_range
 from dcp.observability.run_info import to_plain
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class MetricsConfig:
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0; when off, a log line every ``log_interval_steps``."""
     log_interval_steps: int = 1
-    """Steps between W&B logs and progress-bar/log-line updates (JSONL gets every step)."""
+    """Steps between W&B logs and progress-bar/log-line updates (>= 1; JSONL gets every
+    step)."""
 
     def __post_init__(self) -> None:
         if self.wandb_mode not in WANDB_MODES:
@@ -95,15 +97,7 @@ class MetricsConfig:
             raise ValueError(
                 f"metrics.progress_bar must be true or false, got {self.progress_bar!r}"
             )
-        if (
-            not isinstance(self.log_interval_steps, int)
-            or isinstance(self.log_interval_steps, bool)
-            or self.log_interval_steps < 1
-        ):
-            raise ValueError(
-                f"metrics.log_interval_steps must be an integer >= 1, "
-                f"got {self.log_interval_steps!r}"
-            )
+        check_range(self.log_interval_steps, "metrics.log_interval_steps", ge=1, integer=True)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> MetricsConfig:

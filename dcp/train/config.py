@@ -6,11 +6,14 @@ override the YAML (``dcp.config.load_config``). Unknown keys anywhere raise ``Va
 
 from __future__ import annotations
 
+import datetime
+import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dcp.config import MAX_SEED, check_range, config_keys
 from dcp.data.indexed import IndexedDataConfig
 from dcp.data.sampler import SamplerConfig
 from dcp.data.synthetic import SyntheticDataConfig
@@ -58,7 +61,8 @@ class DCPConfig:
     """A sequence no plan can fit: ``error`` (default) or ``drop`` it, counted in the metrics;
     honoured by every planner."""
     static_cp_size: int | None = None
-    """planner=static: the run's fixed CP size (null: the fastest feasible one per batch)."""
+    """planner=static: the run's fixed CP size (>= 1; null: the fastest feasible one per
+    batch)."""
     static_recompute: str | None = None
     """planner=static: the run's fixed recompute level (null: the fastest per batch)."""
     calibration: str = "online"
@@ -66,12 +70,12 @@ class DCPConfig:
     ``refit_interval_steps`` and plan with it (plans then depend on measured times, so reruns
     agree up to float rounding); ``fixed``: plan with ``spec`` as it is (bit-exact reruns)."""
     refit_interval_steps: int = 5
-    """Steps between online refits."""
+    """Steps between online refits (>= 1)."""
     refit_holdout_steps: int = 2
     """The newest steps' micro-steps are held out: a refit that predicts them worse than the
-    current model is rejected."""
+    current model is rejected (>= 1, < refit_window_steps)."""
     refit_window_steps: int = 200
-    """Refit on the micro-steps of at most this many recent steps (tracks drift)."""
+    """Refit on the micro-steps of at most this many recent steps (tracks drift; >= 1)."""
     explore: bool = True
     """Online calibration with planner=dcp: on the first step after each refit, run the longest
     sequence in a configuration no micro-step has measured yet (see
@@ -86,12 +90,11 @@ class DCPConfig:
             raise ValueError("dcp.spec must name a preset or a spec JSON path")
         check_choice(self.calibration, CALIBRATION_MODES, "dcp.calibration")
         for name in ("refit_interval_steps", "refit_holdout_steps", "refit_window_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"dcp.{name} must be >= 1, got {getattr(self, name)}")
+            check_range(getattr(self, name), f"dcp.{name}", ge=1, integer=True)
         if self.refit_holdout_steps >= self.refit_window_steps:
             raise ValueError("dcp.refit_holdout_steps must be smaller than dcp.refit_window_steps")
-        if self.static_cp_size is not None and self.static_cp_size < 1:
-            raise ValueError(f"dcp.static_cp_size must be >= 1, got {self.static_cp_size}")
+        if self.static_cp_size is not None:
+            check_range(self.static_cp_size, "dcp.static_cp_size", ge=1, integer=True)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -99,15 +102,24 @@ class TrainConfig:
     """The loop itself."""
 
     steps: int = 50
-    """Optimizer steps to run (a resumed run continues up to this step)."""
+    """Optimizer steps to run (>= 1; a resumed run continues up to this step)."""
     seed: int = 1234
-    """Seed of the model init (data and sampler have their own seeds)."""
+    """Seed of the model init, in [0, 2**63 - 1] (data and sampler have their own seeds)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
-    """A NaN/inf loss: stop with an error (default) or skip the optimizer step and go on."""
+    """A NaN/inf loss or gradient: stop with an error (default) or skip the optimizer step and
+    go on. Either way the weights are never updated with it."""
+    max_consecutive_skips: int = 5
+    """on_nonfinite=skip: this many skipped steps in a row stop the run with an error (exit 1)
+    instead of skipping forever (>= 1)."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"train.steps must be >= 1, got {self.steps}")
+        check_range(self.steps, "train.steps", ge=1, integer=True)
+        check_range(self.seed, "train.seed", ge=0, le=MAX_SEED, integer=True)
+        check_range(self.max_consecutive_skips, "train.max_consecutive_skips", ge=1, integer=True)
+
+
+_MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()
+"""torch.distributed takes timeouts as a ``timedelta``."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -115,15 +127,15 @@ class DistributedConfig:
     """How long a collective may wait for the other ranks before the job fails."""
 
     startup_timeout_s: float = 600.0
-    """While the job starts (process groups, model build, dataset open, resume)."""
+    """While the job starts (process groups, model build, dataset open, resume). Both timeouts
+    are finite, > 0 and at most ``datetime.timedelta.max`` (about 2.7 million years)."""
     timeout_s: float = 180.0
     """Once training runs: a stuck or dead rank makes every other rank fail within this, naming
     the collective it waited in. Applies to every process group DCP or megatron creates."""
 
     def __post_init__(self) -> None:
         for name in ("startup_timeout_s", "timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"distributed.{name} must be > 0, got {getattr(self, name)}")
+            check_range(getattr(self, name), f"distributed.{name}", gt=0, le=_MAX_TIMEOUT_S)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -136,10 +148,7 @@ class ParallelConfig:
     spec must have the same ``options.tensor_parallel_size``."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"parallel.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
+        check_range(self.tensor_parallel_size, "parallel.tensor_parallel_size", ge=1, integer=True)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -148,7 +157,8 @@ class ResumeConfig:
 
     allow_changes: tuple[str, ...] = ()
     """Config keys (dotted, e.g. ``optim.lr``, or a section such as ``optim``) whose change
-    against the checkpoint's config is accepted although it changes the training trajectory."""
+    against the checkpoint's config is accepted although it changes the training trajectory.
+    Each must be a key or section of this run's config."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -184,7 +194,7 @@ def source_model_config(init: Mapping[str, Any]) -> tuple[str, dict[str, Any]] |
         from dcp.train.checkpoint import load_component, resolve_checkpoint
 
         path = resolve_checkpoint(init["from_checkpoint"])
-        extra = load_component(path, "extra", weights_only=False) or {}
+        extra = load_component(path, "extra") or {}
         model = (extra.get("config") or {}).get("model")
         if model is None:
             raise ValueError(f"init.from_checkpoint: {path} records no model config")
@@ -221,7 +231,7 @@ class PretrainConfig:
     name: str = "run"
     """Run name: outputs go to ``<runs_dir>/<name>/``."""
     runs_dir: str = "runs"
-    """Parent directory of run directories."""
+    """Parent directory of run directories (a non-empty path)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -243,4 +253,20 @@ class PretrainConfig:
                 f"name must be letters, digits, '.', '_' or '-' and start with a letter or digit "
                 f"(it names the directory {self.runs_dir}/<name>), got {self.name!r}"
             )
+        if not self.runs_dir:
+            raise ValueError("runs_dir must be a non-empty path (use . for the current directory)")
+        _check_allow_changes(self.resume.allow_changes)
         check_tensor_parallel(self.model, self.parallel.tensor_parallel_size)
+
+
+def _check_allow_changes(keys: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` unless each of ``keys`` is a dotted key or section of the run
+    config, suggesting the closest one."""
+    known = config_keys(PretrainConfig)
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "e.g. optim.lr, or a section: optim"
+            raise ValueError(
+                f"resume.allow_changes: {key!r} is not a key or section of the run config; {hint}"
+            )

@@ -111,5 +111,5 @@ def test_pattern_is_learnable_and_noise_rate_matches():
     ],
 )  # fmt: skip
 def test_config_validation_names_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=rf"SyntheticDataConfig\.{field}="):
+    with pytest.raises(ValueError, match=rf"SyntheticDataConfig\.{field}\b"):
         SyntheticDataConfig(**kwargs)

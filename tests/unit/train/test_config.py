@@ -37,7 +37,7 @@ def test_overrides_beat_yaml_and_parse_values():
     [
         ("model.hiden_size=64", r"unknown config key model\.hiden_size"),
         ("trian.steps=3", r"unknown config key trian"),
-        ("train.steps=0", r"train\.steps must be >= 1"),
+        ("train.steps=0", r"train\.steps must be an integer >= 1, got 0"),
         ("model.num_query_groups=3", r"num_query_groups"),
         ("dcp.planner=fast", r"dcp\.planner must be one of .*got 'fast'"),
         ("dcp.on_oversize=raise", r"dcp\.on_oversize must be one of \('error', 'drop'\)"),
@@ -99,7 +99,10 @@ def test_70b_recipe_runs_tp8_on_256_h200s_and_its_spec_agrees():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["parallel.tensor_parallel_size=0"], r"parallel\.tensor_parallel_size must be >= 1"),
+        (
+            ["parallel.tensor_parallel_size=0"],
+            r"parallel\.tensor_parallel_size must be an integer >= 1",
+        ),
         (["parallel.tensor_parallel_size=3"], r"model\.num_attention_heads=4 must be divisible"),
         (
             ["parallel.tensor_parallel_size=2", "model.make_vocab_size_divisible_by=1"],

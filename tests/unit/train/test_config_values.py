@@ -1,0 +1,282 @@
+"""Config values: every numeric field refuses what no run can use (in one line naming the key and
+the range), string fields keep overrides as typed, bad YAML is one line, a model that cannot fit
+is refused before it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from pathlib import Path
+
+import pytest
+
+import dcp.model
+from dcp.config import config_keys, load_config
+from dcp.model import ModelConfig, check_model_fits, model_state_bytes
+from dcp.train.config import PretrainConfig
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "pretrain/configs/tiny_cpu.yaml"
+
+
+def _load(*overrides: str) -> PretrainConfig:
+    return load_config(PretrainConfig, TINY, list(overrides))
+
+
+def _refused(*overrides: str) -> str:
+    """The one-line message ``overrides`` are refused with."""
+    with pytest.raises(ValueError) as info:
+        _load(*overrides)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optim.lr=inf", r"^optim\.lr must be a finite number > 0, got inf"),
+        ("optim.eps=0", r"^optim\.eps must be a finite number > 0, got 0\.0"),
+        ("optim.eps=-1", r"^optim\.eps must be a finite number > 0"),
+        ("optim.eps=nan", r"^optim\.eps must be a finite number > 0, got nan"),
+        ("optim.clip_grad=nan", r"^optim\.clip_grad must be a finite number >= 0"),
+        ("optim.weight_decay=nan", r"^optim\.weight_decay must be a finite number >= 0"),
+        ("optim.weight_decay=inf", r"^optim\.weight_decay must be a finite number >= 0, got inf"),
+        ("model.init_std=inf", r"^model\.init_std must be a finite number > 0, got inf"),
+        ("model.norm_eps=-1", r"^model\.norm_eps must be a finite number > 0, got -1\.0"),
+        ("model.norm_eps=nan", r"^model\.norm_eps must be a finite number > 0"),
+        ("model.rotary_base=inf", r"^model\.rotary_base must be a finite number > 0"),
+        (
+            "distributed.timeout_s=inf",
+            r"^distributed\.timeout_s must be a finite number > 0 and <= 8\.64e\+13",
+        ),
+        ("distributed.startup_timeout_s=1e300", r"^distributed\.startup_timeout_s must be"),
+        (
+            "train.seed=-1",
+            r"^train\.seed must be an integer >= 0 and <= 9223372036854775807, got -1",
+        ),
+        ("runs_dir=", r"^runs_dir must be a non-empty path"),
+        ("resume.allow_changes=[not_a_key]", r"^resume\.allow_changes: 'not_a_key' is not"),
+        ("resume.allow_changes=[optim.lrr]", r"did you mean 'optim\.lr'"),
+    ],
+)
+def test_unusable_values_are_refused_naming_key_and_range(override, match):
+    message = _refused(override)
+    assert re.search(match, message), message
+
+
+@pytest.mark.parametrize("allowed", [["optim.lr"], ["optim"], ["model.rope_scaling.factor"]])
+def test_allow_changes_takes_keys_and_sections(allowed):
+    assert _load(f"resume.allow_changes=[{','.join(allowed)}]").resume.allow_changes == tuple(
+        allowed
+    )
+
+
+def test_nested_sections_are_named_by_their_dotted_path():
+    assert _refused("data.sampler.seed=-1").startswith("data.sampler.seed must be")
+    assert _refused("model.rope_scaling={type: linear, factor: 0}").startswith(
+        "model.rope_scaling.factor must be a finite number > 0"
+    )
+
+
+def _numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, type]]:
+    """(dotted key, int or float) of every numeric field under ``cls``, lists of numbers and
+    optional ones included."""
+    out = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = typing.get_type_hints(cls)[f.name]
+        union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+        for arg in typing.get_args(tp) if union else (tp,):
+            if dataclasses.is_dataclass(arg):
+                out += _numeric_fields(arg, f"{key}.")
+            elif arg in (int, float):
+                out.append((key, arg))
+            elif typing.get_origin(arg) is tuple and typing.get_args(arg)[0] in (int, float):
+                out.append((key + "[]", typing.get_args(arg)[0]))
+    return out
+
+
+# Overrides that make a field matter (its check runs only in that setting).
+_CONTEXT = {
+    "model.rope_scaling": ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8"],
+    "data.indexed.blend_num_tokens": ["data.indexed.weights=[1.0]"],
+    "data.synthetic.length_choices": ["data.synthetic.length_dist=choice"],
+    "data.synthetic.length_weights": [
+        "data.synthetic.length_dist=choice",
+        "data.synthetic.length_choices=[64]",
+    ],
+}
+_BAD = {int: ["-1"], float: ["nan", "inf", "-inf"]}
+NUMERIC_CASES = [(key, bad) for key, tp in _numeric_fields(PretrainConfig) for bad in _BAD[tp]]
+
+
+def test_the_walk_finds_every_section():
+    keys = {key for key, _ in NUMERIC_CASES}
+    assert {"optim.eps", "model.rope_scaling.factor", "data.indexed.weights[]"} <= keys
+    assert {"data.synthetic.sigma", "metrics.log_interval_steps", "checkpoint.keep_last"} <= keys
+
+
+@pytest.mark.parametrize("key, bad", NUMERIC_CASES)
+def test_every_numeric_field_refuses_non_finite_and_negative_values(key, bad):
+    field = key.removesuffix("[]")
+    context = [o for prefix, extra in _CONTEXT.items() if field.startswith(prefix) for o in extra]
+    value = f"[{bad}]" if key.endswith("[]") else bad
+    message = _refused(*context, f"{field}={value}")
+    assert message.startswith(field), message
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("name=nan", "nan"),
+        ("name=2024", "2024"),
+        ("name=true", "true"),
+        ("name=1e-3", "1e-3"),
+        ("name=0x10", "0x10"),
+        ("name=2024-01-01", "2024-01-01"),
+        ("name=null", "null"),
+        ("runs_dir=123", "123"),
+        ("dcp.spec=1.5", "1.5"),
+        ("checkpoint.root_dir=2024", "2024"),
+    ],
+)
+def test_string_fields_keep_the_override_as_typed(override, expected):
+    key, _ = override.split("=", 1)
+    node = _load(override)
+    for part in key.split("."):
+        node = getattr(node, part)
+    assert node == expected
+
+
+def test_a_path_read_before_the_config_is_built_keeps_the_text():
+    with pytest.raises(ValueError, match="2024 is not a Hugging Face model directory"):
+        _load("init.from_hf=2024")
+
+
+def test_typed_fields_still_parse_overrides():
+    cfg = _load("metrics.wandb_group=null", "metrics.wandb_tags=[a, b]", "optim.lr=1e-3")
+    assert cfg.metrics.wandb_group is None and cfg.metrics.wandb_tags == ("a", "b")
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match=r"metrics\.wandb_tags\[1\]: expected a string"):
+        _load("metrics.wandb_tags=[a, 2]")
+
+
+def test_only_the_last_override_of_a_key_gives_its_text():
+    assert _load("dcp={spec: cpu-tiny}", "dcp.spec=2024").dcp.spec == "2024"
+    # A section given as a YAML mapping is read as YAML, also where an earlier override of one
+    # of its keys gave text.
+    message = _refused("dcp.spec=2024", "dcp={spec: 2024}")
+    assert message == "dcp.spec: expected a string, got 2024", message
+
+
+def test_yaml_file_values_are_not_reread_as_text(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("name: 2024\n")
+    with pytest.raises(ValueError, match="name: expected a string, got 2024"):
+        load_config(PretrainConfig, path)
+
+
+@pytest.mark.parametrize(
+    "override", ["name=[unclosed", "train.steps={", "metrics.wandb_tags=[a, b", "name='x"]
+)
+def test_override_that_is_not_yaml_is_one_line(override):
+    message = _refused(override)
+    assert message.startswith(f"override {override!r}: not valid YAML ("), message
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR",  # not UTF-8
+        b"\x00\x01\x02 binary",  # UTF-8 but not printable
+        b'"""A module."""\n\nimport os\n\n\ndef main():\n    return os.getcwd()\n',  # Python
+        b"model: {hidden_size: 64\n",
+        b"- a\n- b\n",  # YAML, but not a mapping
+    ],
+)
+def test_config_file_that_is_not_yaml_is_one_line(tmp_path, content):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        load_config(PretrainConfig, path)
+    message = str(info.value)
+    assert message.startswith(f"config file {path}") and "\n" not in message, message
+
+
+def test_config_keys_lists_fields_and_sections():
+    keys = config_keys(PretrainConfig)
+    assert {"name", "optim", "optim.lr", "model.rope_scaling.factor", "data.sampler.seed"} <= keys
+    assert "optim.lrr" not in keys
+
+
+GIB = 2**30
+
+
+@pytest.fixture
+def free_memory(monkeypatch):
+    """Set the memory this process may use (bytes)."""
+
+    def set_free(num_bytes: int) -> None:
+        monkeypatch.setattr(dcp.model, "available_memory_bytes", lambda: num_bytes)
+
+    return set_free
+
+
+def test_a_model_that_fits_passes(free_memory):
+    free_memory(1 * GIB)
+    check_model_fits(_load().model, tensor_parallel_size=1)
+
+
+def test_a_model_too_large_for_memory_is_refused_with_the_numbers(free_memory):
+    free_memory(64 * GIB)
+    cfg = _load("model.hidden_size=100000").model
+    with pytest.raises(ValueError) as info:
+        check_model_fits(cfg, tensor_parallel_size=1)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"{cfg.num_params():,} parameters" in message and "64.0 GiB" in message
+    assert "model.hidden_size" in message and "parallel.tensor_parallel_size" in message
+
+
+@pytest.mark.parametrize(
+    "dtype, tp, shards, per_param",
+    [
+        ("fp32", 1, 1, 4 + 4 + 8),  # fp32 weights are Adam's master copy
+        ("bf16", 1, 1, 2 + 4 + 12),  # bf16 weights, fp32 grads, fp32 master + moments
+        ("fp32", 2, 1, (4 + 4 + 8) / 2),
+        ("bf16", 1, 4, 2 + 4 + 12 / 4),  # distributed optimizer: state sharded
+    ],
+)
+def test_model_state_bytes_per_rank(dtype, tp, shards, per_param):
+    cfg = ModelConfig(dtype=dtype)
+    need = model_state_bytes(cfg, tensor_parallel_size=tp, optimizer_shards=shards)
+    assert need == pytest.approx(cfg.num_params() * per_param)
+
+
+def test_the_limit_is_the_per_rank_need(free_memory):
+    cfg = ModelConfig()
+    need = model_state_bytes(cfg, tensor_parallel_size=1)
+    free_memory(int(need))
+    check_model_fits(cfg, tensor_parallel_size=1)
+    free_memory(int(need) - 1)
+    with pytest.raises(ValueError, match="optim.distributed"):
+        check_model_fits(cfg, tensor_parallel_size=1)
+
+
+def test_cpu_memory_is_shared_by_the_local_ranks(monkeypatch, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  16000000 kB\nMemAvailable:  8000000 kB\n")
+    monkeypatch.setattr(dcp.model, "MEMINFO_PATH", meminfo)
+    monkeypatch.setattr(dcp.model.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert dcp.model.available_memory_bytes() == 8000000 * 1024 // 4
+
+
+def test_gpu_memory_is_the_free_memory_of_the_ranks_own_gpu(monkeypatch):
+    monkeypatch.setattr(dcp.model.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dcp.model.torch.cuda, "mem_get_info", lambda: (5 * GIB, 80 * GIB))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert dcp.model.available_memory_bytes() == 5 * GIB
