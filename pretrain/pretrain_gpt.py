@@ -2,7 +2,9 @@
     --config pretrain/configs/tiny_cpu.yaml [key.sub=value ...]
 
 Exit codes: 0 done (or stopped cleanly by SIGTERM/SIGUSR1 after saving a checkpoint), 2 a
-config, data or run-directory problem (one message, on rank 0), 1 anything else.
+config, data, checkpoint or run-directory problem (one line; a retry would fail the same way),
+1 anything else. torchrun reports any failing worker as 1: the worker's own code is in the exit
+record ``pretrain.supervise`` reads (``dcp.train.exit_record``).
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ import torch.distributed as dist
 import dcp
 from dcp.config import load_config
 from dcp.runtime.collectives import CollectiveTimeout
-from dcp.train.config import PretrainConfig
-from dcp.train.lock import RunLockedError
+from dcp.train.agree import ONE_LINE_ERRORS, RankFailure, agree, exit_code, one_line
+from dcp.train.config import DistributedConfig, PretrainConfig
+from dcp.train.exit_record import write_exit_record
 from dcp.train.trainer import Trainer
-
-USER_ERRORS = (ValueError, FileNotFoundError, RunLockedError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,54 +41,64 @@ def main(argv: list[str] | None = None) -> int:
     # megatron-core lists every parameter at INFO and warns about optional GPU-only packages.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|absl|full scope).*")
+    cfg, config_error = None, None
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
     except ValueError as exc:
-        return _fail(rank, f"config error: {exc}", code=2)
+        config_error = exc
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    startup = cfg.distributed.startup_timeout_s
+    startup = (cfg.distributed if cfg else DistributedConfig()).startup_timeout_s
     dist.init_process_group(
         backend="nccl" if torch.cuda.is_available() else "gloo",
         timeout=timedelta(seconds=startup),
     )
     try:
+        # A config that reads differently on one rank (a file only one node sees) fails every
+        # rank together, like every other start-up phase (dcp.train.agree).
+        agree("reading the config", lambda: _raise(config_error))
         # megatron patches this machine needs + parallel state (TP groups of consecutive ranks)
         dcp.init(timeout_s=startup, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
         Trainer(cfg).train()
-    except USER_ERRORS as exc:
-        return _fail(rank, f"error: {exc}", code=2)
+    except RankFailure as exc:
+        # Every rank raised the same error after agreeing on it: rank 0 says it once.
+        return _fail(rank, f"error: {exc}", code=exc.exit_code, agreed=True)
     except CollectiveTimeout as exc:
-        return _fail(rank, f"error: {exc}", code=1, every_rank=True)
+        return _fail(rank, f"error: {exc}", code=1)
+    except Exception as exc:
+        # This rank alone knows: it says so and leaves at once; torchrun stops the others.
+        if not isinstance(exc, ONE_LINE_ERRORS):  # a bug: keep the traceback for the report
+            logging.getLogger(__name__).exception("rank %d failed", rank)
+        return _fail(rank, f"error: {one_line(exc)}", code=exit_code(exc))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
 
 
-def _fail(rank: int, message: str, *, code: int, every_rank: bool = False) -> int:
-    """One concise line instead of a traceback per rank: the error is the same on every rank
-    (config, data and directory checks run identically everywhere), except a timeout, which
-    only the ranks that waited know about. Ranks leave together: torchrun stops the others as
-    soon as one exits with an error, which could cut rank 0 off before it says why."""
-    if rank == 0 or every_rank:
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _fail(rank: int, message: str, *, code: int, agreed: bool = False) -> int:
+    """One line instead of a traceback per rank, and the exit code in the exit record.
+
+    An ``agreed`` error is the same on every rank: rank 0 prints it, and the ranks leave
+    together (torchrun stops the others as soon as one exits with an error, which could cut rank
+    0 off before it says why). Any other error only this rank knows: it prints it and leaves at
+    once, never waiting in a collective the other ranks are not in."""
+    if rank == 0 or not agreed:
         print(f"[rank{rank}] {message}", file=sys.stderr, flush=True)
-    if not every_rank:
+        write_exit_record(code, message, rank=rank)
+    if agreed:
         try:
-            if not dist.is_initialized():
-                dist.init_process_group(
-                    backend="gloo", timeout=timedelta(seconds=_EXIT_TOGETHER_TIMEOUT_S)
-                )
             dist.barrier()
         except Exception:  # noqa: BLE001 - leaving anyway; the message is already out
             pass
     return code
-
-
-# How long ranks wait for each other to leave after a config error (before any work started).
-_EXIT_TOGETHER_TIMEOUT_S = 60
 
 
 if __name__ == "__main__":

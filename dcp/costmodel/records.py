@@ -16,6 +16,7 @@ contract (extended only compatibly; readers ignore keys they do not know)::
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from pathlib import Path
 from dcp.plan import RECOMPUTE_LEVELS, check_choice
 
 _REQUIRED = ("step", "ranks", "seq_lens", "recompute", "time_s")
+
+logger = logging.getLogger(__name__)
 
 
 def _is_int(value: object) -> bool:
@@ -111,20 +114,26 @@ class MicroStepRecord:
 
 
 def read_records(path: str | Path) -> list[MicroStepRecord]:
-    """All records of a JSONL file, in file order; blank lines are skipped. Raises
-    ``ValueError`` naming the file and the 1-based line of the first malformed record."""
+    """All records of a JSONL file, in file order; blank lines are skipped. A truncated last
+    line (what a crash or a full disk leaves: every complete line ends with a newline) is
+    skipped with a warning; any other malformed record raises ``ValueError`` naming the file
+    and its 1-based line."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise ValueError(f"cannot read micro-step records from {path}: {exc}") from exc
+    lines = text.split("\n")
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             records.append(MicroStepRecord.from_dict(json.loads(line)))
         except (json.JSONDecodeError, ValueError, TypeError) as exc:
+            if number == len(lines):
+                logger.warning("%s:%d: skipping truncated last line (%s)", path, number, exc)
+                continue
             raise ValueError(f"{path} line {number}: {exc}") from exc
     return records
 

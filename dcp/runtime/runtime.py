@@ -389,16 +389,21 @@ class Runtime:
     ) -> StepStats:
         """One optimizer step on the global batch ``source`` executed as ``plan``.
 
-        A non-finite global loss raises ``FloatingPointError`` (naming the step), or, with
+        A non-finite global loss or a non-finite gradient on any rank raises
+        ``FloatingPointError`` (naming the step) before the optimizer runs, or, with
         ``skip_nonfinite``, leaves the weights untouched and returns ``skipped=True``.
         """
         start = time.perf_counter()
         result = self.forward_backward(plan, source)
+        # The reduced gradients are checked before the optimizer sees them (megatron's
+        # optimizer only checks with an fp16 loss scaler): one flag per rank rides along with
+        # the loss reduction, so the check costs no extra collective.
         totals = torch.tensor(
             [
                 self._per_planner_rank(result.loss_sum),
                 float(result.tokens_read),
                 self._per_planner_rank(result.padding_tokens),
+                0.0 if self._grads_finite() else 1.0,
             ],
             dtype=torch.float64,
         )
@@ -415,11 +420,17 @@ class Runtime:
             else self.optimizer.param_groups[0]["lr"]
         )
         grad_norm = float("nan")
-        skipped = not math.isfinite(loss)
+        nonfinite = [
+            what
+            for what, bad in (("loss", not math.isfinite(loss)), ("gradients", totals[3] > 0))
+            if bad
+        ]
+        skipped = bool(nonfinite)
         if skipped and not skip_nonfinite:
             raise FloatingPointError(
-                f"non-finite loss {loss} at step {self.step} (plan {plan.planner}, "
-                f"{len(plan.steps)} micro-steps); set train.on_nonfinite=skip to skip such steps"
+                f"non-finite {' and '.join(nonfinite)} at step {self.step + 1} (loss {loss}, plan "
+                f"{plan.planner}, {len(plan.steps)} micro-steps); the weights were not updated; "
+                "set train.on_nonfinite=skip to skip such steps"
             )
         if not skipped:
             if self.lr_schedule:
@@ -447,6 +458,17 @@ class Runtime:
             skipped=skipped,
             compute_time_s=float(slowest[0]),
         )
+
+    def _grads_finite(self) -> bool:
+        """Whether every gradient this rank holds is finite (a NaN or inf anywhere in a local
+        gradient also reaches the reduced one, so a check on every rank covers the sum)."""
+        grads = [p.main_grad for p in self.parameters() if p.requires_grad]
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+
+    def weights_finite(self) -> bool:
+        """Whether every weight this rank holds is finite (local; checkpoints are refused
+        otherwise)."""
+        return all(bool(torch.isfinite(p).all()) for p in self.parameters())
 
     # -- checkpoint state ------------------------------------------------------------------
     def model_state(self) -> dict | None:

@@ -93,6 +93,20 @@ def choose_exploration(
     return {index: (cp, level)}
 
 
+def restore_records(run_dir: Path, start_step: int) -> list[MicroStepRecord]:
+    """The records of steps up to ``start_step`` from ``run_dir``'s file, which is rewritten to
+    hold just those (later lines belong to steps this run will redo; a truncated last line is
+    dropped). Local file work only: rank 0 runs it, then shares the result."""
+    path = Path(run_dir) / RECORDS_FILENAME
+    records: list[MicroStepRecord] = []
+    if start_step > 0 and path.exists():
+        records = [r for r in read_records(path) if r.step <= start_step]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    append_records(path, records)
+    return records
+
+
 class OnlineCalibrator:
     """The run's micro-step records and, in online mode, the refitted spec."""
 
@@ -102,16 +116,18 @@ class OnlineCalibrator:
         *,
         spec: dict,
         run_dir: Path,
-        start_step: int,
+        records: list[MicroStepRecord],
         state: dict | None = None,
     ) -> None:
+        """``records``: the run's records so far (``restore_records``, the same on every rank);
+        ``state``: a checkpoint's ``state_dict()`` (the refitted spec and its version)."""
         self.cfg = dcp_cfg
         self.prior = spec
         self.spec = dict(state["spec"]) if state else spec
         self.version = int(state["version"]) if state else 0
         self.path = Path(run_dir) / RECORDS_FILENAME
         self.rank = dist.get_rank()
-        self.records = self._restore(start_step)
+        self.records = list(records)
 
     @property
     def online(self) -> bool:
@@ -119,20 +135,6 @@ class OnlineCalibrator:
 
     def state_dict(self) -> dict:
         return {"spec": self.spec, "version": self.version}
-
-    def _restore(self, start_step: int) -> list[MicroStepRecord]:
-        """Records of steps up to ``start_step`` (rank 0's file, shared with every rank); later
-        lines belong to steps this run will redo and are dropped from the file."""
-        records: list[MicroStepRecord] = []
-        if self.rank == 0:
-            if start_step > 0 and self.path.exists():
-                records = [r for r in read_records(self.path) if r.step <= start_step]
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
-            append_records(self.path, records)
-        box = [records]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def exploration(
         self, step: int, lengths: list[int], cost_model: CostModel

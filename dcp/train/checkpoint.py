@@ -29,10 +29,11 @@ for a sharded (distributed) optimizer.
 Files are ``torch.save`` files, not megatron-core's ``dist_checkpointing`` (docs/design.md says
 why).
 
-Files are loaded with ``torch.load(weights_only=True)`` by default: RNG state is stored as plain
-tensors, ints and lists (see ``capture_rng_state``), and torch.optim/LR-scheduler state dicts
-load that way. Pass ``weights_only=False`` only for checkpoints you wrote yourself whose
-``extra``/sampler state holds other Python objects (it unpickles arbitrary code).
+Checkpoints may come from someone else (``init.from_checkpoint``, ``dcp-to-hf``), so files are
+only ever loaded with ``torch.load(weights_only=True)``: tensors and plain data, never code. A
+file holding anything else is refused with ``UnsafeCheckpointError`` naming it. Every component
+DCP writes is plain data (RNG state as tensors, ints and lists: ``capture_rng_state``). The
+manifest is validated before any file it names is opened.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable, Collection
@@ -54,12 +57,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from dcp.config import check_range
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointConfig",
     "CorruptCheckpointError",
     "LoadedCheckpoint",
+    "UnsafeCheckpointError",
     "capture_rng_state",
     "find_latest",
     "is_complete",
@@ -95,9 +101,9 @@ class CheckpointConfig:
     root_dir: str | None = None
     """Directory holding ``step_*`` checkpoints; null = the run directory's ``checkpoints/``."""
     interval_steps: int = 0
-    """Save every this many steps (and after the last step); 0 = never save."""
+    """Save every this many steps (and after the last step; >= 0); 0 = never save."""
     keep_last: int = 2
-    """Keep the newest this many complete checkpoints; 0 = keep all."""
+    """Keep the newest this many complete checkpoints (>= 0); 0 = keep all."""
     resume: bool = True
     """Resume from the newest complete checkpoint under ``root_dir`` when there is one."""
 
@@ -107,9 +113,7 @@ class CheckpointConfig:
                 f"checkpoint.root_dir must be a non-empty path or null, got {self.root_dir!r}"
             )
         for name in ("interval_steps", "keep_last"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"checkpoint.{name} must be an integer >= 0, got {value!r}")
+            check_range(getattr(self, name), f"checkpoint.{name}", ge=0, integer=True)
         if not isinstance(self.resume, bool):
             raise ValueError(f"checkpoint.resume must be true or false, got {self.resume!r}")
 
@@ -223,10 +227,22 @@ def _file_name(component: str, rank: int | None) -> str:
 
 
 def _save_file(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write and fsync ``obj``; a failed write (full disk, file size limit) raises ``OSError``
+    naming ``path``, whatever layer of ``torch.save`` noticed it."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except RuntimeError as exc:
+        # torch.save's zip writer reports the OSError of a failed write as a RuntimeError
+        # ("unexpected pos ..."); the OSError is its context.
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, cause.strerror, str(path)) from None
+        raise
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -374,13 +390,46 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of ``path`` if it is well formed, else ``None`` (not a checkpoint).
+
+    Well formed means the types DCP writes and file names that stay inside ``path``: a
+    manifest is read before any checksum, so it must not make DCP open files elsewhere.
+    """
     try:
         manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(manifest, dict) or manifest.get("format_version") not in _READABLE_VERSIONS:
         return None
-    return manifest
+    files, digests = manifest.get("files"), manifest.get("sha256", {})
+    per_rank = manifest.get("per_rank")
+    well_formed = (
+        _is_count(manifest.get("step"))
+        and _is_count(manifest.get("world_size"))
+        and manifest["world_size"] >= 1
+        and isinstance(per_rank, list)
+        and all(c in COMPONENTS for c in per_rank)
+        and isinstance(files, dict)
+        and all(_is_file_name(f) and _is_count(size) for f, size in files.items())
+        and isinstance(digests, dict)
+        and all(f in files and isinstance(d, str) for f, d in digests.items())
+    )
+    return manifest if well_formed else None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_file_name(name: Any) -> bool:
+    """A plain file name of this directory: no path separators, not ``.`` or ``..``."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -393,6 +442,41 @@ def _sha256(path: Path) -> str:
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint file's bytes differ from what its manifest recorded."""
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds something other than tensors and plain data (or is no
+    ``torch.save`` file at all): it is refused, never unpickled."""
+
+
+def load_file(file: Path, *, map_location: str | torch.device = "cpu", mmap: bool = False) -> Any:
+    """One checkpoint file, tensors and plain data only (``torch.load(weights_only=True)``);
+    anything else raises ``UnsafeCheckpointError`` naming the file, in one line."""
+    try:
+        return torch.load(file, map_location=map_location, mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{file}: refused to load: {_refusal(str(exc))}; DCP loads checkpoint files as "
+            "tensors and plain data only and never runs code from them"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise UnsafeCheckpointError(
+            f"{file}: not a readable checkpoint file ({_first_line(str(exc))})"
+        ) from None
+
+
+def _refusal(message: str) -> str:
+    """The reason in torch's multi-line ``weights_only`` refusal (its first specific line)."""
+    generic = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    for line in message.splitlines():
+        line = line.strip()
+        if line and not line.startswith(generic):
+            return line.removeprefix("WeightsUnpickler error:").strip() or line
+    return "it holds objects other than tensors and plain data"
+
+
+def _first_line(message: str) -> str:
+    return next((line.strip() for line in message.splitlines() if line.strip()), "unknown error")
 
 
 def verify_checksums(path: str | os.PathLike[str]) -> None:
@@ -418,9 +502,10 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
         return False
     for file, size in manifest["files"].items():
         try:
-            if (p / file).stat().st_size != size:
-                return False
+            info = (p / file).lstat()  # a link could point anywhere: not a checkpoint file
         except OSError:
+            return False
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             return False
     return True
 
@@ -466,14 +551,14 @@ def load_checkpoint(
     rank: int,
     world_size: int | None = None,
     map_location: str | torch.device = "cpu",
-    weights_only: bool = True,
 ) -> LoadedCheckpoint:
-    """Load one complete checkpoint directory for ``rank``.
+    """Load one complete checkpoint directory for ``rank`` (tensors and plain data only).
 
-    Raises ``ValueError`` if the directory is incomplete, or if it was written by a different
-    number of ranks than ``world_size`` while holding per-rank state. The model state, the one
-    file every rank reads whole, is memory-mapped when loaded to the CPU: a rank copies only the
-    tensors (under TP: the slices) it keeps, and a node's ranks share one copy in the page cache.
+    Raises ``ValueError`` if the directory is incomplete, if a file holds anything else
+    (``UnsafeCheckpointError``), or if it was written by a different number of ranks than
+    ``world_size`` while holding per-rank state. The model state, the one file every rank reads
+    whole, is memory-mapped when loaded to the CPU: a rank copies only the tensors (under TP: the
+    slices) it keeps, and a node's ranks share one copy in the page cache.
     """
     p = Path(path)
     if not is_complete(p):
@@ -494,22 +579,14 @@ def load_checkpoint(
         raise ValueError(f"{p} has per-rank state for ranks 0..{saved_world - 1}, not {rank}")
     values = {}
     for component in COMPONENTS:
-        file = p / _file_name(component, rank if component in per_rank else None)
-        try:
-            values[component] = torch.load(
-                file,
-                map_location=map_location,
-                weights_only=weights_only,
-                mmap=component == "model_state" and str(map_location) == "cpu",
-            )
-        except Exception as exc:
-            hint = (
-                " (it holds objects weights_only=True refuses; if you wrote this "
-                "checkpoint yourself, load with weights_only=False)"
-                if weights_only
-                else ""
-            )
-            raise RuntimeError(f"cannot load {file}: {exc}{hint}") from exc
+        name = _file_name(component, rank if component in per_rank else None)
+        if name not in manifest["files"]:
+            raise ValueError(f"{p}: the manifest lists no {name}")
+        values[component] = load_file(
+            p / name,
+            map_location=map_location,
+            mmap=component == "model_state" and str(map_location) == "cpu",
+        )
     return LoadedCheckpoint(step=int(manifest["step"]), path=p, **values)
 
 
@@ -528,17 +605,16 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     return found
 
 
-def load_component(
-    path: str | os.PathLike[str], component: str, *, mmap: bool = False, weights_only: bool = True
-) -> Any:
+def load_component(path: str | os.PathLike[str], component: str, *, mmap: bool = False) -> Any:
     """One rank-0 component (e.g. ``model_state``, ``extra``) of the checkpoint directory
-    ``path``; ``mmap`` maps tensors from the file instead of reading them into memory."""
+    ``path`` (tensors and plain data only); ``mmap`` maps tensors from the file instead of
+    reading them into memory."""
     if component not in COMPONENTS:
         raise ValueError(f"unknown checkpoint component {component!r}; known: {COMPONENTS}")
     file = Path(path) / _file_name(component, None)
     if not file.is_file():
         raise ValueError(f"{file} does not exist (per-rank component, or not a checkpoint)")
-    return torch.load(file, map_location="cpu", mmap=mmap, weights_only=weights_only)
+    return load_file(file, mmap=mmap)
 
 
 def load_latest(
@@ -547,7 +623,6 @@ def load_latest(
     rank: int,
     world_size: int | None = None,
     map_location: str | torch.device = "cpu",
-    weights_only: bool = True,
 ) -> LoadedCheckpoint | None:
     """The newest complete checkpoint under ``root`` for ``rank``, or ``None`` if none exists.
 
@@ -557,10 +632,4 @@ def load_latest(
     path = find_latest(root)
     if path is None:
         return None
-    return load_checkpoint(
-        path,
-        rank=rank,
-        world_size=world_size,
-        map_location=map_location,
-        weights_only=weights_only,
-    )
+    return load_checkpoint(path, rank=rank, world_size=world_size, map_location=map_location)

@@ -1,4 +1,5 @@
-"""One run per run directory: ``<run_dir>/.lock`` names the process that holds it.
+"""One run per directory: ``<dir>/.lock`` names the process that holds it (the trainer locks
+its run directory and its checkpoint directory).
 
 A second run with the same name refuses to start and says who holds the directory. A lock whose
 process is gone (killed, crashed, preempted) is stale and is taken over. Liveness is checked by
@@ -48,8 +49,9 @@ def _alive(holder: dict) -> bool:
 class RunLock:
     """Held from ``acquire()`` to ``release()`` by the process that created it."""
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], *, what: str = "run directory") -> None:
         self.path = Path(run_dir) / LOCK_NAME
+        self.what = what
         self.held = False
 
     def acquire(self) -> None:
@@ -71,9 +73,9 @@ class RunLock:
                         "%Y-%m-%d %H:%M:%S", time.localtime(holder["since_unix_s"])
                     )
                     raise RunLockedError(
-                        f"run directory {self.path.parent} is in use by pid {holder['pid']} on "
-                        f"{holder['host']} since {since}; use another name=..., or stop that "
-                        "run first"
+                        f"{self.what} {self.path.parent} is in use by pid {holder['pid']} on "
+                        f"{holder['host']} since {since}; use another name=... (or "
+                        "checkpoint.root_dir=...), or stop that run first"
                     ) from None
                 self.path.unlink(missing_ok=True)  # stale: its process is gone
                 continue

@@ -43,8 +43,8 @@ class StopRequest:
             self._first_s = now
             self.signal_name = signal.Signals(signum).name
             logger.warning(
-                "%s received: finishing the current step, then saving a checkpoint and exiting "
-                "(send it again after %.0f s to exit at once)",
+                "%s received: finishing the current step, then saving a checkpoint and exiting, "
+                "if every rank is still there (send it again after %.0f s to exit at once)",
                 self.signal_name,
                 self.repeat_window_s,
             )

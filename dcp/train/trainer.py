@@ -3,21 +3,15 @@
 Every rank runs the same loop: the sampler and the planner are deterministic, so every rank
 computes the same plan for the same batch without any broadcast (the schedule's checksum
 all-reduce guards that). The plan for step n+1 is computed in a background thread while step n
-runs; ``plan_time_s`` is logged either way so its cost is visible.
-
-Around the loop: the run directory is locked for this run (``dcp.train.lock``); the output and
-checkpoint directories are checked writable before any work; a resume refuses a config that
-changes the trajectory (``dcp.train.resume``) and continues the earlier W&B run; once training
-runs, every process group gets ``distributed.timeout_s`` and a timeout names where this rank
-waited; SIGTERM/SIGUSR1 finish the current step, checkpoint and stop (``dcp.train.signals``).
-"""
+runs. Start-up phases end in a status exchange, so a failure on one rank stops every rank
+(``dcp.train.agree``); the run and checkpoint directories are locked for this run. See
+docs/operations.md for resume, signals, timeouts and non-finite values."""
 
 from __future__ import annotations
 
 import logging
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +21,7 @@ import torch.distributed as dist
 from dcp.config import to_dict
 from dcp.costmodel.spec import runtime_options
 from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
+from dcp.model import check_model_fits
 from dcp.observability.memory import max_peak_memory_bytes, reset_peak_memory
 from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
 from dcp.observability.record import PlanStats, StepRecord, model_flops
@@ -38,6 +33,7 @@ from dcp.runtime.collectives import (
     set_collective_timeout,
 )
 from dcp.runtime.runtime import Runtime, StepStats
+from dcp.train.agree import ReportedError, agree
 from dcp.train.batches import (
     BatchPlanner,
     DatasetSource,
@@ -46,8 +42,9 @@ from dcp.train.batches import (
     longest_seq_len,
     seq_lengths,
 )
-from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator
+from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator, restore_records
 from dcp.train.checkpoint import (
+    LoadedCheckpoint,
     capture_rng_state,
     find_latest,
     load_checkpoint,
@@ -57,13 +54,26 @@ from dcp.train.checkpoint import (
     save_checkpoint,
 )
 from dcp.train.config import PretrainConfig
-from dcp.train.lock import RunLock, RunLockedError
-from dcp.train.resume import check_resume_config, check_resume_parallelism
+from dcp.train.lock import RunLock
+from dcp.train.resume import (
+    check_checkpoint_owner,
+    check_resume_config,
+    check_resume_parallelism,
+)
 from dcp.train.signals import StopRequest
 from dcp.weights.canonical import load_canonical
-from dcp.weights.convert import load_hf_weights
+from dcp.weights.convert import check_hf_checkpoint, load_hf_weights
 
 logger = logging.getLogger(__name__)
+
+
+_DECIDE = object()
+"""``submit``'s default: let online calibration decide the batch's exploration."""
+
+
+class StopFailedError(ReportedError):
+    """A stop signal arrived but the job could not finish its step and save (exit 1: a
+    supervisor restarts from the newest complete checkpoint)."""
 
 
 class Trainer:
@@ -77,24 +87,96 @@ class Trainer:
         self.world_size = dist.get_world_size()
         self.run_dir = Path(cfg.runs_dir) / cfg.name
         self.ckpt_root = Path(cfg.checkpoint.root_dir or self.run_dir / "checkpoints")
-        self.lock = RunLock(self.run_dir)
+        self.locks = [RunLock(self.run_dir)]
+        if self.ckpt_root.resolve() != self.run_dir.resolve():
+            self.locks.append(RunLock(self.ckpt_root, what="checkpoint directory"))
         self.metrics = None
         self._last_checkpoint: Path | None = None
-        _on_rank0(self._claim_directories)
         try:
+            agree("claiming the directories", self._claim_directories, only_rank0=True)
             self._build()
         except BaseException:
             self.close()
             raise
 
     def _claim_directories(self) -> None:
-        """Rank 0: take the run directory's lock and check both output directories."""
+        """Rank 0: lock the run directory and the checkpoint directory (one writer each, even
+        when two runs of different names point ``checkpoint.root_dir`` at one place) and check
+        both are writable."""
         _check_writable(self.run_dir, "runs_dir/name")
-        self.lock.acquire()
         _check_writable(self.ckpt_root, "checkpoint.root_dir")
+        for lock in self.locks:
+            lock.acquire()
 
     def _build(self) -> None:
+        """Every start-up phase that can fail on one rank ends in an exchange of statuses
+        (``dcp.train.agree``), so no rank is left waiting in a collective."""
         cfg = self.cfg
+        agree("sizing the model and opening the data", self._open_data)
+        self.runtime = Runtime.from_config(
+            cfg.model,
+            cfg.optim,
+            seed=cfg.train.seed,
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+        )
+        self._opt_state_bytes: list[int] | None = None
+        loaded, extra = agree("reading the checkpoint to resume from", self._read_resume_state)
+        if loaded is not None:
+            agree(f"restoring {loaded.path}", lambda: self._restore(loaded))
+            self.start_step = loaded.step
+        else:
+            agree("loading the initial weights", self._init_weights)
+            self.start_step = 0
+        restored = agree(
+            f"reading {RECORDS_FILENAME}",
+            lambda: restore_records(self.run_dir, self.start_step),
+            only_rank0=True,
+        )
+        box = [restored]
+        dist.broadcast_object_list(box, src=0)
+        self.calibrator = OnlineCalibrator(
+            cfg.dcp,
+            spec=self.planner.spec,  # the configured spec: every refit starts from it
+            run_dir=self.run_dir,
+            records=box[0],
+            state=extra.get("calibration"),
+        )
+        if self.calibrator.version:  # resumed with a refitted model
+            self.planner.set_spec(self.calibrator.spec, version=self.calibrator.version)
+        agree(
+            "writing the run config",
+            lambda: write_run_config(self.run_dir, to_dict(cfg)),
+            only_rank0=True,
+        )
+        self.metrics = agree(
+            "starting the metrics logger",
+            lambda: MetricsLogger(
+                self.run_dir,
+                cfg.metrics,
+                rank=self.rank,
+                total_steps=cfg.train.steps,
+                run_config=to_dict(cfg),
+                start_step=self.start_step,
+                wandb_id=extra.get("wandb_id"),
+            ),
+        )
+        # Start-up is over: from here a stuck rank fails the job within the training timeout.
+        set_collective_timeout(
+            cfg.distributed.timeout_s, extra_groups=self.runtime.registry.member_groups()
+        )
+
+    def _open_data(self) -> None:
+        """Dataset, sampler and planner. Before anything is allocated: the model's size against
+        this rank's memory, and the initial weights' tensor headers against the model config."""
+        cfg = self.cfg
+        tp = cfg.parallel.tensor_parallel_size
+        check_model_fits(
+            cfg.model,
+            tensor_parallel_size=tp,
+            optimizer_shards=self.world_size // tp if cfg.optim.distributed else 1,
+        )
+        if cfg.init.from_hf and not self._resumable():
+            check_hf_checkpoint(cfg.init.from_hf, cfg.model)
         self.dataset = build_dataset(
             cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len
         )
@@ -110,67 +192,42 @@ class Trainer:
                 fp8=cfg.model.fp8,
             ),
         )
-        self.runtime = Runtime.from_config(
-            cfg.model,
-            cfg.optim,
-            seed=cfg.train.seed,
-            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
-        )
-        self._opt_state_bytes: list[int] | None = None
-        self.start_step, extra = self._maybe_resume()
-        if self.start_step == 0:
-            self._init_weights()
-        self.calibrator = OnlineCalibrator(
-            cfg.dcp,
-            spec=self.planner.spec,  # the configured spec: every refit starts from it
-            run_dir=self.run_dir,
-            start_step=self.start_step,
-            state=extra.get("calibration"),
-        )
-        if self.calibrator.version:  # resumed with a refitted model
-            self.planner.set_spec(self.calibrator.spec, version=self.calibrator.version)
-        if self.rank == 0:
-            write_run_config(self.run_dir, to_dict(cfg))
-        dist.barrier()
-        self.metrics = MetricsLogger(
-            self.run_dir,
-            cfg.metrics,
-            rank=self.rank,
-            total_steps=cfg.train.steps,
-            run_config=to_dict(cfg),
-            start_step=self.start_step,
-            wandb_id=extra.get("wandb_id"),
-        )
-        # Start-up is over: from here a stuck rank fails the job within the training timeout.
-        set_collective_timeout(
-            cfg.distributed.timeout_s, extra_groups=self.runtime.registry.member_groups()
-        )
 
     def close(self) -> None:
-        """Finish metrics and release the run directory (idempotent)."""
+        """Finish metrics and release the directories (idempotent)."""
         if self.metrics is not None:
             self.metrics.close()
-        self.lock.release()
+        for lock in self.locks:
+            lock.release()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def _maybe_resume(self) -> tuple[int, dict]:
-        """(steps already done, the checkpoint's ``extra``: config, W&B id, calibration)."""
+    def _resumable(self) -> bool:
+        return self.cfg.checkpoint.resume and find_latest(self.ckpt_root, verify=False) is not None
+
+    def _read_resume_state(self) -> tuple[LoadedCheckpoint | None, dict]:
+        """(this rank's state of the checkpoint to resume from, its ``extra``: config, W&B id,
+        calibration), or (None, {}) for a new run. File reads and checks only."""
         if not self.cfg.checkpoint.resume:
-            return 0, {}
+            return None, {}
         path = find_latest(self.ckpt_root)
         if path is None:
-            return 0, {}
-        # The config is read first: a resume at another TP size is refused with its reason,
+            return None, {}
+        # The config is read first: a resume at another layout is refused with its reason,
         # before any per-rank state is looked for.
-        extra = load_component(path, "extra", weights_only=False) or {}
-        check_resume_parallelism(extra.get("config") or {}, to_dict(self.cfg), path=path)
-        loaded = load_checkpoint(
-            path, rank=self.rank, world_size=self.world_size, weights_only=False
+        extra = load_component(path, "extra") or {}
+        if not isinstance(extra, dict):
+            raise ValueError(f"{path}: extra.pt holds {type(extra).__name__}, not a dict")
+        old_config, new_config = extra.get("config") or {}, to_dict(self.cfg)
+        check_checkpoint_owner(
+            old_config, new_config, path=path, allow=self.cfg.resume.allow_changes
         )
-        if "config" in extra:
-            check_resume_config(
-                extra["config"], to_dict(self.cfg), allow=self.cfg.resume.allow_changes
-            )
+        check_resume_parallelism(old_config, new_config, path=path)
+        loaded = load_checkpoint(path, rank=self.rank, world_size=self.world_size)
+        if old_config:
+            check_resume_config(old_config, new_config, allow=self.cfg.resume.allow_changes)
+        return loaded, extra
+
+    def _restore(self, loaded: LoadedCheckpoint) -> None:
         self.runtime.load_state_dict(
             {"model": loaded.model_state, "optimizer": loaded.optimizer_state, "step": loaded.step}
         )
@@ -178,7 +235,6 @@ class Trainer:
         restore_rng_state(loaded.rng_state)
         if self.rank == 0:
             logger.info("resumed from %s (step %d)", loaded.path, loaded.step)
-        return loaded.step, extra
 
     def _init_weights(self) -> None:
         """A new run's weights from ``init.from_hf`` / ``init.from_checkpoint``, if set."""
@@ -202,8 +258,30 @@ class Trainer:
             logger.info("initial weights from %s", source)
 
     def _save(self, step: int, sampler_state: dict) -> Path:
+        """``_save_checkpoint`` with a failed write (a full disk, a lost mount) as one line."""
+        try:
+            with phase(f"the checkpoint save of step {step}"):
+                return self._save_checkpoint(step, sampler_state)
+        except OSError as exc:
+            raise ReportedError(
+                f"checkpoint save of step {step} under {self.ckpt_root} failed: "
+                f"{exc.strerror or exc} ({exc.filename or 'no file name'}); the newest complete "
+                f"checkpoint is {find_latest(self.ckpt_root) or 'none'}"
+            ) from exc
+
+    def _save_checkpoint(self, step: int, sampler_state: dict) -> Path:
         """Checkpoint after ``step``. ``sampler_state`` is the position right after this step's
-        batch, i.e. before the prefetched next batch, which a resumed run must draw again."""
+        batch, i.e. before the prefetched next batch, which a resumed run must draw again.
+        Non-finite weights are never saved (collective: every rank checks its own)."""
+        bad = torch.tensor([0 if self.runtime.weights_finite() else 1])
+        if torch.cuda.is_available():
+            bad = bad.cuda()
+        dist.all_reduce(bad)
+        if bad.item():
+            raise FloatingPointError(
+                f"step {step}: non-finite weights on {int(bad.item())} rank(s); refusing to "
+                f"checkpoint them (the newest checkpoint stays {find_latest(self.ckpt_root)})"
+            )
         state = self.runtime.state_dict()
         return save_checkpoint(
             self.ckpt_root,
@@ -235,7 +313,7 @@ class Trainer:
     def _plan(self, batch: GlobalBatch, pinned: dict[int, tuple[int, str]] | None):
         start = time.perf_counter()
         planned = self.planner.plan(batch, pinned=pinned)
-        return batch, planned, time.perf_counter() - start
+        return batch, planned, time.perf_counter() - start, pinned
 
     def _record(
         self, step: int, stats: StepStats, planned: PlannedBatch, plan_time_s: float
@@ -307,12 +385,14 @@ class Trainer:
         pool = ThreadPoolExecutor(max_workers=1) if cfg.dcp.prefetch_plans else None
         stop = StopRequest()
 
-        def submit(batch: GlobalBatch, step_no: int) -> Future | tuple:
+        def submit(batch: GlobalBatch, step_no: int, pinned=_DECIDE) -> Future | tuple:
             # Decided here, in the main thread, from the records every rank holds: the same
-            # exploration on every rank, whatever the planning thread's timing.
-            pinned = self.calibrator.exploration(
-                step_no, seq_lengths(batch), self.planner.cost_model
-            )
+            # exploration on every rank, whatever the planning thread's timing. A batch planned
+            # again (after a refit) keeps the exploration announced for it.
+            if pinned is _DECIDE:
+                pinned = self.calibrator.exploration(
+                    step_no, seq_lengths(batch), self.planner.cost_model
+                )
             return pool.submit(self._plan, batch, pinned) if pool else self._plan(batch, pinned)
 
         pending = (
@@ -322,9 +402,10 @@ class Trainer:
         )
         step = self.start_step
         saved = None
+        skips = 0  # consecutive steps skipped for non-finite values
         try:
             for step in range(self.start_step, cfg.train.steps):
-                batch, planned, plan_time_s = pending.result() if pool else pending
+                batch, planned, plan_time_s, _ = pending.result() if pool else pending
                 sampler_state = self.sampler.state_dict()
                 # Plan the next batch while this one runs (the planner is pure Python).
                 pending = (
@@ -338,12 +419,22 @@ class Trainer:
                 )
                 with phase(f"the metrics reduction of step {step + 1}"):
                     record = self._record(step + 1, stats, planned, plan_time_s)
+                skips = skips + 1 if stats.skipped else 0
                 if stats.skipped:
                     logger.warning(
-                        "step %d: non-finite loss, step skipped; plan %s",
+                        "step %d: non-finite loss or gradients, weights not updated (%d in a "
+                        "row); plan %s",
                         step + 1,
+                        skips,
                         planned.plan.to_json(),
                     )
+                    if skips >= cfg.train.max_consecutive_skips:
+                        raise FloatingPointError(
+                            f"{skips} steps in a row had non-finite loss or gradients (steps "
+                            f"{step + 2 - skips}-{step + 1}); stopping (train.max_consecutive_"
+                            f"skips={cfg.train.max_consecutive_skips}); the newest checkpoint "
+                            f"holds the last finite weights: {find_latest(self.ckpt_root)}"
+                        )
                 self.calibrator.observe(
                     step + 1, planned.plan, planned.lengths, stats.micro_step_times_s
                 )
@@ -351,20 +442,18 @@ class Trainer:
                 if refit is not None and refit.accepted:
                     self.planner.set_spec(self.calibrator.spec, version=refit.version)
                     if pending is not None:  # planned with the old model: plan it again
-                        next_batch = (pending.result() if pool else pending)[0]
-                        pending = submit(next_batch, step + 2)
+                        next_batch, _, _, pinned = pending.result() if pool else pending
+                        pending = submit(next_batch, step + 2, pinned=pinned)
                 self.metrics.log(step + 1, record.to_dict())
                 self.metrics.note(f"step {step + 1}: {record.plan.summary()}")
                 records.append(record)
                 interval = cfg.checkpoint.interval_steps
                 saved = None
                 if interval and ((step + 1) % interval == 0 or step + 1 == cfg.train.steps):
-                    with phase(f"the checkpoint save of step {step + 1}"):
-                        saved = self._save(step + 1, sampler_state)
+                    saved = self._save(step + 1, sampler_state)
                 if self._stop_agreed(stop, step + 1):
                     if saved is None:
-                        with phase(f"the checkpoint save of step {step + 1}"):
-                            saved = self._save(step + 1, sampler_state)
+                        saved = self._save(step + 1, sampler_state)
                     self.metrics.note(
                         f"stopped by {stop.signal_name or 'a stop signal on another rank'} after "
                         f"step {step + 1}: checkpoint {saved}; run the same command again to "
@@ -372,6 +461,14 @@ class Trainer:
                     )
                     break
         except Exception as exc:
+            if stop.requested:
+                # The stop signal usually comes from torchrun or SLURM tearing the job down: a
+                # peer may already be gone, so the step (and its save) cannot finish.
+                raise StopFailedError(
+                    f"stop requested by {stop.signal_name}, but step {step + 1} could not finish "
+                    f"({_first_line(exc)}); no checkpoint saved; the newest complete checkpoint "
+                    f"is {find_latest(self.ckpt_root) or 'none'}"
+                ) from exc
             if is_timeout(exc) and not isinstance(exc, CollectiveTimeout):
                 raise CollectiveTimeout.from_error(
                     exc, timeout_s=cfg.distributed.timeout_s, step=step + 1
@@ -411,21 +508,6 @@ class Trainer:
         print("\n".join(lines), flush=True)
 
 
-def _on_rank0(fn: Callable[[], None]) -> None:
-    """Run ``fn`` on rank 0 only; if it raises, every rank raises the same error."""
-    message = None
-    if dist.get_rank() == 0:
-        try:
-            fn()
-        except (RunLockedError, ValueError, OSError) as exc:
-            message = (type(exc).__name__, str(exc))
-    box = [message]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        kind, text = box[0]
-        raise (RunLockedError if kind == "RunLockedError" else ValueError)(text)
-
-
 def _check_writable(path: Path, what: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -436,3 +518,8 @@ def _check_writable(path: Path, what: str) -> None:
             f"{path} ({what}) is not writable: {exc.strerror or exc}; choose a directory this "
             "job can write"
         ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -129,8 +129,18 @@ def test_nonfinite_loss_skip_or_stop():
     for out in results:
         assert out["skipped"] and out["loss"] != out["loss"]  # NaN
         assert out["unchanged"], "a skipped step changed the weights"
-        assert "non-finite loss nan at step 1" in out["raised"]
+        assert "non-finite loss" in out["raised"] and "(loss nan" in out["raised"]
         assert "on_nonfinite=skip" in out["raised"]
+
+
+def test_nonfinite_gradients_on_one_rank_never_reach_the_weights():
+    """A NaN gradient on rank 1 alone, the loss finite: no rank updates its weights."""
+    results = run_on_ranks(2, nonfinite_grads, DOCS, PLANS_2["mixed_recompute"])
+    for out in results:
+        assert out["loss_finite"] and out["skipped"], out
+        assert out["unchanged"], "a step with a NaN gradient changed the weights"
+        assert "non-finite gradients at step 2" in out["raised"], out["raised"]  # 1 was skipped
+        assert out["weights_finite"]
 
 
 # -- rank bodies (module level, so spawned ranks can unpickle them) ---------------------------
@@ -270,6 +280,34 @@ def nonfinite_loss(docs: list[np.ndarray], plan: dict) -> dict:
             "unchanged": unchanged,
             "step_after": runtime.step,
             "raised": raised,
+        }
+    finally:
+        cleanup()
+
+
+def nonfinite_grads(docs: list[np.ndarray], plan: dict) -> dict:
+    """Rank 1's gradient of one weight becomes NaN in backward; the forward is untouched."""
+    try:
+        runtime = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED)
+        source, parsed = InMemorySource(docs), Plan.from_dict(plan)
+        inner = runtime.model.module
+        if dist.get_rank() == 1:
+            weight = inner.decoder.layers[0].mlp.linear_fc2.weight
+            weight.register_hook(lambda grad: grad * float("nan"))
+        before = {n: p.detach().clone() for n, p in inner.named_parameters()}
+        stats = runtime.train_step(parsed, source, skip_nonfinite=True)
+        unchanged = all(torch.equal(p, before[n]) for n, p in inner.named_parameters())
+        try:
+            runtime.train_step(parsed, source)
+            raised = ""
+        except FloatingPointError as exc:
+            raised = str(exc)
+        return {
+            "loss_finite": math.isfinite(stats.loss),
+            "skipped": stats.skipped,
+            "unchanged": unchanged,
+            "raised": raised,
+            "weights_finite": runtime.weights_finite(),
         }
     finally:
         cleanup()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -171,9 +172,16 @@ def test_online_calibration_records_microsteps_and_refits(tmp_path):
     versions = [r["calibration_version"] for r in rows]
     assert versions == sorted(versions) and versions[0] == 0
     assert all("prediction_error" in r for r in rows)
+    # An exploration is announced once per step and runs as announced, also when a refit made
+    # the trainer plan that step's batch again.
+    announced = re.findall(r"step (\d+): exploring CP=(\d+), recompute (\w+)", out)
+    assert len({step for step, _, _ in announced}) == len(announced), announced
+    assert announced, "no exploration in this run"
+    for step, cp, level in announced:
+        assert rows[int(step) - 1]["exploration"] == f"cp{cp}/{level}", (step, rows[int(step) - 1])
     import torch
 
     extra = torch.load(
-        run_dir / "checkpoints" / f"step_{STEPS:06d}" / "extra.pt", weights_only=False
+        run_dir / "checkpoints" / f"step_{STEPS:06d}" / "extra.pt", weights_only=True
     )
     assert extra["calibration"]["version"] == versions[-1]

@@ -39,6 +39,18 @@ def _worker(torchrun_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under torchrun {torchrun_pid}")
 
 
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun job: its workers first (torchrun starts each in a session of its own,
+    so killing torchrun's process group would leave them running), then torchrun."""
+    for pid in _children(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
 def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float = 240):
     deadline = time.monotonic() + timeout_s
     path = run_dir / "metrics.jsonl"
@@ -117,6 +129,11 @@ def test_killed_rank_is_recovered_with_every_step_trained_once(reference, tmp_pa
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
     assert "[supervise] attempt 2" in out and "resumed from" in out
+    # torchrun stops rank 0 with SIGTERM once rank 1 is gone: it must not claim a save it
+    # cannot make (the save needs the dead rank).
+    assert "stopped by SIGTERM" not in out, out[-4000:]
+    if "SIGTERM received" in out:
+        assert "could not finish" in out and "no checkpoint saved" in out, out[-4000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in rows] == [r["loss"] for r in metrics(reference)]
@@ -130,8 +147,7 @@ def test_second_run_with_the_same_name_is_refused(tmp_path):
         assert "is in use by pid" in out and "[rank0] error: run directory" in out, out[-3000:]
         assert out.count("is in use by pid") == 1  # one message, not one per rank
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait(timeout=60)
+        kill_job(first)
 
 
 def test_resume_guards_changed_settings_and_corrupt_checkpoints(reference, tmp_path):

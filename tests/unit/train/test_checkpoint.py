@@ -19,6 +19,7 @@ from dcp.train.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from tests.payload import plant_payload, rewrite_manifest
 
 
 def _model_and_optimizer(seed: int = 0):
@@ -176,24 +177,59 @@ def test_world_size_mismatch_and_bad_arguments(tmp_path):
         CheckpointConfig(interval_steps=1.5)
 
 
-def test_unsafe_extra_needs_weights_only_false(tmp_path):
+@pytest.mark.parametrize("component", ckpt.COMPONENTS)
+def test_a_pickle_payload_in_any_component_is_refused_naming_the_file(tmp_path, component):
+    marker = tmp_path / "pwned"
     model, opt, sched = _model_and_optimizer()
-    save_checkpoint(
-        tmp_path,
-        1,
-        model_state=model.state_dict(),
-        optimizer_state=None,
-        scheduler_state=None,
-        sampler_state=None,
-        rng_state=None,
-        extra={"cfg": CheckpointConfig()},
-        rank=0,
-        world_size=1,
-        barrier_fn=lambda: None,
-    )
-    with pytest.raises(RuntimeError, match="weights_only=False"):
-        load_latest(tmp_path, rank=0)
-    assert load_latest(tmp_path, rank=0, weights_only=False).extra["cfg"] == CheckpointConfig()
+    path = _save(tmp_path / "ckpt", 1, model, opt, sched)
+    name = ckpt._file_name(component, 0 if component == "rng_state" else None)
+    plant_payload(path, name, marker)
+    assert ckpt.find_latest(tmp_path / "ckpt") == path
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=rf"{name}: refused to load"):
+        load_latest(tmp_path / "ckpt", rank=0, world_size=1)
+    if component != "rng_state":
+        with pytest.raises(ckpt.UnsafeCheckpointError, match=name):
+            ckpt.load_component(path, component)
+    assert not marker.exists()
+
+
+def test_a_file_that_is_not_a_torch_save_file_is_one_line(tmp_path):
+    model, opt, sched = _model_and_optimizer()
+    path = _save(tmp_path, 1, model, opt, sched)
+    (path / "extra.pt").write_bytes(b"\x80\x04not really a pickle")
+    rewrite_manifest(path)
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"extra\.pt") as info:
+        ckpt.load_component(path, "extra")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"files": {"../../etc/passwd": 1}},
+        {"files": {"/etc/passwd": 1}},
+        {"world_size": "2"},
+        {"per_rank": ["rng_state", "../x"]},
+        {"step": -1},
+        {"files": {"model.pt": "big"}},
+    ],
+)
+def test_a_manifest_naming_files_elsewhere_or_of_the_wrong_type_is_no_checkpoint(tmp_path, change):
+    model, opt, sched = _model_and_optimizer()
+    path = _save(tmp_path, 1, model, opt, sched)
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, **change}))
+    assert not ckpt.is_complete(path)
+    assert ckpt.find_latest(tmp_path) is None
+
+
+def test_a_linked_file_is_no_checkpoint_file(tmp_path):
+    model, opt, sched = _model_and_optimizer()
+    path = _save(tmp_path, 1, model, opt, sched)
+    outside = tmp_path / "outside.pt"
+    (path / "extra.pt").rename(outside)
+    (path / "extra.pt").symlink_to(outside)
+    assert not ckpt.is_complete(path)
 
 
 def test_same_size_corruption_is_detected_and_the_previous_checkpoint_used(tmp_path, caplog):
@@ -211,7 +247,7 @@ def test_same_size_corruption_is_detected_and_the_previous_checkpoint_used(tmp_p
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"step_000002: model\.pt corrupt"):
         ckpt.verify_checksums(newest)
     with caplog.at_level("ERROR", logger="dcp.train.checkpoint"):
-        loaded = load_latest(tmp_path, rank=0, world_size=1, weights_only=False)
+        loaded = load_latest(tmp_path, rank=0, world_size=1)
     assert loaded.step == 1
     assert "model.pt corrupt" in caplog.text and "falling back" in caplog.text
 
@@ -223,4 +259,4 @@ def test_version_1_manifests_without_checksums_still_load(tmp_path):
     manifest["format_version"] = 1
     del manifest["sha256"]
     (path / "manifest.json").write_text(json.dumps(manifest))
-    assert load_latest(tmp_path, rank=0, world_size=1, weights_only=False).step == 3
+    assert load_latest(tmp_path, rank=0, world_size=1).step == 3
