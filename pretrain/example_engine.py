@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import dcp
+from dcp import console
 
 
 def my_batches(num_batches: int, seed: int = 0):
@@ -17,6 +18,7 @@ def my_batches(num_batches: int, seed: int = 0):
 
 
 def main() -> None:
+    console.setup()  # rank-aware logging; megatron-core's known start-up notices filtered
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     # --- the ten lines ---------------------------------------------------------------------
     dcp.init()  # megatron patches this machine needs (CPU shim) + parallel state

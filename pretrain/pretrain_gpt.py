@@ -13,13 +13,13 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import dcp
+from dcp import console
 from dcp.config import load_config
 from dcp.runtime.collectives import CollectiveTimeout
 from dcp.train.agree import ONE_LINE_ERRORS, RankFailure, agree, exit_code, one_line
@@ -34,13 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the YAML")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s",
-    )
-    # megatron-core lists every parameter at INFO and warns about optional GPU-only packages.
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|absl|full scope).*")
+    console.setup(rank)  # before anything imports megatron-core: it warns while importing
     cfg, config_error = None, None
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)

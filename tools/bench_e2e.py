@@ -32,10 +32,10 @@ import logging
 import os
 import subprocess
 import sys
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
+from dcp import console
 from dcp.train.bench import BENCH_PLANNERS, bench_summary
 
 DEFAULT_CONFIG = "pretrain/configs/bench_cpu.yaml"
@@ -126,6 +126,7 @@ def report(results: dict[str, dict], args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup(level=logging.WARNING)  # the benchmark's own lines are its report
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from dcp.config import load_config
@@ -152,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     from dcp.train.bench import run_benchmark
 
     rank = int(os.environ["RANK"])
-    logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(name)s: %(message)s")
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|absl|full scope).*")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group(
         "nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10)

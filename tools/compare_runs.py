@@ -15,10 +15,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dcp import console
 from dcp.observability.compare import compare_runs, format_value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(
         prog="python -m tools.compare_runs",
         description=__doc__,

@@ -21,12 +21,14 @@ import time
 
 from tqdm import tqdm
 
+from dcp import console
 from dcp.config import apply_overrides
 from dcp.weights.convert import DEFAULT_MAX_SHARD_BYTES, dcp_to_hf, hf_to_dcp
 from dcp.weights.hf_config import ARCHITECTURES
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
     to_dcp = sub.add_parser("hf-to-dcp", help="Hugging Face directory → DCP checkpoint")

@@ -35,6 +35,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from dcp import console
+
 REPO = Path(__file__).resolve().parents[1]
 SINGLE = ["tests/gpu/test_te_path.py", "tests/gpu/test_gpu_measurements.py"]
 MULTI = ["tests/gpu/test_multi_gpu.py"]
@@ -135,6 +137,7 @@ def _number(text: str | None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--multi", action="store_true", help="also run the multi-GPU checks")
     parser.add_argument("--timeout-s", type=float, default=1500.0, help="limit for the tests")

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from dcp import console
 from dcp.config import load_config
 from dcp.costmodel import load_cost_model, load_spec, with_runtime_options
 from dcp.costmodel.budget import memory_budget
@@ -50,6 +51,7 @@ def model_matches_spec(cfg: PretrainConfig, cost_model) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="training recipe YAML")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the YAML")

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from dcp import console
 from dcp.costmodel import available_presets, load_cost_model
 from dcp.costmodel.online import fit_records
 from dcp.costmodel.records import read_records
@@ -58,6 +59,7 @@ def parse_options(items: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", required=True, help="JSON list of sequence lengths")
     parser.add_argument(

@@ -24,6 +24,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dcp import console
 from dcp.data.prepare import (
     DECODE_ERRORS,
     DEFAULT_PATTERNS,
@@ -38,6 +39,7 @@ from dcp.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(
         prog="python -m tools.prepare_data",
         description=__doc__,

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from dcp import console
 from dcp.config import load_yaml
 from dcp.costmodel import load_spec
 from dcp.costmodel.calibrate import calibrated_spec
@@ -129,6 +130,7 @@ def _load_measurements(path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     args = _parser().parse_args(argv)
     start = time.perf_counter()
     try:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dcp import console
 from dcp.planning.sweep import BASELINES, SWEEP_PLANNERS, run_sweep
 from dcp.planning.workloads import WORKLOADS
 
@@ -138,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     args = parse_args(argv)
     cases = [(32, 512)] if args.quick else [(32, 512), (1024, 8192)]
     try:
