@@ -428,13 +428,7 @@ class Trainer:
                         skips,
                         planned.plan.to_json(),
                     )
-                    if skips >= cfg.train.max_consecutive_skips:
-                        raise FloatingPointError(
-                            f"{skips} steps in a row had non-finite loss or gradients (steps "
-                            f"{step + 2 - skips}-{step + 1}); stopping (train.max_consecutive_"
-                            f"skips={cfg.train.max_consecutive_skips}); the newest checkpoint "
-                            f"holds the last finite weights: {find_latest(self.ckpt_root)}"
-                        )
+
                 self.calibrator.observe(
                     step + 1, planned.plan, planned.lengths, stats.micro_step_times_s
                 )
@@ -447,6 +441,13 @@ class Trainer:
                 self.metrics.log(step + 1, record.to_dict())
                 self.metrics.note(f"step {step + 1}: {record.plan.summary()}")
                 records.append(record)
+                if skips >= cfg.train.max_consecutive_skips:
+                    raise FloatingPointError(
+                        f"{skips} steps in a row had non-finite loss or gradients (steps "
+                        f"{step + 2 - skips}-{step + 1}); stopping (train.max_consecutive_skips="
+                        f"{cfg.train.max_consecutive_skips}); the weights are those before step "
+                        f"{step + 2 - skips}; newest checkpoint: {find_latest(self.ckpt_root)}"
+                    )
                 interval = cfg.checkpoint.interval_steps
                 saved = None
                 if interval and ((step + 1) % interval == 0 or step + 1 == cfg.train.steps):
