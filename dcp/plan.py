@@ -3,28 +3,58 @@
 A ``Plan`` is an ordered tuple of ``MicroStep``. Each micro-step names the CP group that runs it
 (planner ranks of the DP×CP domain, ascending: one per TP group, the global ranks at TP = 1), the
 sequences packed into it (indices into the batch's length list) and the recompute level. Every
-sequence id appears in exactly one step (except those a planner dropped); each rank runs, in list
-order, the steps that contain it; the ranks of one step run it together. See docs/design.md,
-'The Plan contract'.
+sequence id appears in exactly one step (except the plan's ``dropped`` ids); each rank runs, in
+list order, the steps that contain it; the ranks of one step run it together, after a barrier
+across all ranks where the plan's ``barriers`` say so. See docs/design.md, 'The Plan contract'.
 
 This module is also the one home of the vocabularies other modules validate against:
-recompute levels, planner names and what a planner does with a sequence no plan can fit.
-Pure Python: no torch, no I/O beyond JSON (de)serialisation helpers.
+recompute levels (and their megatron-core names), planner names and what a planner does with a
+sequence no plan can fit. Pure Python: no torch, no I/O beyond JSON (de)serialisation helpers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-from collections.abc import Iterable, Sequence
+import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
 
-RECOMPUTE_LEVELS: tuple[str, ...] = ("none", "selective", "full")
-"""Activation recompute per micro-step, cheapest memory last."""
+
+class Recompute(StrEnum):
+    """Activation recompute of one micro-step, cheapest memory last. A ``StrEnum``: each level
+    equals its plain string, which is what JSON and the records hold."""
+
+    NONE = "none"
+    """Every activation kept for the backward pass."""
+    SELECTIVE = "selective"
+    """Core attention and the MLP recomputed in the backward pass."""
+    FULL = "full"
+    """Every transformer layer checkpointed: only its input kept."""
+
+    @property
+    def megatron_granularity(self) -> str | None:
+        """megatron-core's ``recompute_granularity`` for this level (``None``: no recompute), as
+        ``megatron_patches.recompute.use_recompute`` takes it."""
+        return _MEGATRON_GRANULARITY[self]
+
+
+_MEGATRON_GRANULARITY: dict[Recompute, str | None] = {
+    Recompute.NONE: None,
+    Recompute.SELECTIVE: "selective",
+    Recompute.FULL: "full",
+}
+RECOMPUTE_LEVELS: tuple[str, ...] = tuple(level.value for level in Recompute)
+"""The ``Recompute`` levels as plain strings, cheapest memory last."""
 PLANNERS: tuple[str, ...] = ("dcp", "static", "megatron")
 """DCP's planner and the two baselines it is measured against (``dcp.planning``)."""
 ON_OVERSIZE: tuple[str, ...] = ("error", "drop")
-"""A sequence no plan can fit: raise naming it, or drop it (listed in ``plan.meta``)."""
+"""A sequence no plan can fit: raise naming it, or drop it (listed in ``Plan.dropped``)."""
+_TYPED_META: tuple[str, ...] = ("barriers", "unaligned_steps", "dropped", "num_dropped")
+"""The JSON ``meta`` keys ``Plan`` reads into typed fields (in the order it writes them)."""
 
 
 def check_choice(value: object, allowed: tuple[str, ...], name: str) -> None:
@@ -33,18 +63,41 @@ def check_choice(value: object, allowed: tuple[str, ...], name: str) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
+def check_int(value: object, name: str, *, ge: int) -> int:
+    """``value`` as an ``int`` (numpy integers too, never a bool) if it is one ``>= ge``; else
+    ``ValueError`` naming ``name``."""
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+        if number is not None and number >= ge:
+            return number
+    raise ValueError(f"{name} must be an integer >= {ge}, got {value!r}")
+
+
+def _ascending_indices(values: Iterable[object], name: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ints ``>= 0``, checked to ascend strictly."""
+    indices = tuple(check_int(v, f"{name} entry", ge=0) for v in values)
+    if any(a >= b for a, b in itertools.pairwise(indices)):
+        raise ValueError(f"{name} must be ascending and distinct, got {list(indices)}")
+    return indices
+
+
 @dataclass(frozen=True)
 class MicroStep:
     """One forward/backward over ``seq_ids`` packed together, split over the CP group ``ranks``."""
 
     ranks: tuple[int, ...]
     seq_ids: tuple[int, ...]
-    recompute: str = "none"
+    recompute: Recompute = Recompute.NONE
+    """A ``Recompute`` level; its plain string (``"full"``) is accepted and converted."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "seq_ids", tuple(int(s) for s in self.seq_ids))
         check_choice(self.recompute, RECOMPUTE_LEVELS, "recompute")
+        object.__setattr__(self, "recompute", Recompute(self.recompute))
 
     @property
     def cp_size(self) -> int:
@@ -54,22 +107,49 @@ class MicroStep:
         return {
             "ranks": list(self.ranks),
             "seq_ids": list(self.seq_ids),
-            "recompute": self.recompute,
+            "recompute": self.recompute.value,
         }
 
 
 @dataclass(frozen=True)
 class Plan:
-    """An ordered tuple of micro-steps plus the planner's name and predicted step time."""
+    """An ordered tuple of micro-steps, the planner's name and predicted step time, and what the
+    runtime must know besides the steps (barriers, dropped sequences)."""
 
     steps: tuple[MicroStep, ...]
     planner: str = "manual"
     predicted_step_time_s: float = 0.0
-    # Free-form extras a planner may attach (e.g. dropped sequence ids); serialised when non-empty.
-    meta: dict = field(default_factory=dict, compare=False, hash=False)
+    barriers: tuple[int, ...] = ()
+    """Step indices before which every rank synchronises (Megatron's Hybrid-CP schedule has one
+    after each of its groups); ascending, each a valid step index."""
+    dropped: tuple[int, ...] = ()
+    """Ids of the sequences the planner dropped (``on_oversize="drop"``); ascending. No step
+    holds them."""
+    unaligned_steps: int = 0
+    """How many steps run on ranks that are not an aligned power-of-two block (Megatron's
+    scheduler may make them); a statistic for reports, the runtime runs them as they are."""
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    """The planner's notes for people and reports (the static baseline's configuration, the
+    Megatron baseline's group count) and any other key a plan's JSON ``meta`` holds: written
+    back unchanged; nothing in ``dcp`` acts on them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", tuple(self.steps))
+        object.__setattr__(self, "barriers", _ascending_indices(self.barriers, "barriers"))
+        if self.barriers and self.barriers[-1] >= len(self.steps):
+            raise ValueError(
+                f"barriers must be step indices below {len(self.steps)}, got {list(self.barriers)}"
+            )
+        object.__setattr__(self, "dropped", _ascending_indices(self.dropped, "dropped"))
+        unaligned = check_int(self.unaligned_steps, "unaligned_steps", ge=0)
+        if unaligned > len(self.steps):
+            raise ValueError(f"unaligned_steps must be <= {len(self.steps)}, got {unaligned}")
+        object.__setattr__(self, "unaligned_steps", unaligned)
+        extra = dict(self.extra)
+        clash = [k for k in extra if not isinstance(k, str) or k in _TYPED_META]
+        if clash:
+            raise ValueError(f"extra: keys must be strings other than {_TYPED_META}, got {clash}")
+        object.__setattr__(self, "extra", extra)
 
     # -- queries ---------------------------------------------------------------------------
     def steps_for_rank(self, rank: int) -> list[tuple[int, MicroStep]]:
@@ -85,8 +165,7 @@ class Plan:
 
     def checksum(self) -> int:
         """A 62-bit digest of the steps (and barriers), equal on every rank with the same plan."""
-        barriers = sorted(int(b) for b in self.meta.get("barriers", ()))
-        payload = json.dumps([[s.to_dict() for s in self.steps], barriers]).encode()
+        payload = json.dumps([[s.to_dict() for s in self.steps], list(self.barriers)]).encode()
         return int.from_bytes(hashlib.sha256(payload).digest()[:8], "little") >> 2
 
     # -- validation ------------------------------------------------------------------------
@@ -96,15 +175,18 @@ class Plan:
         num_sequences: int,
         num_ranks: int,
         allowed_cp_sizes: Iterable[int] | None = None,
-        dropped: Sequence[int] = (),
     ) -> None:
         """Raise ``ValueError`` unless the plan is structurally executable.
 
-        Checks: every sequence id in ``range(num_sequences)`` (other than ``dropped``) appears
-        in exactly one step; each step's ranks are valid, ascending and distinct; each step's CP
-        size is in ``allowed_cp_sizes`` (when given). Memory is checked by
+        Checks: every sequence id in ``range(num_sequences)`` other than the ``dropped`` ones
+        appears in exactly one step; each step's ranks are valid, ascending and distinct; each
+        step's CP size is in ``allowed_cp_sizes`` (when given). Memory is checked by
         ``dcp.costmodel.CostModel.check_plan_memory``, which knows the budget.
         """
+        if self.dropped and self.dropped[-1] >= num_sequences:
+            raise ValueError(
+                f"dropped ids {list(self.dropped)[:10]} outside the batch's {num_sequences}"
+            )
         seen: dict[int, int] = {}
         allowed = set(allowed_cp_sizes) if allowed_cp_sizes is not None else None
         for i, step in enumerate(self.steps):
@@ -126,7 +208,7 @@ class Plan:
                 if sid in seen:
                     raise ValueError(f"sequence {sid} appears in steps {seen[sid]} and {i}")
                 seen[sid] = i
-        expected = set(range(num_sequences)) - set(dropped)
+        expected = set(range(num_sequences)) - set(self.dropped)
         extra = set(seen) - expected
         missing = expected - set(seen)
         if extra:
@@ -138,13 +220,23 @@ class Plan:
 
     # -- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The JSON form (docs/design.md): ``meta`` holds ``extra`` and then the typed fields
+        that are set (``num_dropped`` with ``dropped``), and is left out when empty."""
         out = {
             "planner": self.planner,
             "predicted_step_time_s": float(self.predicted_step_time_s),
             "steps": [s.to_dict() for s in self.steps],
         }
-        if self.meta:
-            out["meta"] = self.meta
+        meta = dict(self.extra)
+        if self.barriers:
+            meta["barriers"] = list(self.barriers)
+        if self.unaligned_steps:
+            meta["unaligned_steps"] = self.unaligned_steps
+        if self.dropped:
+            meta["dropped"] = list(self.dropped)
+            meta["num_dropped"] = len(self.dropped)
+        if meta:
+            out["meta"] = meta
         return out
 
     def to_json(self, **kwargs) -> str:
@@ -152,6 +244,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
+        """Read the JSON form; ``meta`` keys other than the typed fields' go to ``extra``."""
         try:
             steps = tuple(
                 MicroStep(
@@ -161,13 +254,27 @@ class Plan:
                 )
                 for s in data["steps"]
             )
+            meta = data.get("meta", {})
+            if not isinstance(meta, dict):
+                raise TypeError(f"meta must be an object, got {meta!r}")
+            barriers = list(meta.get("barriers", []))
+            dropped = list(meta.get("dropped", []))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed plan JSON: {exc!r}") from exc
+        if meta.get("num_dropped", len(dropped)) != len(dropped):
+            raise ValueError(
+                f"malformed plan JSON: meta.num_dropped is {meta['num_dropped']!r} but "
+                f"meta.dropped lists {len(dropped)} ids"
+            )
+        extra = {k: v for k, v in meta.items() if k not in _TYPED_META}
         return cls(
             steps=steps,
             planner=str(data.get("planner", "manual")),
             predicted_step_time_s=float(data.get("predicted_step_time_s", 0.0)),
-            meta=dict(data.get("meta", {})),
+            barriers=barriers,
+            dropped=dropped,
+            unaligned_steps=meta.get("unaligned_steps", 0),
+            extra=extra,
         )
 
     @classmethod

@@ -7,10 +7,11 @@
 name (``cpu-tiny``, ``<cluster>+<model>``; see ``dcp/costmodel/profiles``). The spec's
 ``options.tensor_parallel_size`` sets TP: plan ranks are planner ranks, one per TP group
 (``cluster.num_gpus / TP`` of them; ``h200x256+llama3-70b`` plans 32 at TP = 8).
-``--option key=value`` passes planner options (e.g. ``on_oversize=drop``, ``max_cp_size=8``,
-``recompute=full``); values are parsed as JSON when they can be. Writes ``{"planner",
-"predicted_step_time_s", "steps"}`` (plus ``meta`` when the planner reports any) to ``--out`` or
-stdout; a summary goes to stderr.
+``--option key=value`` sets a field of the planner's options class (``dcp.planning``:
+``DCPOptions``, ``StaticOptions``, ``MegatronOptions``; e.g. ``on_oversize=drop``,
+``max_cp_size=8``, ``recompute=full``); values are parsed as JSON when they can be. Writes
+``{"planner", "predicted_step_time_s", "steps"}`` (plus ``meta`` when the plan has barriers,
+dropped sequences or planner notes) to ``--out`` or stdout; a summary goes to stderr.
 
 ``--measurements FILE``: micro-step records of a run (``runs/<name>/microsteps.jsonl``, see
 ``dcp.costmodel.records``); the cost model is refitted on them with ``--spec`` as the prior
@@ -30,7 +31,7 @@ from dcp.costmodel import available_presets, load_cost_model
 from dcp.costmodel.online import fit_records
 from dcp.costmodel.records import read_records
 from dcp.plan import PLANNERS
-from dcp.planning import lower_bound_s, plan_batch
+from dcp.planning import lower_bound_s, plan_batch, planner_options
 
 
 def read_lengths(path: str) -> list[int]:
@@ -84,15 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"(prior {fit.prior_rms_rel_error:.1%})",
                 file=sys.stderr,
             )
-        options = parse_options(args.option)
+        options = planner_options(args.planner, **parse_options(args.option))
         start = time.perf_counter()
-        plan = plan_batch(lengths, cost_model=cost_model, planner=args.planner, **options)
+        plan = plan_batch(lengths, cost_model=cost_model, planner=args.planner, options=options)
         plan_ms = (time.perf_counter() - start) * 1e3
-        plan.validate(
-            num_sequences=len(lengths),
-            num_ranks=cost_model.num_ranks,
-            dropped=plan.meta.get("dropped", ()),
-        )
+        plan.validate(num_sequences=len(lengths), num_ranks=cost_model.num_ranks)
         cost_model.check_plan_memory(plan, lengths)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -103,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text + "\n")
     else:
         print(text)
-    dropped = set(plan.meta.get("dropped", ()))
+    dropped = set(plan.dropped)
     bound = lower_bound_s([x for i, x in enumerate(lengths) if i not in dropped], cost_model)
     tp = cost_model.tensor_parallel_size
     print(

@@ -1,54 +1,90 @@
 """Planning: one global batch's sequence lengths + a cost model -> a ``Plan``.
 
 Torch-free. ``plan_batch`` dispatches by name to DCP's planner or one of the two baselines it is
-measured against; ``simulate`` executes a plan on the cost model and ``lower_bound_s`` says how
-far from optimal any plan is. Every planner takes ``on_oversize`` (``dcp.plan.ON_OVERSIZE``).
-See docs/planner.md.
+measured against, each with its own frozen options class (``PLANNER_REGISTRY``); ``simulate``
+executes a plan on the cost model and ``lower_bound_s`` says how far from optimal any plan is.
+Every planner's options take ``on_oversize`` (``dcp.plan.ON_OVERSIZE``). See docs/planner.md.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from dcp.costmodel import CostModel
 from dcp.plan import PLANNERS, Plan, check_choice
 from dcp.planning.bounds import lower_bound_s
-from dcp.planning.dcp import plan_dcp
-from dcp.planning.megatron import plan_megatron
+from dcp.planning.dcp import DCPOptions, plan_dcp
+from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.simulate import SimResult, simulate
-from dcp.planning.static import plan_static, static_configs
+from dcp.planning.static import StaticOptions, plan_static, static_configs
 
-_REGISTRY: dict[str, Callable[..., Plan]] = {
-    "dcp": plan_dcp,
-    "static": plan_static,
-    "megatron": plan_megatron,
+PlannerOptions = DCPOptions | StaticOptions | MegatronOptions
+"""The options of any planner."""
+
+
+class PlannerEntry(NamedTuple):
+    plan: Callable[..., Plan]
+    """``plan(lengths, *, cost_model, options) -> Plan``."""
+    options: type[PlannerOptions]
+
+
+PLANNER_REGISTRY: dict[str, PlannerEntry] = {
+    "dcp": PlannerEntry(plan_dcp, DCPOptions),
+    "static": PlannerEntry(plan_static, StaticOptions),
+    "megatron": PlannerEntry(plan_megatron, MegatronOptions),
 }
-assert tuple(_REGISTRY) == PLANNERS, "dcp.plan.PLANNERS and the registry must agree"
+"""Each planner name of ``dcp.plan.PLANNERS``: its function and options class."""
+assert tuple(PLANNER_REGISTRY) == PLANNERS, "dcp.plan.PLANNERS and the registry must agree"
 
 __all__ = [
+    "PLANNER_REGISTRY",
+    "DCPOptions",
+    "MegatronOptions",
+    "PlannerOptions",
     "SimResult",
+    "StaticOptions",
     "lower_bound_s",
     "plan_batch",
     "plan_dcp",
     "plan_megatron",
     "plan_static",
+    "planner_options",
     "simulate",
     "static_configs",
 ]
 
 
-def plan_batch(
-    lengths: Sequence[int], *, cost_model: CostModel, planner: str = "dcp", **options
-) -> Plan:
-    """Plan one global batch with ``planner`` (one of ``dcp.plan.PLANNERS``); ``options`` are
-    that planner's keyword arguments."""
+def planner_options(planner: str, **values: Any) -> PlannerOptions:
+    """``planner``'s options object with ``values`` set (e.g. from a command line); an option
+    that planner does not have raises ``ValueError`` listing the ones it has."""
     check_choice(planner, PLANNERS, "planner")
-    fn = _REGISTRY[planner]
-    accepted = [n for n in inspect.signature(fn).parameters if n not in ("lengths", "cost_model")]
-    unknown = sorted(set(options) - set(accepted))
+    cls = PLANNER_REGISTRY[planner].options
+    accepted = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(accepted))
     if unknown:
         raise ValueError(
             f"planner {planner!r} has no option(s) {unknown}; its options: {', '.join(accepted)}"
         )
-    return fn(lengths, cost_model=cost_model, **options)
+    return cls(**values)
+
+
+def plan_batch(
+    lengths: Sequence[int],
+    *,
+    cost_model: CostModel,
+    planner: str = "dcp",
+    options: PlannerOptions | None = None,
+) -> Plan:
+    """Plan one global batch with ``planner`` (one of ``dcp.plan.PLANNERS``); ``options`` must
+    be that planner's options class (default: its defaults)."""
+    check_choice(planner, PLANNERS, "planner")
+    entry = PLANNER_REGISTRY[planner]
+    if options is None:
+        options = entry.options()
+    elif not isinstance(options, entry.options):
+        raise ValueError(
+            f"planner {planner!r} takes {entry.options.__name__}, got {type(options).__name__}"
+        )
+    return entry.plan(lengths, cost_model=cost_model, options=options)

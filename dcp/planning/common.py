@@ -73,8 +73,3 @@ def split_oversize(
     )
     keep = np.setdiff1d(np.arange(len(lens)), np.asarray(dropped, dtype=np.int64))
     return lens, dropped, keep
-
-
-def drop_meta(dropped: Sequence[int]) -> dict:
-    """The plan ``meta`` entries that report dropped sequences (empty when none were)."""
-    return {"dropped": list(dropped), "num_dropped": len(dropped)} if dropped else {}

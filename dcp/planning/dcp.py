@@ -11,18 +11,67 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from dcp.costmodel import CostModel
-from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan
+from dcp.plan import ON_OVERSIZE, RECOMPUTE_LEVELS, MicroStep, Plan, check_choice, check_int
 from dcp.planning.bounds import lower_bound_s
-from dcp.planning.common import check_lengths, drop_meta, find_oversize, pow2_sizes
+from dcp.planning.common import check_lengths, find_oversize, pow2_sizes
 
 _TARGET_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35)
 # A packable sequence longer than this share of the target makespan is placed before the
 # short ones, on whichever CP size finishes it by the target.
 _SOLO_SHARE = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class DCPOptions:
+    """How ``plan_dcp`` plans a batch."""
+
+    on_oversize: str = "error"
+    """A sequence no plan can fit: ``error`` names it, ``drop`` plans the rest without it
+    (``Plan.dropped``)."""
+    max_cp_size: int | None = None
+    """Cap on the CP group size (>= 1; None: the whole cluster)."""
+    recompute_levels: tuple[str, ...] = RECOMPUTE_LEVELS
+    """Levels the planner may use (``full`` is always allowed for sequences nothing else fits)."""
+    pinned: Mapping[int, tuple[int, str]] | None = None
+    """``{sequence index: (cp_size, recompute)}``: those sequences run alone in a group of that
+    size at that level (online calibration's exploration) and the rest is planned around them.
+    The configuration must fit the cost model's memory budget."""
+
+    def __post_init__(self) -> None:
+        check_choice(self.on_oversize, ON_OVERSIZE, "on_oversize")
+        if self.max_cp_size is not None:
+            object.__setattr__(
+                self, "max_cp_size", check_int(self.max_cp_size, "max_cp_size", ge=1)
+            )
+        if isinstance(self.recompute_levels, str):
+            raise ValueError(
+                f"recompute_levels must be a list of levels, got {self.recompute_levels!r}"
+            )
+        levels = tuple(self.recompute_levels)
+        unknown = set(levels) - set(RECOMPUTE_LEVELS)
+        if unknown:
+            raise ValueError(f"recompute_levels: unknown {sorted(unknown)}; use {RECOMPUTE_LEVELS}")
+        object.__setattr__(self, "recompute_levels", levels)
+        if self.pinned is not None:
+            object.__setattr__(self, "pinned", _checked_pins(self.pinned))
+
+
+def _checked_pins(pinned: Mapping[int, tuple[int, str]]) -> dict[int, tuple[int, str]]:
+    """A copy of ``pinned`` with int indices and CP sizes, each level checked."""
+    out = {}
+    for index, config in pinned.items():
+        if not isinstance(config, tuple | list) or len(config) != 2:
+            raise ValueError(f"pinned[{index!r}] must be (cp_size, recompute), got {config!r}")
+        cp, level = config
+        check_choice(level, RECOMPUTE_LEVELS, f"pinned[{index!r}] recompute")
+        key = check_int(index, "pinned sequence index", ge=0)
+        out[key] = (check_int(cp, f"pinned[{index!r}] cp_size", ge=1), level)
+    return out
 
 
 class _Schedule:
@@ -47,39 +96,20 @@ class _Schedule:
 
 
 def plan_dcp(
-    lengths: Sequence[int],
-    *,
-    cost_model: CostModel,
-    on_oversize: str = "error",
-    max_cp_size: int | None = None,
-    recompute_levels: Sequence[str] = RECOMPUTE_LEVELS,
-    pinned: Mapping[int, tuple[int, str]] | None = None,
+    lengths: Sequence[int], *, cost_model: CostModel, options: DCPOptions = DCPOptions()
 ) -> Plan:
-    """Plan one global batch with DCP (see module docstring). Options:
-
-    on_oversize: "error" (default) or "drop" sequences no plan can fit (ids in meta["dropped"]).
-    max_cp_size: cap on the CP group size (default: the whole cluster).
-    recompute_levels: levels the planner may use (default all; ``full`` is always allowed for
-    sequences nothing else fits).
-    pinned: ``{sequence index: (cp_size, recompute)}`` runs those sequences alone in a group of
-    that size at that level (online calibration's exploration); the rest is planned around
-    them. The configuration must fit the cost model's memory budget.
-    """
+    """Plan one global batch with DCP (see module docstring and ``DCPOptions``)."""
     lens = check_lengths(lengths)
     num_ranks = cost_model.num_ranks
-    if max_cp_size is not None and (
-        not isinstance(max_cp_size, int) or isinstance(max_cp_size, bool) or max_cp_size < 1
-    ):
-        raise ValueError(f"max_cp_size must be an integer >= 1, got {max_cp_size!r}")
-    sizes = pow2_sizes(num_ranks, max_cp_size)
-    unknown = set(recompute_levels) - set(RECOMPUTE_LEVELS)
-    if unknown:
-        raise ValueError(f"recompute_levels: unknown {sorted(unknown)}; use {RECOMPUTE_LEVELS}")
-    levels_allowed = [lv for lv in RECOMPUTE_LEVELS if lv in set(recompute_levels) | {"full"}]
-    dropped = find_oversize(lens, cost_model, max_cp_size=sizes[-1], on_oversize=on_oversize)
+    sizes = pow2_sizes(num_ranks, options.max_cp_size)
+    allowed = set(options.recompute_levels) | {"full"}
+    levels_allowed = [lv for lv in RECOMPUTE_LEVELS if lv in allowed]
+    dropped = find_oversize(
+        lens, cost_model, max_cp_size=sizes[-1], on_oversize=options.on_oversize
+    )
     keep = np.setdiff1d(np.arange(len(lens)), np.asarray(dropped, dtype=np.int64))
     if keep.size == 0:
-        return Plan(steps=(), planner="dcp", predicted_step_time_s=0.0, meta=drop_meta(dropped))
+        return Plan(steps=(), planner="dcp", predicted_step_time_s=0.0, dropped=dropped)
     kept = lens[keep].astype(np.float64)
 
     # 1. Per sequence and level (CP = 2**k): step time alone at the fastest feasible recompute.
@@ -93,7 +123,7 @@ def plan_dcp(
             better = t < dur[:, k]
             dur[:, k] = np.where(better, t, dur[:, k])
             rec[:, k] = np.where(better, RECOMPUTE_LEVELS.index(lv), rec[:, k])
-    pinned_rows = _apply_pins(pinned or {}, keep, kept, sizes, cost_model, dur, rec)
+    pinned_rows = _apply_pins(options.pinned or {}, keep, kept, sizes, cost_model, dur, rec)
     area = dur * np.asarray(sizes, dtype=np.float64)
 
     # 2. Short sequences pack at CP=1 without recompute when that is their cheapest option.
@@ -175,7 +205,7 @@ def plan_dcp(
         steps=tuple(steps),
         planner="dcp",
         predicted_step_time_s=float(makespan),
-        meta=drop_meta(dropped),
+        dropped=dropped,
     )
 
 

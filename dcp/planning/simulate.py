@@ -1,7 +1,7 @@
 """Run a Plan on a cost model: per-rank busy and idle time, makespan, memory peak.
 
 ``simulate`` executes steps in list order: a micro-step starts when every rank of its group is
-free (and after any barrier listed in ``plan.meta["barriers"]``: step indices before which all
+free (and after any barrier listed in ``plan.barriers``: step indices before which all
 ranks synchronise, as Megatron's Hybrid-CP schedule does after every group).
 """
 
@@ -53,7 +53,7 @@ def simulate(plan: Plan, lengths: Sequence[int], cost_model: CostModel) -> SimRe
     num_ranks = cost_model.num_ranks
     free = np.zeros(num_ranks)
     busy = np.zeros(num_ranks)
-    barriers = set(int(b) for b in plan.meta.get("barriers", ()))
+    barriers = set(plan.barriers)
     peak_mem = 0.0
     comm_total = 0.0
     busy_total = 0.0

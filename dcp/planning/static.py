@@ -9,16 +9,48 @@ docs/planner.md, 'Baselines'.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from dcp.costmodel import CostModel
-from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan
-from dcp.planning.common import drop_meta, pow2_sizes, split_oversize
+from dcp.plan import ON_OVERSIZE, RECOMPUTE_LEVELS, MicroStep, Plan, check_choice, check_int
+from dcp.planning.common import pow2_sizes, split_oversize
 from dcp.planning.simulate import simulate
+
+
+@dataclass(frozen=True, kw_only=True)
+class StaticOptions:
+    """How ``plan_static`` plans a batch: the run's fixed configuration, where it has one."""
+
+    cp_size: int | None = None
+    """The run's one CP size (>= 1; None: the fastest feasible for the batch)."""
+    recompute: str | None = None
+    """The run's one recompute level (None: the fastest feasible for the batch)."""
+    max_seq_len: int | None = None
+    """The run's longest sequence, which the configuration must hold (>= 1; None: this
+    batch's longest)."""
+    tuned: bool = False
+    """The static oracle: micro-batches also up to the memory limit, packed and dealt by
+    predicted time (stronger than any static Megatron run)."""
+    on_oversize: str = "error"
+    """A sequence no plan can fit: ``error`` names it, ``drop`` plans the rest without it
+    (``Plan.dropped``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("cp_size", "max_seq_len"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, check_int(value, name, ge=1))
+        if self.recompute is not None:
+            check_choice(self.recompute, RECOMPUTE_LEVELS, "recompute")
+        if not isinstance(self.tuned, bool):
+            raise ValueError(f"tuned must be true or false, got {self.tuned!r}")
+        check_choice(self.on_oversize, ON_OVERSIZE, "on_oversize")
 
 
 def static_configs(cost_model: CostModel, max_seq_len: int) -> list[tuple[int, str]]:
@@ -32,31 +64,22 @@ def static_configs(cost_model: CostModel, max_seq_len: int) -> list[tuple[int, s
 
 
 def plan_static(
-    lengths: Sequence[int],
-    *,
-    cost_model: CostModel,
-    cp_size: int | None = None,
-    recompute: str | None = None,
-    max_seq_len: int | None = None,
-    tuned: bool = False,
-    on_oversize: str = "error",
+    lengths: Sequence[int], *, cost_model: CostModel, options: StaticOptions = StaticOptions()
 ) -> Plan:
-    """Static CP baseline. ``max_seq_len``: the run's longest sequence (default: this batch's).
+    """Static CP baseline (see ``StaticOptions``).
 
     With ``cp_size`` and/or ``recompute`` given, only matching configs (``ValueError`` if none can
     hold ``max_seq_len``); of those, the fastest for this batch. Micro-batches hold
     ``max_seq_len`` tokens (Megatron's ``--seq-length``), packed and dealt by token counts as a
-    static run without a cost model does. ``tuned=True``: also micro-batches up to the memory
-    limit, packed and dealt by predicted time (an oracle no static Megatron run has).
+    static run without a cost model does; ``tuned`` adds the oracle's micro-batches.
     """
-    if not isinstance(tuned, bool):
-        raise ValueError(f"tuned must be true or false, got {tuned!r}")
-    lens, dropped, keep = split_oversize(lengths, cost_model, on_oversize=on_oversize)
+    cp_size, recompute, tuned = options.cp_size, options.recompute, options.tuned
+    lens, dropped, keep = split_oversize(lengths, cost_model, on_oversize=options.on_oversize)
     if keep.size == 0:
-        return Plan(steps=(), planner="static", meta=drop_meta(dropped))
+        return Plan(steps=(), planner="static", dropped=dropped)
     longest = int(lens[keep].max())
-    max_seq_len = longest if max_seq_len is None else int(max_seq_len)
-    if on_oversize == "drop":
+    max_seq_len = longest if options.max_seq_len is None else options.max_seq_len
+    if options.on_oversize == "drop":
         # The run drops what no config can hold, so it is sized for the longest it keeps.
         holdable = pow2_sizes(cost_model.num_ranks)[-1] * cost_model.max_tokens_per_rank("full")
         max_seq_len = max(longest, min(max_seq_len, holdable))
@@ -87,12 +110,7 @@ def plan_static(
             if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
                 best = plan
     assert best is not None
-    return Plan(
-        steps=best.steps,
-        planner="static",
-        predicted_step_time_s=best.predicted_step_time_s,
-        meta={**best.meta, **drop_meta(dropped)},
-    )
+    return dataclasses.replace(best, dropped=dropped)
 
 
 def _static_for_config(
@@ -142,13 +160,10 @@ def _static_for_config(
         for b in owned_bins:
             seq_ids = tuple(sorted(int(keep[i]) for i in bins[b]))
             steps.append(MicroStep(ranks=ranks, seq_ids=seq_ids, recompute=level))
-    plan = Plan(steps=tuple(steps), planner="static")
-    makespan = simulate(plan, lens.tolist(), cost_model).makespan_s
-    return Plan(
-        steps=plan.steps,
+    plan = Plan(
+        steps=tuple(steps),
         planner="static",
-        predicted_step_time_s=makespan,
-        meta={
+        extra={
             "cp_size": cp,
             "recompute": level,
             "capacity_tokens": cap,
@@ -156,6 +171,8 @@ def _static_for_config(
             "tuned": tuned,
         },
     )
+    makespan = simulate(plan, lens.tolist(), cost_model).makespan_s
+    return dataclasses.replace(plan, predicted_step_time_s=makespan)
 
 
 def _pack(

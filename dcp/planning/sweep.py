@@ -21,9 +21,9 @@ from dcp.plan import PLANNERS, RECOMPUTE_LEVELS, Plan
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
 from dcp.planning.dcp import plan_dcp
-from dcp.planning.megatron import plan_megatron
+from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.simulate import simulate
-from dcp.planning.static import plan_static, static_configs
+from dcp.planning.static import StaticOptions, plan_static, static_configs
 from dcp.planning.workloads import WORKLOADS, get_workload, make_batch
 
 Log = Callable[[str], None]
@@ -83,16 +83,12 @@ def evaluate(
         for cp, level in static_configs(cost_model, workload.max_seq_len):
             key = f"cp{cp}/{level}"
             runs[key] = []
+            options = StaticOptions(
+                cp_size=cp, recompute=level, max_seq_len=workload.max_seq_len, tuned=tuned
+            )
             for b in batches:
                 start = time.perf_counter()
-                plan = plan_static(
-                    b,
-                    cost_model=cost_model,
-                    cp_size=cp,
-                    recompute=level,
-                    max_seq_len=workload.max_seq_len,
-                    tuned=tuned,
-                )
+                plan = plan_static(b, cost_model=cost_model, options=options)
                 plan_ms.append((time.perf_counter() - start) * 1e3)
                 runs[key].append(_checked_time(plan, b, cost_model))
         config, times = _best_fixed(runs)
@@ -103,12 +99,13 @@ def evaluate(
             try:
                 per_batch = []
                 unaligned[level] = 0
+                options = MegatronOptions(recompute=level)
                 for b in batches:
                     start = time.perf_counter()
-                    plan = plan_megatron(b, cost_model=cost_model, recompute=level)
+                    plan = plan_megatron(b, cost_model=cost_model, options=options)
                     plan_ms.append((time.perf_counter() - start) * 1e3)
                     per_batch.append(_checked_time(plan, b, cost_model))
-                    unaligned[level] += plan.meta.get("unaligned_steps", 0)
+                    unaligned[level] += plan.unaligned_steps
                 runs[level] = per_batch
             except ValueError:
                 continue  # this level cannot hold the longest sequence

@@ -19,7 +19,7 @@ runs its planner rank's steps together, on the same tokens, each in its own TP r
 Guards: before the first collective every rank all-reduces (plan checksum, loss-token count); if
 any rank holds a different plan or batch, every rank raises ``RuntimeError`` instead of hanging in
 mismatched collectives. Each step's group must exist in the registry. A plan may list step
-indices in ``plan.meta["barriers"]``: all ranks synchronise before those steps.
+indices in ``plan.barriers``: all ranks synchronise before those steps.
 """
 
 from __future__ import annotations
@@ -31,17 +31,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dcp.plan import RECOMPUTE_LEVELS, Plan
+from dcp.plan import Plan
 from dcp.runtime.collectives import phase
 from dcp.runtime.dispatch import SequenceSource, compute_device, local_batch
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.layout import ShardLayout
 from megatron_patches.parallel_state import use_cp_group
 from megatron_patches.recompute import use_recompute
-
-# DCP's recompute levels (dcp.plan.RECOMPUTE_LEVELS) in megatron's recompute_granularity terms.
-_GRANULARITY = {"none": None, "selective": "selective", "full": "full"}
-assert tuple(_GRANULARITY) == RECOMPUTE_LEVELS
 
 
 @dataclass
@@ -111,7 +107,7 @@ def run_plan(
 
     device = compute_device()
     no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
-    barriers = {int(b) for b in plan.meta.get("barriers", ())}
+    barriers = set(plan.barriers)
     # Kernels run asynchronously on a GPU: a wall-clock reading is only a step's time once the
     # device has finished it (the planner's calibration and the logged times consume these).
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
@@ -148,7 +144,7 @@ def run_plan(
                     ranks=registry.cp_global_ranks(step.ranks),
                     tp_cp_group=registry.tp_cp(step.ranks),
                 ),
-                use_recompute(model, _GRANULARITY[step.recompute]),
+                use_recompute(model, step.recompute.megatron_granularity),
             ):
                 token_loss = model(
                     batch.input_ids,

@@ -16,7 +16,14 @@ from dcp.costmodel import load_cost_model, load_spec, with_runtime_options
 from dcp.data import build_document_dataset
 from dcp.data.sampler import GlobalBatch
 from dcp.plan import Plan
-from dcp.planning import plan_batch, simulate
+from dcp.planning import (
+    DCPOptions,
+    MegatronOptions,
+    PlannerOptions,
+    StaticOptions,
+    plan_batch,
+    simulate,
+)
 from dcp.runtime.dispatch import train_len
 
 logger = logging.getLogger(__name__)
@@ -126,6 +133,27 @@ class BatchPlanner:
         self.spec = spec
         self.version = version
 
+    def planner_options(
+        self, lengths: list[int], *, pinned: dict[int, tuple[int, str]] | None = None
+    ) -> PlannerOptions:
+        """The configured planner's options for a batch of ``lengths``."""
+        cfg = self.cfg
+        if pinned and cfg.planner != "dcp":
+            raise ValueError(f"pinned sequences are a dcp planner option, not {cfg.planner!r}'s")
+        if cfg.planner == "dcp":
+            return DCPOptions(on_oversize=cfg.on_oversize, pinned=pinned or None)
+        if cfg.planner == "static":
+            # Sized for the run's longest sequence, as a static Megatron run must be.
+            longest = None if self.max_seq_len is None else max(self.max_seq_len, max(lengths))
+            return StaticOptions(
+                cp_size=cfg.static_cp_size,
+                recompute=cfg.static_recompute,
+                max_seq_len=longest,
+                on_oversize=cfg.on_oversize,
+            )
+        assert cfg.planner == "megatron", cfg.planner
+        return MegatronOptions(on_oversize=cfg.on_oversize)
+
     def plan(
         self, batch: GlobalBatch, *, pinned: dict[int, tuple[int, str]] | None = None
     ) -> PlannedBatch:
@@ -133,17 +161,9 @@ class BatchPlanner:
         configuration."""
         lengths = seq_lengths(batch)
         cost_model, version = self.cost_model, self.version  # one model for the whole plan
-        options = {"on_oversize": self.cfg.on_oversize}
-        if pinned:
-            options["pinned"] = pinned
-        if self.cfg.planner == "static":
-            if self.max_seq_len is not None:
-                options["max_seq_len"] = max(self.max_seq_len, max(lengths))
-            options["cp_size"] = self.cfg.static_cp_size
-            options["recompute"] = self.cfg.static_recompute
-        plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, **options)
-        dropped = tuple(int(i) for i in plan.meta.get("dropped", ()))
-        plan.validate(num_sequences=len(lengths), num_ranks=self.num_planner_ranks, dropped=dropped)
+        options = self.planner_options(lengths, pinned=pinned)
+        plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, options=options)
+        plan.validate(num_sequences=len(lengths), num_ranks=self.num_planner_ranks)
         sim = simulate(plan, lengths, cost_model)
         mean_busy = sum(sim.busy_s) / len(sim.busy_s)
         imbalance = max(sim.busy_s) / mean_busy if mean_busy > 0 else 1.0
@@ -152,7 +172,7 @@ class BatchPlanner:
             lengths=lengths,
             predicted_step_time_s=float(plan.predicted_step_time_s or sim.makespan_s),
             predicted_imbalance=float(imbalance),
-            dropped=dropped,
+            dropped=plan.dropped,
             calibration_version=version,
             exploration=(
                 ", ".join(f"cp{cp}/{level}" for cp, level in pinned.values()) if pinned else None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from dcp.costmodel import CostModel, load_cost_model
 from dcp.planning import (
+    MegatronOptions,
+    StaticOptions,
     lower_bound_s,
     plan_dcp,
     plan_megatron,
@@ -37,22 +41,23 @@ def test_static_configs_hold_the_max_length(cm):
 
 @pytest.mark.parametrize("tuned", [False, True])
 def test_static_plan_is_one_fixed_config(cm, batch, tuned):
-    plan = plan_static(batch, cost_model=cm, max_seq_len=131072, tuned=tuned)
+    options = StaticOptions(max_seq_len=131072, tuned=tuned)
+    plan = plan_static(batch, cost_model=cm, options=options)
     plan.validate(num_sequences=len(batch), num_ranks=cm.num_ranks)
     cm.check_plan_memory(plan, batch)
-    cp, level = plan.meta["cp_size"], plan.meta["recompute"]
+    cp, level = plan.extra["cp_size"], plan.extra["recompute"]
     assert cm.fits([131072], cp, level)
     assert {s.cp_size for s in plan.steps} == {cp} and {s.recompute for s in plan.steps} == {level}
     # DP replicas are the aligned blocks; none runs more than the common micro-batch count.
-    per_replica = plan.meta["micro_batches_per_replica"]
+    per_replica = plan.extra["micro_batches_per_replica"]
     for j in range(cm.num_ranks // cp):
         assert len(plan.steps_for_rank(j * cp)) <= per_replica
     for step in plan.steps:
-        assert sum(batch[i] for i in step.seq_ids) <= plan.meta["capacity_tokens"]
+        assert sum(batch[i] for i in step.seq_ids) <= plan.extra["capacity_tokens"]
     if not tuned:  # Megatron's static run: micro-batches of --seq-length = the run's max
-        assert plan.meta["capacity_tokens"] == 131072
+        assert plan.extra["capacity_tokens"] == 131072
     assert plan.predicted_step_time_s == pytest.approx(simulate(plan, batch, cm).makespan_s)
-    assert plan_static(batch, cost_model=cm, max_seq_len=131072, tuned=tuned) == plan
+    assert plan_static(batch, cost_model=cm, options=options) == plan
 
 
 def test_tuned_static_is_never_slower(cm, batch):
@@ -60,28 +65,29 @@ def test_tuned_static_is_never_slower(cm, batch):
     for its greedy packing landing slightly differently on a capacity both try."""
     beyond_seq_len = []
     for cp, level in static_configs(cm, 131072)[:4]:
-        kw = dict(cost_model=cm, cp_size=cp, recompute=level, max_seq_len=131072)
-        plain, tuned = plan_static(batch, **kw), plan_static(batch, tuned=True, **kw)
+        options = StaticOptions(cp_size=cp, recompute=level, max_seq_len=131072)
+        plain = plan_static(batch, cost_model=cm, options=options)
+        tuned = plan_static(batch, cost_model=cm, options=dataclasses.replace(options, tuned=True))
         assert tuned.predicted_step_time_s <= plain.predicted_step_time_s * 1.02
-        beyond_seq_len.append(tuned.meta["capacity_tokens"] > 131072)
+        beyond_seq_len.append(tuned.extra["capacity_tokens"] > 131072)
     # Where it is faster, tuned fills micro-batches to the memory limit (past --seq-length).
     assert any(beyond_seq_len)
 
 
 def test_static_reports_the_best_config(cm, batch):
-    best = plan_static(batch, cost_model=cm, max_seq_len=131072)
+    best = plan_static(batch, cost_model=cm, options=StaticOptions(max_seq_len=131072))
     for cp, level in static_configs(cm, 131072):
-        fixed = plan_static(batch, cost_model=cm, cp_size=cp, recompute=level, max_seq_len=131072)
+        options = StaticOptions(cp_size=cp, recompute=level, max_seq_len=131072)
+        fixed = plan_static(batch, cost_model=cm, options=options)
         assert best.predicted_step_time_s <= fixed.predicted_step_time_s + 1e-12
 
 
 def test_static_errors(cm, batch):
+    options = StaticOptions(cp_size=1, recompute="none", max_seq_len=131072)
     with pytest.raises(ValueError, match="cannot hold"):
-        plan_static(batch, cost_model=cm, cp_size=1, recompute="none", max_seq_len=131072)
+        plan_static(batch, cost_model=cm, options=options)
     with pytest.raises(ValueError, match="below this batch's longest"):
-        plan_static(batch, cost_model=cm, max_seq_len=10)
-    with pytest.raises(ValueError, match="tuned must be true or false"):
-        plan_static(batch, cost_model=cm, tuned="maybe")
+        plan_static(batch, cost_model=cm, options=StaticOptions(max_seq_len=10))
     with pytest.raises(ValueError, match="empty batch"):
         plan_static([], cost_model=cm)
 
@@ -91,11 +97,11 @@ def test_megatron_plan_is_the_schedulers_output(cm, batch):
 
     from dcp.planning.megatron import _DpCpGroup
 
-    plan = plan_megatron(batch, cost_model=cm, recompute="selective")
+    plan = plan_megatron(batch, cost_model=cm, options=MegatronOptions(recompute="selective"))
     plan.validate(num_sequences=len(batch), num_ranks=cm.num_ranks)
     cm.check_plan_memory(plan, batch)
     cap = cm.max_tokens_per_rank("selective")
-    assert plan.meta["max_seq_len_per_rank"] == cap
+    assert plan.extra["max_seq_len_per_rank"] == cap
     assert {s.recompute for s in plan.steps} == {"selective"}
     assert all(len(s.seq_ids) == 1 for s in plan.steps)  # one sub-sample per forward
 
@@ -108,8 +114,8 @@ def test_megatron_plan_is_the_schedulers_output(cm, batch):
             for sid in ids:
                 holders.setdefault(sid, []).append(rank)
         expected.append(holders)
-    assert plan.meta["groups"] == len(groups)
-    barriers = [0, *plan.meta.get("barriers", []), len(plan.steps)]
+    assert plan.extra["groups"] == len(groups)
+    barriers = [0, *plan.barriers, len(plan.steps)]
     for g, holders in enumerate(expected):
         steps = plan.steps[barriers[g] : barriers[g + 1]]
         assert {s.seq_ids[0]: list(s.ranks) for s in steps} == holders
@@ -118,8 +124,8 @@ def test_megatron_plan_is_the_schedulers_output(cm, batch):
 
 
 def test_megatron_barriers_cost_time(cm, batch):
-    plan = plan_megatron(batch, cost_model=cm, recompute="none")
-    assert plan.meta["barriers"], "several groups expected for this batch"
+    plan = plan_megatron(batch, cost_model=cm, options=MegatronOptions(recompute="none"))
+    assert plan.barriers, "several groups expected for this batch"
     from dcp.plan import Plan
 
     no_barrier = Plan(steps=plan.steps, planner="megatron")
@@ -131,7 +137,7 @@ def test_megatron_barriers_cost_time(cm, batch):
 def test_megatron_picks_the_best_level_and_is_deterministic(cm, batch):
     best = plan_megatron(batch, cost_model=cm)
     for level in ("none", "selective", "full"):
-        fixed = plan_megatron(batch, cost_model=cm, recompute=level)
+        fixed = plan_megatron(batch, cost_model=cm, options=MegatronOptions(recompute=level))
         assert best.predicted_step_time_s <= fixed.predicted_step_time_s + 1e-12
     assert plan_megatron(batch, cost_model=cm) == best
 
@@ -139,7 +145,7 @@ def test_megatron_picks_the_best_level_and_is_deterministic(cm, batch):
 def test_megatron_rejects_what_it_cannot_hold(cm):
     too_long = 32 * cm.max_tokens_per_rank("none") + 1
     with pytest.raises(ValueError, match="cannot hold"):
-        plan_megatron([too_long, 10], cost_model=cm, recompute="none")
+        plan_megatron([too_long, 10], cost_model=cm, options=MegatronOptions(recompute="none"))
     plan = plan_megatron([too_long, 10], cost_model=cm)  # selective/full can
     plan.validate(num_sequences=2, num_ranks=32)
 
@@ -151,7 +157,7 @@ def test_all_planners_respect_the_lower_bound_and_dcp_wins(cm, workload):
     times = {}
     for name, plan in (
         ("dcp", plan_dcp(lengths, cost_model=cm)),
-        ("static", plan_static(lengths, cost_model=cm, max_seq_len=131072)),
+        ("static", plan_static(lengths, cost_model=cm, options=StaticOptions(max_seq_len=131072))),
         ("megatron", plan_megatron(lengths, cost_model=cm)),
     ):
         plan.validate(num_sequences=len(lengths), num_ranks=cm.num_ranks)

@@ -9,7 +9,15 @@ import pytest
 
 from dcp.costmodel import CostModel, load_cost_model, load_preset
 from dcp.plan import PLANNERS
-from dcp.planning import lower_bound_s, plan_batch, plan_dcp, plan_static, simulate
+from dcp.planning import (
+    DCPOptions,
+    lower_bound_s,
+    plan_batch,
+    plan_dcp,
+    plan_static,
+    planner_options,
+    simulate,
+)
 from dcp.planning.common import check_lengths, pow2_sizes
 
 PRESETS = ("h200x8+llama3-8b", "h200x32+llama3-8b", "h200x64+llama3-70b", "cpu-tiny")
@@ -120,28 +128,31 @@ def test_oversize_sequence_is_named_or_dropped(models):
     lengths = [1000, too_long, 2000, too_long + 1]
     with pytest.raises(ValueError, match=rf"sequence 1 \(length {too_long}\) fits no plan"):
         plan_dcp(lengths, cost_model=cost_model)
-    plan = plan_dcp(lengths, cost_model=cost_model, on_oversize="drop")
-    assert plan.meta["dropped"] == [1, 3] and plan.meta["num_dropped"] == 2
-    plan.validate(num_sequences=4, num_ranks=8, dropped=plan.meta["dropped"])
+    drop = DCPOptions(on_oversize="drop")
+    plan = plan_dcp(lengths, cost_model=cost_model, options=drop)
+    assert plan.dropped == (1, 3)
+    assert plan.to_dict()["meta"] == {"dropped": [1, 3], "num_dropped": 2}
+    plan.validate(num_sequences=4, num_ranks=8)
     assert sorted(plan.seq_ids()) == [0, 2]
-    everything_dropped = plan_dcp([too_long], cost_model=cost_model, on_oversize="drop")
-    assert everything_dropped.steps == () and everything_dropped.meta["num_dropped"] == 1
+    everything_dropped = plan_dcp([too_long], cost_model=cost_model, options=drop)
+    assert everything_dropped.steps == () and everything_dropped.dropped == (0,)
     with pytest.raises(ValueError, match="on_oversize"):
-        plan_dcp(lengths, cost_model=cost_model, on_oversize="ignore")
+        DCPOptions(on_oversize="ignore")
 
 
 def test_max_cp_size_and_recompute_options(models):
     cost_model = models["h200x32+llama3-8b"]
     lengths = [120000, 60000, 3000, 2000, 1000]
-    plan = plan_dcp(lengths, cost_model=cost_model, max_cp_size=4)
+    plan = plan_dcp(lengths, cost_model=cost_model, options=DCPOptions(max_cp_size=4))
     assert max(s.cp_size for s in plan.steps) <= 4
     cost_model.check_plan_memory(plan, lengths)
-    no_selective = plan_dcp(lengths, cost_model=cost_model, recompute_levels=("none",))
+    options = DCPOptions(recompute_levels=("none",))
+    no_selective = plan_dcp(lengths, cost_model=cost_model, options=options)
     assert {s.recompute for s in no_selective.steps} <= {"none", "full"}
     with pytest.raises(ValueError, match="max_cp_size"):
-        plan_dcp(lengths, cost_model=cost_model, max_cp_size=0)
+        DCPOptions(max_cp_size=0)
     with pytest.raises(ValueError, match="recompute_levels"):
-        plan_dcp(lengths, cost_model=cost_model, recompute_levels=("some",))
+        DCPOptions(recompute_levels=("some",))
 
 
 def test_cluster_size_not_a_power_of_two():
@@ -177,10 +188,11 @@ def test_every_planner_honours_on_oversize(models, planner):
     with pytest.raises(ValueError, match="sequence 1 .* fits no plan"):
         plan_batch(lengths, cost_model=cost_model, planner=planner)
     with pytest.raises(ValueError, match="on_oversize must be one of"):
-        plan_batch(lengths, cost_model=cost_model, planner=planner, on_oversize="raise")
-    plan = plan_batch(lengths, cost_model=cost_model, planner=planner, on_oversize="drop")
-    assert plan.meta["dropped"] == [1] and plan.meta["num_dropped"] == 1
-    plan.validate(num_sequences=4, num_ranks=cost_model.num_ranks, dropped=[1])
+        planner_options(planner, on_oversize="raise")
+    options = planner_options(planner, on_oversize="drop")
+    plan = plan_batch(lengths, cost_model=cost_model, planner=planner, options=options)
+    assert plan.dropped == (1,)
+    plan.validate(num_sequences=4, num_ranks=cost_model.num_ranks)
     assert sorted(plan.seq_ids()) == [0, 2, 3]
     cost_model.check_plan_memory(plan, lengths)
 
@@ -213,9 +225,11 @@ def test_training_config_on_oversize_reaches_every_planner(planner):
 def test_bad_planner_options_are_value_errors_naming_the_option(models):
     cost_model = models["cpu-tiny"]
     with pytest.raises(ValueError, match="max_cp_size must be an integer >= 1, got 'abc'"):
-        plan_batch([10, 20], cost_model=cost_model, max_cp_size="abc")
+        planner_options("dcp", max_cp_size="abc")
     with pytest.raises(ValueError, match=r"has no option\(s\) \['bogus'\]; its options: "):
-        plan_batch([10, 20], cost_model=cost_model, planner="static", bogus=1)
+        planner_options("static", bogus=1)
+    with pytest.raises(ValueError, match="planner 'static' takes StaticOptions, got DCPOptions"):
+        plan_batch([10, 20], cost_model=cost_model, planner="static", options=DCPOptions())
 
 
 def test_pinned_sequence_runs_alone_in_its_configuration():
@@ -226,13 +240,18 @@ def test_pinned_sequence_runs_alone_in_its_configuration():
     lengths = [6000, 300, 2000, 45, 900, 5000, 120]
     plain = plan_dcp(lengths, cost_model=model)
     for cp, level in ((2, "none"), (1, "full"), (2, "selective")):
-        plan = plan_dcp(lengths, cost_model=model, pinned={0: (cp, level)})
+        options = DCPOptions(pinned={0: (cp, level)})
+        plan = plan_dcp(lengths, cost_model=model, options=options)
         plan.validate(num_sequences=len(lengths), num_ranks=2)
         (step,) = [s for s in plan.steps if 0 in s.seq_ids]
         assert step.seq_ids == (0,) and len(step.ranks) == cp and step.recompute == level
-        assert plan == plan_dcp(lengths, cost_model=model, pinned={0: (cp, level)})
+        assert plan == plan_dcp(lengths, cost_model=model, options=options)
     assert plain.predicted_step_time_s <= plan.predicted_step_time_s + 1e-12
     with pytest.raises(ValueError, match="does not fit CP=1 with recompute none"):
-        plan_dcp(lengths, cost_model=model, pinned={0: (1, "none")})
+        plan_dcp(lengths, cost_model=model, options=DCPOptions(pinned={0: (1, "none")}))
     with pytest.raises(ValueError, match="not in the batch"):
-        plan_dcp(lengths, cost_model=model, pinned={7: (1, "full")})
+        plan_dcp(lengths, cost_model=model, options=DCPOptions(pinned={7: (1, "full")}))
+    with pytest.raises(ValueError, match=r"pinned\[0\] recompute must be one of"):
+        DCPOptions(pinned={0: (1, "most")})
+    with pytest.raises(ValueError, match=r"pinned\[0\] must be \(cp_size, recompute\)"):
+        DCPOptions(pinned={0: 2})

@@ -50,7 +50,7 @@ def test_barriers_synchronise_all_ranks(cm):
         MicroStep(ranks=(1,), seq_ids=(2,)),
     )
     free = simulate(Plan(steps=steps), lengths, cm)
-    synced = simulate(Plan(steps=steps, meta={"barriers": [2]}), lengths, cm)
+    synced = simulate(Plan(steps=steps, barriers=(2,)), lengths, cm)
     t0, t1 = cm.step_time_s([8000], 1, "none"), cm.step_time_s([1000], 1, "none")
     assert free.makespan_s == pytest.approx(t0)
     assert synced.makespan_s == pytest.approx(t0 + t1)
