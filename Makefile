@@ -40,8 +40,7 @@ demo: data
 # has 2 planner ranks of 1), on the same batches; its losses match the demo's up to rounding.
 demo-tp: data
 	$(VENV)/bin/torchrun --nproc-per-node 4 -m pretrain.pretrain_gpt \
-	  --config pretrain/configs/tiny_cpu.yaml name=demo-tp2 parallel.tensor_parallel_size=2 \
-	  dcp.spec=cpu-tiny+cpu-mem-demo+cpu-tp2 $(ARGS)
+	  --config pretrain/configs/tiny_cpu.yaml name=demo-tp2 parallel.tensor_parallel_size=2 $(ARGS)
 
 # Context extension on CPU (pretrain/configs/extend_context_cpu.yaml): a 512-token base model,
 # exported to Hugging Face format, imported and continued at 2K then 4K tokens.

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=cfg.model.dtype,
                 distributed_optimizer=cfg.optim.distributed,
                 fp8=cfg.model.fp8,
+                tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             ),
         )
         cost_model = load_cost_model(spec, tensor_parallel_size=cfg.parallel.tensor_parallel_size)

@@ -15,6 +15,7 @@ from dcp.costmodel.load import (
     load_cost_model,
     load_preset,
     load_spec,
+    with_launch,
     with_runtime_options,
 )
 from dcp.costmodel.model import CostModel
@@ -33,5 +34,6 @@ __all__ = [
     "load_cost_model",
     "load_preset",
     "load_spec",
+    "with_launch",
     "with_runtime_options",
 ]

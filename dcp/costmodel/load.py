@@ -64,10 +64,16 @@ def load_spec(source: str | Path | dict) -> dict:
     return load_preset(str(source))
 
 
+# Calibrated terms that hold only at the TP size they were measured at.
+_TP_CALIBRATION_KEYS = ("tp_comm_s_per_token", "tp_latency_s")
+
+
 def with_runtime_options(spec: dict, options: dict) -> tuple[dict, dict]:
     """``spec`` with ``options`` laid over its ``options`` block (``spec.runtime_options``: what
     the training run itself fixes), and the keys whose value this changed, as ``{key: (old,
-    new)}``, so callers can say what they overrode."""
+    new)}``, so callers can say what they overrode. A changed ``tensor_parallel_size`` drops
+    the calibration's TP-collective terms (measured at the old size): they are analytic until
+    measured again (``tools.profile``, online calibration); the fitted compute terms stay."""
     current = spec.get("options", {})
     merged = {**current, **options}
     # Compare effective values (defaults and derived ones included), not the raw dicts.
@@ -78,7 +84,29 @@ def with_runtime_options(spec: dict, options: dict) -> tuple[dict, dict]:
         for k in options
         if getattr(before, k) != getattr(after, k)
     }
-    return {**spec, "options": merged}, changed
+    out = {**spec, "options": merged}
+    if "tensor_parallel_size" in changed and isinstance(spec.get("calibration"), dict):
+        out["calibration"] = {
+            k: v for k, v in spec["calibration"].items() if k not in _TP_CALIBRATION_KEYS
+        }
+    return out, changed
+
+
+def with_launch(
+    spec: dict, *, world_size: int, ranks_per_node: int | None = None
+) -> tuple[dict, dict]:
+    """``spec`` with its cluster sized to the launch, and what changed as ``{key: (old, new)}``:
+    ``cluster.num_gpus`` the launched ranks (one per GPU) and, when known, ``cluster.gpus_per_node``
+    the ranks per node. The spec describes the hardware (links, memory, calibration); how many
+    GPUs a run uses is the launch's to say."""
+    cluster = dict(spec.get("cluster", {}))
+    wanted = {"num_gpus": world_size}
+    if ranks_per_node:
+        wanted["gpus_per_node"] = min(ranks_per_node, world_size)
+    changed = {
+        f"cluster.{k}": (cluster.get(k), v) for k, v in wanted.items() if cluster.get(k) != v
+    }
+    return {**spec, "cluster": {**cluster, **wanted}}, changed
 
 
 def load_cost_model(

@@ -340,15 +340,25 @@ def optimizer_bytes_per_param(dtype: str) -> float:
     return 8.0 if dtype == "fp32" else 12.0
 
 
-def runtime_options(*, dtype: str, distributed_optimizer: bool, fp8: bool = False) -> dict:
-    """The spec ``options`` a training run fixes (its model dtype, FP8 and optimizer): the
-    trainer and ``tools.memory_budget`` lay them over the spec, so planner and runtime agree."""
-    return {
+def runtime_options(
+    *,
+    dtype: str,
+    distributed_optimizer: bool,
+    fp8: bool = False,
+    tensor_parallel_size: int | None = None,
+) -> dict:
+    """The spec ``options`` a training run fixes (its model dtype, FP8, optimizer and, when
+    given, its TP size): the trainer and ``tools.memory_budget`` lay them over the spec
+    (``with_runtime_options``), so planner and runtime agree."""
+    options = {
         "dtype": dtype,
         "fp8": fp8,
         "distributed_optimizer": distributed_optimizer,
         "optimizer_bytes_per_param": optimizer_bytes_per_param(dtype),
     }
+    if tensor_parallel_size is not None:
+        options["tensor_parallel_size"] = tensor_parallel_size
+    return options
 
 
 def static_memory_parts(model: ModelSpec, options: Options, *, num_ranks: int) -> dict[str, float]:

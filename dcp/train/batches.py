@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp.costmodel import load_cost_model, load_spec, with_runtime_options
+from dcp.costmodel import load_cost_model, load_spec, with_launch, with_runtime_options
 from dcp.data import build_document_dataset
 from dcp.data.sampler import GlobalBatch
 from dcp.plan import Plan
@@ -97,22 +97,37 @@ class BatchPlanner:
         tensor_parallel_size: int = 1,
         max_seq_len: int | None = None,
         runtime_options: dict | None = None,
+        ranks_per_node: int | None = None,
     ) -> None:
         """``world_size``: the launched ranks (GPUs); plans are over ``world_size /
-        tensor_parallel_size`` planner ranks, and the spec must have that TP size.
-        ``max_seq_len``: the run's longest sequence; the static baseline is sized for it
-        (as a static Megatron run must be), not for each batch's longest. ``runtime_options``
-        (``dcp.costmodel.spec.runtime_options``) replace the spec's options the run fixes."""
+        tensor_parallel_size`` planner ranks. ``max_seq_len``: the run's longest sequence; the
+        static baseline is sized for it (as a static Megatron run must be), not for each batch's
+        longest. ``runtime_options`` (``dcp.costmodel.spec.runtime_options``) replace the
+        spec's options the run fixes; with them, the spec's cluster is also sized to the launch
+        (``world_size``, ``ranks_per_node``): the run and its launch are the truth for the
+        layout, the spec for the hardware."""
         self.cfg = dcp_cfg
         self.world_size = world_size
         self.tensor_parallel_size = tensor_parallel_size
         self.max_seq_len = max_seq_len
         self.spec = load_spec(dcp_cfg.spec)
         if runtime_options:
+            calibrated = "calibration" in self.spec
             self.spec, changed = with_runtime_options(self.spec, runtime_options)
-            for key, (old, new) in changed.items():
+            self.spec, resized = with_launch(
+                self.spec, world_size=world_size, ranks_per_node=ranks_per_node
+            )
+            for key, (old, new) in {**changed, **resized}.items():
+                where = key if key.startswith("cluster.") else f"options.{key}"
+                logger.info("cost-model spec %s: %s -> %s (the run's setting)", where, old, new)
+            if calibrated and "tensor_parallel_size" in changed:
+                old_tp, new_tp = changed["tensor_parallel_size"]
                 logger.info(
-                    "cost-model spec options.%s: %s -> %s (the run's setting)", key, old, new
+                    "the spec was calibrated at TP = %d: at TP = %d its fitted compute terms "
+                    "are kept and the TP collectives are analytic until measured (online "
+                    "calibration, or tools.profile at this TP size)",
+                    old_tp,
+                    new_tp,
                 )
         self.version = 0
         self.cost_model = self._load(self.spec)

@@ -10,6 +10,7 @@ docs/operations.md for resume, signals, timeouts and non-finite values."""
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -190,7 +191,9 @@ class Trainer:
                 dtype=cfg.model.dtype,
                 distributed_optimizer=cfg.optim.distributed,
                 fp8=cfg.model.fp8,
+                tensor_parallel_size=tp,
             ),
+            ranks_per_node=_ranks_per_node(),
         )
 
     def close(self) -> None:
@@ -524,3 +527,9 @@ def _check_writable(path: Path, what: str) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _ranks_per_node() -> int | None:
+    """The launcher's ranks per node (torchrun's ``LOCAL_WORLD_SIZE``), if it says."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None

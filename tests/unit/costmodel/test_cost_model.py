@@ -181,3 +181,36 @@ def test_unknown_recompute_level_is_rejected(cm):
         cm.step_time_s([10], 1, "some")
     with pytest.raises(ValueError, match="cp_size"):
         cm.step_time_s([10], 0, "none")
+
+
+def test_the_run_and_its_launch_size_the_spec():
+    """TP from the run config and the GPU count from the launch, laid over a TP = 1 spec, give
+    the model the TP = 2 overlay describes; a calibration's TP terms are dropped with the TP."""
+    from dcp.costmodel import load_spec, with_launch, with_runtime_options
+    from dcp.costmodel.spec import runtime_options
+
+    options = runtime_options(dtype="fp32", distributed_optimizer=True, tensor_parallel_size=2)
+    spec, changed = with_runtime_options(load_spec("cpu-tiny+cpu-mem-demo"), options)
+    spec, resized = with_launch(spec, world_size=4, ranks_per_node=4)
+    assert changed["tensor_parallel_size"] == (1, 2)
+    assert resized == {"cluster.num_gpus": (2, 4), "cluster.gpus_per_node": (2, 4)}
+    overlay, _ = with_runtime_options(load_spec("cpu-tiny+cpu-mem-demo+cpu-tp2"), options)
+    got = load_cost_model(spec, world_size=4, tensor_parallel_size=2)
+    want = load_cost_model(overlay, world_size=4, tensor_parallel_size=2)
+    assert (got.coefficients, got.options, got.num_ranks) == (
+        want.coefficients,
+        want.options,
+        want.num_ranks,
+    )
+    # Measured TP collectives belong to the TP size they were measured at.
+    measured = {**load_spec("cpu-tiny")}
+    measured["calibration"] = {**measured["calibration"], "tp_latency_s": 0.5}
+    kept, _ = with_runtime_options(measured, {"dtype": "fp32"})
+    moved, _ = with_runtime_options(measured, options)
+    assert kept["calibration"]["tp_latency_s"] == 0.5
+    assert "tp_latency_s" not in moved["calibration"]
+    assert (
+        moved["calibration"]["linear_s_per_token"] == measured["calibration"]["linear_s_per_token"]
+    )
+    # Without a TP size, runtime options keep the spec's (tools that take it from the spec).
+    assert "tensor_parallel_size" not in runtime_options(dtype="bf16", distributed_optimizer=True)
