@@ -257,12 +257,32 @@ def mismatched_plans(docs: list[np.ndarray], plans: list[dict]) -> str:
 
 def nonfinite_loss(docs: list[np.ndarray], plan: dict) -> dict:
     """A NaN in the output layer: ``skip`` leaves the weights alone, the default raises."""
+
+    def poison(inner) -> None:
+        with torch.no_grad():
+            inner.output_layer.weight[0, 0] = float("nan")
+
+    return _skip_then_stop(docs, plan, poison)
+
+
+def nonfinite_grads(docs: list[np.ndarray], plan: dict) -> dict:
+    """Rank 1's gradient of one weight becomes NaN in backward; the forward is untouched."""
+
+    def poison(inner) -> None:
+        if dist.get_rank() == 1:
+            weight = inner.decoder.layers[0].mlp.linear_fc2.weight
+            weight.register_hook(lambda grad: grad * float("nan"))
+
+    return _skip_then_stop(docs, plan, poison)
+
+
+def _skip_then_stop(docs: list[np.ndarray], plan: dict, poison) -> dict:
+    """``poison(model)``, then one step with ``skip_nonfinite`` and one without."""
     try:
         runtime = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED)
         source, parsed = InMemorySource(docs), Plan.from_dict(plan)
         inner = runtime.model.module
-        with torch.no_grad():
-            inner.output_layer.weight[0, 0] = float("nan")
+        poison(inner)
         before = {n: p.detach().clone() for n, p in inner.named_parameters()}
         stats = runtime.train_step(parsed, source, skip_nonfinite=True)
         unchanged = all(  # NaN compares unequal to itself: compare with NaNs zeroed
@@ -277,35 +297,9 @@ def nonfinite_loss(docs: list[np.ndarray], plan: dict) -> dict:
         return {
             "skipped": stats.skipped,
             "loss": stats.loss,
+            "loss_finite": math.isfinite(stats.loss),
             "unchanged": unchanged,
             "step_after": runtime.step,
-            "raised": raised,
-        }
-    finally:
-        cleanup()
-
-
-def nonfinite_grads(docs: list[np.ndarray], plan: dict) -> dict:
-    """Rank 1's gradient of one weight becomes NaN in backward; the forward is untouched."""
-    try:
-        runtime = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED)
-        source, parsed = InMemorySource(docs), Plan.from_dict(plan)
-        inner = runtime.model.module
-        if dist.get_rank() == 1:
-            weight = inner.decoder.layers[0].mlp.linear_fc2.weight
-            weight.register_hook(lambda grad: grad * float("nan"))
-        before = {n: p.detach().clone() for n, p in inner.named_parameters()}
-        stats = runtime.train_step(parsed, source, skip_nonfinite=True)
-        unchanged = all(torch.equal(p, before[n]) for n, p in inner.named_parameters())
-        try:
-            runtime.train_step(parsed, source)
-            raised = ""
-        except FloatingPointError as exc:
-            raised = str(exc)
-        return {
-            "loss_finite": math.isfinite(stats.loss),
-            "skipped": stats.skipped,
-            "unchanged": unchanged,
             "raised": raised,
             "weights_finite": runtime.weights_finite(),
         }

@@ -60,7 +60,8 @@ def command(tmp_path: Path, name: str, *extra: str, nproc: int = 2) -> list[str]
     ]
 
 
-def start(cmd: list[str]) -> subprocess.Popen:
+def start(cmd: list[str], **popen) -> subprocess.Popen:
+    """``cmd`` from the repository root, output captured; ``popen``: more ``Popen`` arguments."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
     return subprocess.Popen(
         cmd,
@@ -70,6 +71,7 @@ def start(cmd: list[str]) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        **popen,
     )
 
 

@@ -4,17 +4,15 @@ checkpoint directory has one writer, and non-finite values never reach the weigh
 
 from __future__ import annotations
 
-import os
 import resource
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.test_pretrain import REPO, command, finish, launch, metrics
+from tests.e2e.test_pretrain import command, finish, launch, metrics, start
 from tests.e2e.test_reliability import FAST, STEPS, _wait_for_steps, kill_job
 from tests.payload import plant_payload
 
@@ -132,17 +130,7 @@ def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_last_checkpoint(tmp
     def small_files() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    proc = subprocess.Popen(
-        command(tmp_path, "full", *FAST),
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=small_files,
-    )
+    proc = start(command(tmp_path, "full", *FAST), preexec_fn=small_files)
     out = proc.communicate(timeout=240)[0]
     assert proc.returncode != 0, out[-3000:]
     line = next(x for x in out.splitlines() if "error: checkpoint save of step 2" in x)
