@@ -87,11 +87,11 @@ def test_megatron_patches_import_nothing_from_dcp():
 @pytest.mark.parametrize("package", ["dcp.plan", "dcp.planning", "dcp.costmodel"])
 def test_planning_core_loads_without_torch_or_megatron(package):
     """Module-level imports only: the Megatron baseline loads megatron's scheduler lazily, and
-    ``dcp.costmodel.measure`` (which spawns ranks) is the one effectful module there."""
+    ``dcp.train.measure`` (which spawns ranks) is the one effectful module there."""
     for name, path in _modules().items():
         if name != package and not name.startswith(package + "."):
             continue
-        if name == "dcp.costmodel.measure":
+        if name == "dcp.train.measure":
             continue
         heavy = sorted(
             m
