@@ -6,7 +6,7 @@
     python -m tools.profile --from-measurements runs/profile/m.json --write-preset   # re-fit only
 
 Runs micro-steps of ``--config``'s model on 2 gloo ranks through the real runtime
-(``dcp.costmodel.measure``: the grid, the memory probes) and fits the cost model to them
+(``dcp.train.measure``: the grid, the memory probes) and fits the cost model to them
 (``dcp.costmodel.calibrate``). With a spec whose ``options.tensor_parallel_size`` is TP > 1
 (``--spec cpu-tiny+cpu-tp2``) it runs 2 planner ranks of TP ranks each and also times the TP
 collectives on their own, which the fit keeps as the cost model's TP term. The default grid
@@ -81,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _measure(args) -> dict:
-    from dcp.costmodel.measure import measure
     from dcp.model import ModelConfig
+    from dcp.train.measure import measure
 
     data = load_yaml(args.config)
     if not isinstance(data.get("model"), dict):
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         spec_name = args.spec or measurements.get("spec") or "cpu-tiny"
         base = load_spec(spec_name)
         if "model" in measurements:
-            from dcp.costmodel.measure import check_same_model
+            from dcp.train.measure import check_same_model
 
             check_same_model(base, measurements["model"])
         calibration = calibrated_spec(base, measurements)

@@ -1,5 +1,6 @@
-"""DCP's core attention: exact causal attention over a per-micro-step CP group for packed
-documents (``cp``), its CPU kernels (``kernels``) and the megatron module (``module``)."""
+"""DCP's core attention: the zig-zag shard layout of a micro-step's packed documents
+(``layout``), exact causal attention over a per-micro-step CP group (``cp``), its CPU kernels
+(``kernels``) and the megatron module (``module``)."""
 
 from dcp.attention.cp import cp_attention
 from dcp.attention.module import DCPCoreAttention, transformer_engine_usable

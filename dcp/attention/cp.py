@@ -1,6 +1,6 @@
 """Exact causal attention over a context-parallel group for packed variable-length documents.
 
-Each rank holds its zig-zag shard (``dcp.runtime.layout``) of q/k/v in megatron's THD layout
+Each rank holds its zig-zag shard (``dcp.attention.layout``) of q/k/v in megatron's THD layout
 ``[t_local, heads, head_dim]``; every real query attends to the keys of its own document at
 positions <= its own, so the result (and its gradient) is the CP = 1 result. K and V are
 all-gathered over the group in one collective, whose backward is a reduce-scatter back to the
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.attention.kernels import _Batch, _batch_attention
-from dcp.runtime.layout import ShardLayout
+from dcp.attention.layout import ShardLayout
 
 
 class _GatherTokens(torch.autograd.Function):

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from dcp.attention.cp import cp_attention
-from dcp.runtime.layout import ShardLayout
+from dcp.attention.layout import ShardLayout
 
 _CAUSAL_MASK_TYPES = (
     AttnMaskType.causal,

@@ -5,7 +5,7 @@ global batches; a batch never spans two epochs. Every rank builds the same sampl
 same batches, so the planner runs identically everywhere. ``state_dict()`` records the position
 of the next batch: a fresh sampler given that state yields exactly the batches the uninterrupted
 one would have. Which tokens of a batch each rank reads is decided per micro-step by
-``dcp.runtime.dispatch`` (the zig-zag shard layout of ``dcp.runtime.layout``). See
+``dcp.runtime.dispatch`` (the zig-zag shard layout of ``dcp.attention.layout``). See
 docs/configuration.md, 'Data'.
 """
 

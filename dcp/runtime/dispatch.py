@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dcp.runtime.layout import ShardLayout
+from dcp.attention.layout import ShardLayout
 
 
 class SequenceSource(Protocol):

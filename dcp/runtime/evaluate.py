@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dcp.attention.layout import ShardLayout
 from dcp.runtime.dispatch import InMemorySource, compute_device, local_batch
 from dcp.runtime.groups import GroupRegistry
-from dcp.runtime.layout import ShardLayout
 from megatron_patches.parallel_state import use_cp_group
 
 

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dcp.attention.layout import ShardLayout
 from dcp.plan import Plan
 from dcp.runtime.collectives import phase
 from dcp.runtime.dispatch import SequenceSource, compute_device, local_batch
 from dcp.runtime.groups import GroupRegistry
-from dcp.runtime.layout import ShardLayout
 from megatron_patches.parallel_state import use_cp_group
 from megatron_patches.recompute import use_recompute
 

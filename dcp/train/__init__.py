@@ -1,2 +1,3 @@
 """The pretraining run: its config (``config``), planned global batches (``batches``), the loop
-(``trainer``) and atomic checkpoints (``checkpoint``)."""
+(``trainer``), the benchmark (``bench``) and the cost-model measurements (``measure``).
+Checkpoint files are ``dcp.checkpoint``."""

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dcp.checkpoint import CheckpointConfig
 from dcp.config import MAX_SEED, check_range, config_keys
 from dcp.data.indexed import IndexedDataConfig
 from dcp.data.sampler import SamplerConfig
@@ -21,7 +22,6 @@ from dcp.model import WEIGHT_SHAPE_FIELDS, ModelConfig, check_tensor_parallel
 from dcp.observability.metrics import MetricsConfig
 from dcp.optim import OptimConfig
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS, check_choice
-from dcp.train.checkpoint import CheckpointConfig
 
 CALIBRATION_MODES = ("online", "fixed")
 """How the planner's cost model follows the hardware (``dcp.calibration``)."""
@@ -191,7 +191,7 @@ def source_model_config(init: Mapping[str, Any]) -> tuple[str, dict[str, Any]] |
         hf_dir = init["from_hf"]
         return f"init.from_hf ({hf_dir})", to_dict(model_config_from_hf(read_hf_config(hf_dir)))
     if init.get("from_checkpoint"):
-        from dcp.train.checkpoint import load_component, resolve_checkpoint
+        from dcp.checkpoint import load_component, resolve_checkpoint
 
         path = resolve_checkpoint(init["from_checkpoint"])
         extra = load_component(path, "extra") or {}

@@ -19,6 +19,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dcp.checkpoint import (
+    LoadedCheckpoint,
+    capture_rng_state,
+    find_latest,
+    load_checkpoint,
+    load_component,
+    resolve_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from dcp.config import to_dict
 from dcp.costmodel.spec import runtime_options
 from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
@@ -44,16 +54,6 @@ from dcp.train.batches import (
     seq_lengths,
 )
 from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator, restore_records
-from dcp.train.checkpoint import (
-    LoadedCheckpoint,
-    capture_rng_state,
-    find_latest,
-    load_checkpoint,
-    load_component,
-    resolve_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock
 from dcp.train.resume import (

@@ -268,8 +268,8 @@ def hf_to_dcp(
 ) -> Path:
     """Write a weights-only DCP checkpoint (``out_root/step_000000``) of a HF directory; its
     ``extra`` holds the derived model config. Returns the checkpoint directory."""
+    from dcp.checkpoint import save_checkpoint
     from dcp.config import to_dict
-    from dcp.train.checkpoint import save_checkpoint
 
     hf = read_hf_config(hf_dir)
     cfg = model_config_from_hf(hf, **overrides)
@@ -371,8 +371,8 @@ def dcp_to_hf(
     """Export a DCP checkpoint (a ``step_*`` directory, or a root: its newest complete one) as
     a HF directory ``out_dir``. ``kind`` picks the architecture (default: the imported model's,
     else ``qwen2``/``qwen3``/``llama`` from the model's features)."""
+    from dcp.checkpoint import load_component, resolve_checkpoint
     from dcp.config import from_dict
-    from dcp.train.checkpoint import load_component, resolve_checkpoint
 
     path = resolve_checkpoint(checkpoint)
     extra = load_component(path, "extra") or {}

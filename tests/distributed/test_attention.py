@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from dcp.runtime.layout import ShardLayout
+from dcp.attention.layout import ShardLayout
 from tests.distributed.harness import run_on_ranks
 from tests.unit.attention.test_attention_local import (
     assert_close_to_reference,

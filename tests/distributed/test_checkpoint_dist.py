@@ -10,7 +10,7 @@ from tests.distributed.harness import run_on_ranks
 def _save_and_load(root: str) -> dict:
     import torch.distributed as dist
 
-    from dcp.train.checkpoint import (
+    from dcp.checkpoint import (
         capture_rng_state,
         load_latest,
         restore_rng_state,

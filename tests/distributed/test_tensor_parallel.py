@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from dcp.attention.layout import ShardLayout
 from dcp.model import ModelConfig
 from dcp.plan import Plan
 from dcp.runtime.dispatch import InMemorySource
-from dcp.runtime.layout import ShardLayout
 from dcp.runtime.runtime import Runtime
 from tests.distributed.harness import run_on_ranks
 from tests.distributed.test_runtime_parity import (
@@ -199,7 +199,7 @@ def _loss_and_grads(runtime: Runtime, plan_dict: dict) -> dict:
 def train_then_save(docs, plans, root: str, tp: int, model: dict = MODEL) -> dict | None:
     """Train one step on ``plans[0]``, checkpoint (the trainer's way), then evaluate loss and
     gradients of ``plans[-1]`` on the trained weights."""
-    from dcp.train.checkpoint import save_checkpoint
+    from dcp.checkpoint import save_checkpoint
 
     try:
         runtime = _runtime(tp, model)
@@ -235,7 +235,7 @@ def load_and_evaluate(
 ) -> dict | None:
     """A fresh runtime at ``tp`` started from the checkpoint's weights (re-padding the
     vocabulary when ``vocab_size`` is given); loss and gradients of ``plan_dict``."""
-    from dcp.train.checkpoint import load_component, resolve_checkpoint
+    from dcp.checkpoint import load_component, resolve_checkpoint
     from dcp.weights.canonical import load_canonical
 
     try:

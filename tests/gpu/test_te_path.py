@@ -37,9 +37,9 @@ def te_vs_torch_attention() -> dict:
     from megatron.core.transformer.enums import AttnMaskType
 
     from dcp.attention import DCPCoreAttention
+    from dcp.attention.layout import ShardLayout
     from dcp.attention.te import te_core_attention
     from dcp.model import ModelConfig, transformer_config
-    from dcp.runtime.layout import ShardLayout
     from dcp.runtime.runtime import init_megatron_parallel
     from tests.distributed.tiny import cleanup
 

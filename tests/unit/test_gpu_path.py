@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from dcp.attention.layout import ShardLayout
 from dcp.costmodel import load_spec, with_runtime_options
 from dcp.costmodel.spec import Options, optimizer_bytes_per_param, runtime_options
 from dcp.model import (
@@ -18,7 +19,6 @@ from dcp.model import (
     resolved_attention,
     token_multiple,
 )
-from dcp.runtime.layout import ShardLayout
 from megatron_patches.cpu_optimizer import cuda_on_cpu
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")

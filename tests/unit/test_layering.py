@@ -1,15 +1,42 @@
-"""The package's layering, read from the source: no import circles, megatron_patches stays free
-of dcp, and the planning core stays free of torch and megatron."""
+"""The package's layering, read from the source: every import (lazy, function-local ones too)
+goes from a package to the same or a lower layer, the layers are the ones docs/design.md draws,
+there are no import circles, megatron_patches stays free of dcp, and the planning core stays free
+of torch and megatron."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("dcp", "megatron_patches", "tools", "pretrain")
+
+# Lowest first: a package imports only from its own layer and the ones before it. A package is
+# ``dcp.<sub>`` (a subpackage or a top module such as ``dcp.plan``), ``dcp`` itself (the lazy
+# public names of dcp/__init__.py) or a top-level directory. docs/design.md draws this list.
+LAYERS = [
+    "megatron_patches",
+    "dcp.plan",
+    "dcp.config",
+    "dcp.console",
+    "dcp.costmodel",
+    "dcp.planning",
+    "dcp.attention",
+    "dcp.model",
+    "dcp.optim",
+    "dcp.data",
+    "dcp.observability",
+    "dcp.checkpoint",
+    "dcp.weights",
+    "dcp.runtime",
+    "dcp.train",
+    "dcp",
+    "tools",
+    "pretrain",
+]
 
 
 def _module_name(path: Path) -> str:
@@ -21,27 +48,37 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
 
 
-def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
-    """Modules ``path`` imports (every ``import``, lazy ones too unless ``top_level_only``);
-    ``if TYPE_CHECKING:`` blocks are skipped (they never run)."""
+def _package(module: str) -> str:
+    """The layer a module belongs to: ``dcp.<sub>`` inside dcp, else its top-level name."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "dcp" else parts[0]
+
+
+def _import_lines(path: Path, *, top_level_only: bool = False) -> list[tuple[int, str]]:
+    """``(line, module)`` for every module ``path`` imports (every ``import``, lazy ones too
+    unless ``top_level_only``); ``if TYPE_CHECKING:`` blocks are skipped (they never run)."""
     tree = ast.parse(path.read_text())
-    found: set[str] = set()
+    found: list[tuple[int, str]] = []
 
     def visit(nodes, depth: int) -> None:
         for node in nodes:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 continue
             if isinstance(node, ast.Import) and (depth == 0 or not top_level_only):
-                found.update(alias.name for alias in node.names)
+                found.extend((node.lineno, alias.name) for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 if depth == 0 or not top_level_only:
-                    found.add(node.module)
-                    found.update(f"{node.module}.{alias.name}" for alias in node.names)
+                    found.append((node.lineno, node.module))
+                    found.extend((node.lineno, f"{node.module}.{a.name}") for a in node.names)
             inner = depth + isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
             visit(ast.iter_child_nodes(node), inner)
 
     visit(tree.body, 0)
     return found
+
+
+def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
+    return {m for _, m in _import_lines(path, top_level_only=top_level_only)}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -50,6 +87,43 @@ def _graph() -> dict[str, set[str]]:
         name: {m for m in _imports(path) if m in modules and m != name}
         for name, path in modules.items()
     }
+
+
+def test_every_package_has_a_layer():
+    missing = sorted({_package(name) for name in _modules()} - set(LAYERS))
+    assert not missing, f"packages missing from LAYERS: {missing}"
+
+
+def test_imports_go_down_the_layers():
+    """Lazy imports count: a function-local import of a higher package is still a dependency."""
+    modules = _modules()
+    rank = {package: i for i, package in enumerate(LAYERS)}
+    upward = []
+    for name, path in sorted(modules.items()):
+        for line, target in _import_lines(path):
+            if target not in modules:
+                continue
+            src, dst = _package(name), _package(target)
+            if rank.get(dst, -1) > rank.get(src, len(LAYERS)):  # unknown: the test above
+                upward.append(f"{path.relative_to(REPO)}:{line}: {src} imports {target} ({dst})")
+    assert not upward, "imports from a higher layer:\n" + "\n".join(sorted(set(upward)))
+
+
+def _diagram_packages() -> list[str]:
+    """The package names of docs/design.md's 'Packages and their direction' diagram, top down."""
+    text = (REPO / "docs" / "design.md").read_text()
+    section = text.split("## Packages and their direction", 1)[1]
+    diagram = section.split("```", 2)[1]
+    names = []
+    for line in diagram.splitlines():
+        for path in re.findall(r"(?:^|, )([\w/]+(?:\.py|/))(?=,|\s|$)", line.split("  ")[0]):
+            name = path.removesuffix("/").removesuffix(".py").removesuffix("/__init__")
+            names.append(name.replace("/", "."))
+    return names
+
+
+def test_design_diagram_draws_the_layers():
+    assert _diagram_packages() == LAYERS[::-1]
 
 
 def test_no_import_cycles():
@@ -86,12 +160,9 @@ def test_megatron_patches_import_nothing_from_dcp():
 
 @pytest.mark.parametrize("package", ["dcp.plan", "dcp.planning", "dcp.costmodel"])
 def test_planning_core_loads_without_torch_or_megatron(package):
-    """Module-level imports only: the Megatron baseline loads megatron's scheduler lazily, and
-    ``dcp.costmodel.measure`` (which spawns ranks) is the one effectful module there."""
+    """Module-level imports only: the Megatron baseline loads megatron's scheduler lazily."""
     for name, path in _modules().items():
         if name != package and not name.startswith(package + "."):
-            continue
-        if name == "dcp.costmodel.measure":
             continue
         heavy = sorted(
             m

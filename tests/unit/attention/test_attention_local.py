@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from dcp.attention import DCPCoreAttention, cp_attention
 from dcp.attention import cp as attention_cp
 from dcp.attention import kernels as attention_kernels
-from dcp.runtime.layout import ShardLayout
+from dcp.attention.layout import ShardLayout
 
 
 def dense_causal_reference(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dcp.attention.layout import ShardLayout
 from dcp.runtime.dispatch import InMemorySource, local_batch
 from dcp.runtime.groups import aligned_blocks
-from dcp.runtime.layout import ShardLayout
 
 
 class CountingSource(InMemorySource):

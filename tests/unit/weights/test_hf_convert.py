@@ -55,7 +55,7 @@ def test_hf_dcp_hf_round_trip_is_bit_identical_and_loads_cleanly(arch, hf_dirs, 
 
 
 def test_vocab_padding_rows_are_zero_in_dcp_and_dropped_on_export(hf_dirs, tmp_path):
-    from dcp.train.checkpoint import load_component
+    from dcp.checkpoint import load_component
 
     ckpt = hf_to_dcp(hf_dirs["llama"], tmp_path / "dcp", make_vocab_size_divisible_by=128)
     state = load_component(ckpt, "model_state")
@@ -160,7 +160,7 @@ def test_derived_model_configs(hf_dirs):
 
 
 def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
-    from dcp.train.checkpoint import load_component, save_checkpoint
+    from dcp.checkpoint import load_component, save_checkpoint
 
     tok = tmp_path / "tokenizer"
     tok.mkdir()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcp.runtime.layout import ShardLayout
+from dcp.attention.layout import ShardLayout
 
 CP_SIZES = (1, 2, 3, 4, 8)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from dcp.train import checkpoint as ckpt
-from dcp.train.checkpoint import (
+from dcp import checkpoint as ckpt
+from dcp.checkpoint import (
     CheckpointConfig,
     capture_rng_state,
     find_latest,
@@ -246,7 +246,7 @@ def test_same_size_corruption_is_detected_and_the_previous_checkpoint_used(tmp_p
     assert ckpt.is_complete(newest)
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"step_000002: model\.pt corrupt"):
         ckpt.verify_checksums(newest)
-    with caplog.at_level("ERROR", logger="dcp.train.checkpoint"):
+    with caplog.at_level("ERROR", logger="dcp.checkpoint"):
         loaded = load_latest(tmp_path, rank=0, world_size=1)
     assert loaded.step == 1
     assert "model.pt corrupt" in caplog.text and "falling back" in caplog.text
