@@ -204,6 +204,11 @@ class Trainer:
             lock.release()
 
     # -- checkpoints -----------------------------------------------------------------------
+    def _newest_checkpoint(self) -> str:
+        """For error messages: the newest complete checkpoint, found without hashing its files
+        (an error path must not read gigabytes), or ``none``."""
+        return str(find_latest(self.ckpt_root, verify=False) or "none")
+
     def _resumable(self) -> bool:
         return self.cfg.checkpoint.resume and find_latest(self.ckpt_root, verify=False) is not None
 
@@ -269,7 +274,7 @@ class Trainer:
             raise ReportedError(
                 f"checkpoint save of step {step} under {self.ckpt_root} failed: "
                 f"{exc.strerror or exc} ({exc.filename or 'no file name'}); the newest complete "
-                f"checkpoint is {find_latest(self.ckpt_root) or 'none'}"
+                f"checkpoint is {self._newest_checkpoint()}"
             ) from exc
 
     def _save_checkpoint(self, step: int, sampler_state: dict) -> Path:
@@ -283,7 +288,7 @@ class Trainer:
         if bad.item():
             raise FloatingPointError(
                 f"step {step}: non-finite weights on {int(bad.item())} rank(s); refusing to "
-                f"checkpoint them (the newest checkpoint stays {find_latest(self.ckpt_root)})"
+                f"checkpoint them (the newest checkpoint stays {self._newest_checkpoint()})"
             )
         state = self.runtime.state_dict()
         return save_checkpoint(
@@ -449,7 +454,7 @@ class Trainer:
                         f"{skips} steps in a row had non-finite loss or gradients (steps "
                         f"{step + 2 - skips}-{step + 1}); stopping (train.max_consecutive_skips="
                         f"{cfg.train.max_consecutive_skips}); the weights are those before step "
-                        f"{step + 2 - skips}; newest checkpoint: {find_latest(self.ckpt_root)}"
+                        f"{step + 2 - skips}; newest checkpoint: {self._newest_checkpoint()}"
                     )
                 interval = cfg.checkpoint.interval_steps
                 saved = None
@@ -471,7 +476,7 @@ class Trainer:
                 raise StopFailedError(
                     f"stop requested by {stop.signal_name}, but step {step + 1} could not finish "
                     f"({_first_line(exc)}); no checkpoint saved; the newest complete checkpoint "
-                    f"is {find_latest(self.ckpt_root) or 'none'}"
+                    f"is {self._newest_checkpoint()}"
                 ) from exc
             if is_timeout(exc) and not isinstance(exc, CollectiveTimeout):
                 raise CollectiveTimeout.from_error(
