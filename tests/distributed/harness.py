@@ -73,10 +73,30 @@ def _worker(
         fn, args, kwargs = task
         try:
             out = fn(*args, **kwargs)
+            _release_groups()
             results.put(("ok", rank, out))
         except BaseException:  # noqa: BLE001 - every failure goes back to pytest
             results.put(("error", rank, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _release_groups() -> None:
+    """Destroy every process group a test body made, keeping the default one.
+
+    Each gloo group runs two transport threads per rank until it is shut down; a pooled rank
+    that keeps every test's groups (megatron's parallel state, the CP registries) ends up with
+    over a thousand polling threads, and later tests slow to a crawl on two cores.
+    ``destroy_process_group(pg)`` on a subgroup calls ``pg.shutdown()`` locally (torch
+    distributed_c10d), so no rank waits for another here.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    world = dist.group.WORLD
+    for pg in list(dist.distributed_c10d._world.pg_map):  # the registry of live groups
+        if pg is not world:
+            dist.destroy_process_group(pg)
 
 
 class RankPool:

@@ -40,6 +40,21 @@ def test_timeout_tears_down_and_names_missing_ranks():
         pool.shutdown()
 
 
+def test_groups_a_body_makes_do_not_outlive_it():
+    """A pooled rank keeps only the default group between bodies: gloo groups left alive keep
+    their transport threads polling, and hundreds of them slow every later test."""
+    pool = RankPool(2)
+    try:
+        before = pool.run(live_groups_and_threads)
+        made = pool.run(make_groups, 5)
+        after = pool.run(live_groups_and_threads)
+    finally:
+        pool.shutdown()
+    assert all(n == 6 for n, _ in made)  # five new groups beside the default one
+    assert [n for n, _ in after] == [1, 1]
+    assert [t for _, t in after] == [t for _, t in before]
+
+
 # -- rank bodies ------------------------------------------------------------------------------
 def raise_on_rank(bad_rank: int) -> int:
     """Rank ``bad_rank`` raises; the others wait in a collective that never completes."""
@@ -53,6 +68,20 @@ def sleep_forever(seconds: float) -> None:
     import time
 
     time.sleep(seconds)
+
+
+def live_groups_and_threads() -> tuple[int, int]:
+    """Live process groups on this rank, and its threads (gloo's C++ ones included)."""
+    import os
+
+    return len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))
+
+
+def make_groups(count: int) -> tuple[int, int]:
+    groups = [dist.new_group(ranks=[0, 1]) for _ in range(count)]
+    for g in groups:
+        dist.barrier(group=g)
+    return live_groups_and_threads()
 
 
 def rank_and_world() -> tuple[int, int, str]:
