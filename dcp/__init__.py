@@ -21,7 +21,7 @@ _LAZY = {
     "CostModel": "dcp.costmodel",
     "load_cost_model": "dcp.costmodel",
     "Runtime": "dcp.runtime.runtime",
-    "init": "dcp.runtime.runtime",
+    "init": "dcp.runtime.setup",
     "load_hf_model": "dcp.weights.convert",
 }
 

@@ -6,7 +6,8 @@ or tied embeddings, optional QKV biases (Qwen2) and QK-norm (Qwen3), and
 biases). ``core_attention`` picks the layer spec:
 
 - ``"te"``: megatron's Transformer Engine spec (fused RMSNorm+QKV and RMSNorm+FC1, TE linears)
-  with ``dcp.attention.te``'s attention; bf16 (or FP8 linears), RoPE/SwiGLU/wgrad fusions on.
+  with ``megatron_patches.te_attention``'s attention; bf16 (or FP8 linears), RoPE/SwiGLU/wgrad
+  fusions on.
   The GPU production path.
 - ``"dcp"``: megatron's local spec with DCP's packed, context-parallel torch attention
   (``dcp.attention``); the CPU path and the reference the TE path is checked against.
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from dcp.config import check_range
 from dcp.costmodel.spec import Options, ParamCounts, optimizer_bytes_per_param
+from megatron_patches.rope import set_rope_frequencies
 
 CoreAttention = Literal["auto", "te", "dcp", "megatron_local"]
 logger = logging.getLogger(__name__)
@@ -460,7 +462,7 @@ def layer_spec(cfg: ModelConfig):
 
     attention = resolved_attention(cfg)
     if attention == "te":
-        from dcp.attention.te import te_core_attention
+        from megatron_patches.te_attention import te_core_attention
 
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=cfg.qk_layernorm
@@ -529,8 +531,7 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
         rotary_base=cfg.rotary_base,
         pg_collection=pg_collection,
     )
-    # Not a buffer: set before the first forward (RotaryEmbedding.forward caches its tables).
-    model.rotary_pos_emb.inv_freq = rope_inv_freq(cfg)
+    set_rope_frequencies(model, rope_inv_freq(cfg))
     if cfg.padded_vocab_size > cfg.vocab_size:
         rows = cfg.padded_vocab_size // tp  # this rank's slice of the vocabulary
         first = pg_collection.tp.rank() * rows

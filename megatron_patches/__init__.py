@@ -1,13 +1,20 @@
 """Patches to megatron-core 0.19.2 internals, one concern per module; nothing here imports dcp.
 
-- ``cpu``: redirect the CUDA-only calls megatron makes, so it runs on CPU with gloo;
+- ``cpu``, ``cpu_optimizer``: redirect the CUDA-only calls megatron makes, so it runs on CPU
+  with gloo;
 - ``parallel_state.use_cp_group``: point a built model at another CP group for one micro-step;
-- ``recompute.use_recompute``: set a built model's activation recompute for one micro-step.
+- ``recompute.use_recompute``: set a built model's activation recompute for one micro-step;
+- ``ddp_buckets``: whole reduced gradients out of DDP's buckets (distributed optimizer);
+- ``optimizer_state``: save/restore megatron's optimizer state so a resume continues exactly;
+- ``process_groups``: the groups megatron's parallel state created (to set their timeout);
+- ``rope``: give a built model its RoPE frequencies (HF rope scaling);
+- ``te_attention``: TE's attention class under per-micro-step CP groups (GPU).
 
 Only ``apply()`` changes process-wide state, and only when an entry point asks for it: the
 training and tool entry points and the test harness call it once at start-up (``dcp.init()``
-does too). The two context managers change one model and restore it on exit. Every patch checks
-the pinned megatron-core release and refuses any other.
+does too). The context managers change one model and restore it on exit. Every patch checks
+the pinned megatron-core release and refuses any other; ``tests/unit/test_patch_guards.py``
+fails when the upstream code a patch relies on moves.
 """
 
 from __future__ import annotations

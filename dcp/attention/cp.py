@@ -5,7 +5,7 @@ Each rank holds its zig-zag shard (``dcp.attention.layout``) of q/k/v in megatro
 positions <= its own, so the result (and its gradient) is the CP = 1 result. K and V are
 all-gathered over the group in one collective, whose backward is a reduce-scatter back to the
 owning ranks. fp32, GQA, no collectives at CP = 1. This is the CPU/gloo path; GPUs use Transformer
-Engine's ring attention (``dcp.attention.te``). See docs/design.md, 'How a plan runs on
+Engine's ring attention (``megatron_patches.te_attention``). See docs/design.md, 'How a plan runs on
 megatron-core'.
 """
 

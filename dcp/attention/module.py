@@ -4,9 +4,9 @@ runtime swaps it per micro-step), takes the documents from ``packed_seq_params``
 (``ShardLayout.packed_seq_params``) and runs ``dcp.attention.cp.cp_attention``; without packed
 params it does plain causal attention (CP must then be 1).
 
-On GPU the model uses Transformer Engine's attention instead (``dcp.attention.te``, selected by
-``ModelConfig.core_attention``); this module stays the CPU path and the reference it is checked
-against.
+On GPU the model uses Transformer Engine's attention instead (``megatron_patches.te_attention``,
+selected by ``ModelConfig.core_attention``); this module stays the CPU path and the reference it
+is checked against.
 """
 
 from __future__ import annotations

@@ -75,12 +75,10 @@ def _member_groups(groups: Iterable[object]) -> list[dist.ProcessGroup]:
 def set_collective_timeout(timeout_s: float, *, extra_groups: Iterable[object] = ()) -> int:
     """Set ``timeout_s`` on the default group, on every group megatron's parallel_state created
     and on ``extra_groups`` (those this rank belongs to). Returns how many groups were set."""
-    from megatron.core import parallel_state as ps
+    from megatron_patches.process_groups import megatron_groups
 
     timeout = timedelta(seconds=timeout_s)
-    # megatron lists its groups (None stands for the default group) for exactly this purpose.
-    megatron_groups = getattr(ps, "_global_process_group_list", None) or []
-    groups = [dist.group.WORLD, *_member_groups(megatron_groups), *_member_groups(extra_groups)]
+    groups = [dist.group.WORLD, *_member_groups(megatron_groups()), *_member_groups(extra_groups)]
     seen: set[int] = set()
     for group in groups:
         if id(group) in seen:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.model import ModelConfig, build_gpt_model
-from dcp.runtime.runtime import init_megatron_parallel
+from dcp.runtime.setup import init_megatron_parallel
 from tests.distributed.harness import run_on_ranks
 from tests.distributed.tiny import TINY, cleanup
 

@@ -20,7 +20,8 @@ from dcp.model import ModelConfig, build_gpt_model
 from dcp.optim import build_adamw, lr_at, set_lr
 from dcp.plan import Plan
 from dcp.runtime.dispatch import InMemorySource
-from dcp.runtime.runtime import Runtime, init_megatron_parallel
+from dcp.runtime.runtime import Runtime
+from dcp.runtime.setup import init_megatron_parallel
 from tests.distributed.harness import run_on_ranks
 from tests.distributed.tiny import OPTIM, SEED, TINY, cleanup, make_docs, to_numpy
 

@@ -38,9 +38,9 @@ def te_vs_torch_attention() -> dict:
 
     from dcp.attention import DCPCoreAttention
     from dcp.attention.layout import ShardLayout
-    from dcp.attention.te import te_core_attention
     from dcp.model import ModelConfig, transformer_config
-    from dcp.runtime.runtime import init_megatron_parallel
+    from dcp.runtime.setup import init_megatron_parallel
+    from megatron_patches.te_attention import te_core_attention
     from tests.distributed.tiny import cleanup
 
     init_megatron_parallel()

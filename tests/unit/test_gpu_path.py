@@ -66,7 +66,7 @@ def test_te_spec_without_te_or_gpu_is_a_clear_error():
 
 def test_te_attention_sees_padding_as_real_tokens():
     """TE ≤ 2.17 misses padding on the last document; DCP passes padded boundaries as real."""
-    from dcp.attention.te import padded_as_real
+    from megatron_patches.te_attention import padded_as_real
 
     layout = ShardLayout(doc_lens=(5, 3), cp_size=2)  # padded to 8 and 4
     params = padded_as_real(layout.packed_seq_params())

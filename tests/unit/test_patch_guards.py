@@ -73,9 +73,68 @@ def test_runtime_refuses_to_start_without_the_patches(monkeypatch):
     import torch.distributed as dist
 
     import megatron_patches
-    from dcp.runtime import runtime
+    from dcp.runtime import setup
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(megatron_patches, "applied", lambda: False)
     with pytest.raises(RuntimeError, match=r"call dcp.init\(\)"):
-        runtime.init_megatron_parallel()
+        setup.init_megatron_parallel()
+
+
+def test_ddp_bucket_layout_exists():
+    """``megatron_patches.ddp_buckets`` cuts each buffer's ``grad_data`` by bucket ``offset`` and
+    by the buffer's ``param_index_map``."""
+    from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
+
+    ddp_src = inspect.getsource(distributed_data_parallel.DistributedDataParallel)
+    for attr in ("self.buffers", "self.expert_parallel_buffers"):
+        assert attr in ddp_src, attr
+    buffer_src = inspect.getsource(param_and_grad_buffer._ParamAndGradBuffer)
+    for attr in ("self.buckets", "self.param_index_map", "self.grad_data", "data_parallel_group"):
+        assert attr in buffer_src, attr
+    bucket_src = inspect.getsource(param_and_grad_buffer._ParamAndGradBucket)
+    for attr in ("self.offset", "self.grad_data"):
+        assert attr in bucket_src, attr
+
+
+def test_distributed_optimizer_state_repairs_are_still_needed():
+    """Each repair in ``megatron_patches.optimizer_state`` answers a line of megatron-core: when
+    one of these changes upstream, the repair must be re-checked (and may go)."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    load_src = inspect.getsource(dist_opt.load_parameter_state_from_dp_reshardable)
+    save_src = inspect.getsource(dist_opt.get_parameter_state_dp_reshardable)
+    assert "['padding']" in load_src  # the loader filters on a key ...
+    assert "padding" not in save_src  # ... that the saver does not write
+    assert "param_group_identifier_keys" in inspect.getsource(distrib_optimizer)
+    assert "chained_optimizers" in inspect.getsource(optimizer.ChainedOptimizer)
+
+
+def test_process_group_list_is_kept_by_create_group():
+    from megatron.core import parallel_state as ps
+
+    assert hasattr(ps, "_global_process_group_list")
+    assert "_global_process_group_list.append(group)" in inspect.getsource(ps.create_group)
+
+
+def test_rope_frequencies_are_a_plain_attribute_read_by_forward():
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+
+    src = inspect.getsource(rope.RotaryEmbedding)
+    assert "self.inv_freq = " in src
+    assert "register_buffer" not in src  # a buffer would need load/copy, not assignment
+    assert "self.inv_freq" in inspect.getsource(rope.RotaryEmbedding.get_freqs_non_repeated)
+
+
+def test_te_attention_makes_its_cp_stream_only_at_cp_above_one():
+    """``megatron_patches.te_attention`` exists because upstream creates the CP stream only for a
+    model built with CP > 1. Read as text: the module imports Transformer Engine."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("megatron.core.extensions.transformer_engine")
+    src = Path(spec.origin).read_text()
+    guard = src.index("if self.config.context_parallel_size > 1:")
+    made = src.index("TEDotProductAttention.cp_stream = torch.cuda.Stream()")
+    assert 0 < made - guard < 600

@@ -1,11 +1,13 @@
-"""Transformer Engine's attention under DCP's per-micro-step CP groups (GPU only).
+"""Transformer Engine's attention under per-micro-step CP groups (GPU only).
 
-``te_core_attention()`` returns ``DCPTEDotProductAttention``, megatron-core 0.19.2's
-``TEDotProductAttention`` with the two things dynamic CP needs that upstream does not do: a CP
-stream for a model built at CP = 1 (``ensure_cp_stream``), and padded document boundaries passed
-as real (``cu_seqlens_q = cu_seqlens_padded``), because TE ≤ 2.17 misses padding on the last
-document. Nothing here runs on CPU; ``tools/gpu_check.py`` exercises it on a GPU. Why, in
-detail: docs/design.md, 'Transformer Engine (GPU path, not yet run)'.
+Why upstream can't: megatron-core 0.19.2's ``TEDotProductAttention`` creates its class-level
+``cp_stream`` only when the model is built with CP > 1, and a model DCP builds at CP = 1 later
+runs micro-steps at CP = 2, 4, ...; and TE ≤ 2.17 misses the padding on the last document of a
+padded THD batch. ``te_core_attention()`` returns ``DCPTEDotProductAttention``, the upstream
+class with a CP stream made at construction (``ensure_cp_stream``) and padded document
+boundaries passed as real (``cu_seqlens_q = cu_seqlens_padded``). Nothing here runs on CPU;
+``tools/gpu_check.py`` exercises it on a GPU. In detail: docs/design.md, 'Transformer Engine (GPU
+path, not yet run)'.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import dataclasses
 from functools import cache
 
 import torch
+
+from megatron_patches._version import require_pinned_megatron
 
 
 def ensure_cp_stream() -> None:
@@ -38,6 +42,7 @@ def padded_as_real(params):
 @cache
 def te_core_attention() -> type:
     """The ``core_attention`` class of DCP's TE layer spec (needs TE and CUDA)."""
+    require_pinned_megatron("te_attention")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     class DCPTEDotProductAttention(TEDotProductAttention):

@@ -1,0 +1,85 @@
+"""Process set-up for the DCP runtime: megatron's patches and parallel state.
+
+The mesh is world = TP × (DP·CP): megatron's parallel_state is initialised with the run's TP size
+and PP = CP = 1, so its TP groups are consecutive ranks and DDP reduces over the fixed DP×CP group
+of each TP rank (the planner ranks). DCP regroups planner ranks into CP groups per micro-step
+(``dcp.runtime.groups``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import megatron_patches
+from dcp.runtime.groups import Mesh
+
+
+def init(*, timeout_s: float | None = None, tensor_parallel_size: int = 1) -> None:
+    """Prepare this process for DCP (idempotent): on a GPU machine select the device of
+    ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
+    megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
+    megatron's parallel state with ``tensor_parallel_size``, its groups created with
+    ``timeout_s`` (default: torch's)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # megatron's distributed optimizer calls these every step; torch 2.14 marks them deprecated
+    # in favour of *_single, which megatron-core 0.19.2 does not use yet.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is depr",
+        category=FutureWarning,
+    )
+    # With fp32 weights the distributed optimizer's main params are views of the parameters;
+    # megatron reads their .grad while stepping, which torch flags for non-leaf tensors.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The \.grad attribute of a Tensor that is not a leaf",
+        category=UserWarning,
+    )
+    megatron_patches.apply()
+    init_megatron_parallel(timeout_s=timeout_s, tensor_parallel_size=tensor_parallel_size)
+
+
+def init_megatron_parallel(
+    *, timeout_s: float | None = None, tensor_parallel_size: int | None = None
+) -> int:
+    """Initialise megatron's parallel_state with ``tensor_parallel_size`` (default 1) and
+    PP = CP = 1 (idempotent; a second call asking for another TP size raises). Returns the TP
+    size in effect."""
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before the DCP runtime")
+    if not megatron_patches.applied():
+        raise RuntimeError(
+            "megatron-core needs its CPU patches on a machine without CUDA: call dcp.init() "
+            "(or megatron_patches.apply()) once at start-up"
+        )
+    if ps.model_parallel_is_initialized():
+        current = ps.get_tensor_model_parallel_world_size()
+        if tensor_parallel_size is not None and tensor_parallel_size != current:
+            raise ValueError(
+                f"megatron's parallel state is already initialised with TP = {current}, not "
+                f"{tensor_parallel_size}"
+            )
+        return current
+    tp = 1 if tensor_parallel_size is None else tensor_parallel_size
+    Mesh(dist.get_world_size(), tp)  # the world must split into TP groups
+    extra = {}
+    if timeout_s is not None:
+        extra["distributed_timeout_minutes"] = max(1, math.ceil(timeout_s / 60))
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        **extra,
+    )
+    # dcp.runtime.groups numbers planner ranks by TP groups of consecutive ranks, megatron's
+    # default order ("tp-cp-ep-dp-pp": TP innermost).
+    assert ps.get_tensor_model_parallel_rank() == dist.get_rank() % tp
+    return tp
