@@ -119,17 +119,26 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadedCheckpoint:
+class CheckpointState:
+    """What one rank saves, one field per component (``COMPONENTS``); ``None`` is saved too."""
+
+    model_state: Any = None
+    optimizer_state: Any = None
+    scheduler_state: Any = None
+    sampler_state: Any = None
+    rng_state: Any = None
+    extra: Any = None
+
+    def components(self) -> dict[str, Any]:
+        return {c: getattr(self, c) for c in COMPONENTS}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadedCheckpoint(CheckpointState):
     """The state one rank gets back from a checkpoint (components never saved are ``None``)."""
 
     step: int
     path: Path
-    model_state: Any
-    optimizer_state: Any
-    scheduler_state: Any
-    sampler_state: Any
-    rng_state: Any
-    extra: Any
 
 
 # ---------------------------------------------------------------------------- RNG state
@@ -261,20 +270,16 @@ def _default_barrier() -> None:
 def save_checkpoint(
     root: str | os.PathLike[str],
     step: int,
+    state: CheckpointState,
     *,
-    model_state: Any,
-    optimizer_state: Any,
-    scheduler_state: Any,
-    sampler_state: Any,
-    rng_state: Any,
-    extra: Any = None,
-    rank: int,
-    world_size: int,
+    rank: int = 0,
+    world_size: int = 1,
     barrier_fn: Callable[[], None] | None = None,
     per_rank: Collection[str] = ("rng_state",),
     keep_last: int = 0,
 ) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically; every rank calls this together.
+    """Write checkpoint ``step`` of ``state`` under ``root`` atomically; every rank calls this
+    together, each with its own ``state``.
 
     ``barrier_fn`` synchronises all ranks (default: ``torch.distributed.barrier`` when a
     process group is initialised, else nothing). ``per_rank`` names the components each rank
@@ -293,14 +298,7 @@ def save_checkpoint(
     name = step_dir_name(step)
     tmp = root_path / f".tmp-{name}"
     final = root_path / name
-    values = {
-        "model_state": model_state,
-        "optimizer_state": optimizer_state,
-        "scheduler_state": scheduler_state,
-        "sampler_state": sampler_state,
-        "rng_state": rng_state,
-        "extra": extra,
-    }
+    values = state.components()
 
     if rank == 0:
         root_path.mkdir(parents=True, exist_ok=True)

@@ -57,3 +57,17 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def agreed(self, step: int) -> bool:
+        """Whether any rank got a stop signal (one scalar all-reduce, so every rank agrees)."""
+        import torch
+        import torch.distributed as dist
+
+        from dcp.runtime.collectives import phase
+
+        flag = torch.tensor([int(self.requested)])
+        if torch.cuda.is_available():
+            flag = flag.cuda()
+        with phase(f"the stop-signal check after step {step}"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

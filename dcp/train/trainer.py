@@ -12,14 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from dcp.checkpoint import (
+    CheckpointState,
     LoadedCheckpoint,
     capture_rng_state,
     find_latest,
@@ -27,15 +25,14 @@ from dcp.checkpoint import (
     load_component,
     resolve_checkpoint,
     restore_rng_state,
-    save_checkpoint,
 )
 from dcp.config import to_dict
 from dcp.costmodel.spec import runtime_options
-from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
+from dcp.data.sampler import GlobalBatchSampler
 from dcp.model import check_model_fits
-from dcp.observability.memory import max_peak_memory_bytes, reset_peak_memory
+from dcp.observability.memory import reset_peak_memory
 from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
-from dcp.observability.record import PlanStats, StepRecord, model_flops
+from dcp.observability.record import StepRecord
 from dcp.observability.run_info import write_run_config
 from dcp.runtime.collectives import (
     CollectiveTimeout,
@@ -44,18 +41,20 @@ from dcp.runtime.collectives import (
     set_collective_timeout,
 )
 from dcp.runtime.runtime import Runtime, StepStats
-from dcp.train.agree import ReportedError, agree
+from dcp.train.agree import ReportedError, agree, one_line
 from dcp.train.batches import (
     BatchPlanner,
     DatasetSource,
     PlannedBatch,
     build_dataset,
     longest_seq_len,
-    seq_lengths,
 )
 from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator, restore_records
+from dcp.train.checkpointing import Checkpointing
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock
+from dcp.train.plan_ahead import PlanAhead
+from dcp.train.recorder import StepRecorder
 from dcp.train.resume import (
     check_checkpoint_owner,
     check_resume_config,
@@ -66,10 +65,6 @@ from dcp.weights.canonical import load_canonical
 from dcp.weights.convert import check_hf_checkpoint, load_hf_weights
 
 logger = logging.getLogger(__name__)
-
-
-_DECIDE = object()
-"""``submit``'s default: let online calibration decide the batch's exploration."""
 
 
 class StopFailedError(ReportedError):
@@ -91,8 +86,8 @@ class Trainer:
         self.locks = [RunLock(self.run_dir)]
         if self.ckpt_root.resolve() != self.run_dir.resolve():
             self.locks.append(RunLock(self.ckpt_root, what="checkpoint directory"))
+        self.checkpoints = Checkpointing(cfg.checkpoint, self.ckpt_root, last_step=cfg.train.steps)
         self.metrics = None
-        self._last_checkpoint: Path | None = None
         try:
             agree("claiming the directories", self._claim_directories, only_rank0=True)
             self._build()
@@ -161,6 +156,7 @@ class Trainer:
                 wandb_id=extra.get("wandb_id"),
             ),
         )
+        self.recorder = StepRecorder(cfg.model, self.planner, self.runtime)
         # Start-up is over: from here a stuck rank fails the job within the training timeout.
         set_collective_timeout(
             cfg.distributed.timeout_s, extra_groups=self.runtime.registry.member_groups()
@@ -176,7 +172,7 @@ class Trainer:
             tensor_parallel_size=tp,
             optimizer_shards=self.world_size // tp if cfg.optim.distributed else 1,
         )
-        if cfg.init.from_hf and not self._resumable():
+        if cfg.init.from_hf and not self.checkpoints.resumable():
             check_hf_checkpoint(cfg.init.from_hf, cfg.model)
         self.dataset = build_dataset(
             cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len
@@ -204,14 +200,6 @@ class Trainer:
             lock.release()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def _newest_checkpoint(self) -> str:
-        """For error messages: the newest complete checkpoint, found without hashing its files
-        (an error path must not read gigabytes), or ``none``."""
-        return str(find_latest(self.ckpt_root, verify=False) or "none")
-
-    def _resumable(self) -> bool:
-        return self.cfg.checkpoint.resume and find_latest(self.ckpt_root, verify=False) is not None
-
     def _read_resume_state(self) -> tuple[LoadedCheckpoint | None, dict]:
         """(this rank's state of the checkpoint to resume from, its ``extra``: config, W&B id,
         calibration), or (None, {}) for a new run. File reads and checks only."""
@@ -266,50 +254,26 @@ class Trainer:
             logger.info("initial weights from %s", source)
 
     def _save(self, step: int, sampler_state: dict) -> Path:
-        """``_save_checkpoint`` with a failed write (a full disk, a lost mount) as one line."""
-        try:
-            with phase(f"the checkpoint save of step {step}"):
-                return self._save_checkpoint(step, sampler_state)
-        except OSError as exc:
-            raise ReportedError(
-                f"checkpoint save of step {step} under {self.ckpt_root} failed: "
-                f"{exc.strerror or exc} ({exc.filename or 'no file name'}); the newest complete "
-                f"checkpoint is {self._newest_checkpoint()}"
-            ) from exc
-
-    def _save_checkpoint(self, step: int, sampler_state: dict) -> Path:
         """Checkpoint after ``step``. ``sampler_state`` is the position right after this step's
-        batch, i.e. before the prefetched next batch, which a resumed run must draw again.
-        Non-finite weights are never saved (collective: every rank checks its own)."""
-        bad = torch.tensor([0 if self.runtime.weights_finite() else 1])
-        if torch.cuda.is_available():
-            bad = bad.cuda()
-        dist.all_reduce(bad)
-        if bad.item():
-            raise FloatingPointError(
-                f"step {step}: non-finite weights on {int(bad.item())} rank(s); refusing to "
-                f"checkpoint them (the newest checkpoint stays {self._newest_checkpoint()})"
-            )
+        batch, i.e. before the prefetched next batch, which a resumed run must draw again."""
         state = self.runtime.state_dict()
-        return save_checkpoint(
-            self.ckpt_root,
+        return self.checkpoints.save(
             step,
-            model_state=state["model"],
-            optimizer_state=state["optimizer"],
-            scheduler_state={"step": step},
-            sampler_state=sampler_state,
-            rng_state=capture_rng_state(),
-            extra={
-                "config": to_dict(self.cfg),
-                "wandb_id": self.metrics.wandb_id,
-                "calibration": self.calibrator.state_dict(),
-            },
-            rank=self.rank,
-            world_size=self.world_size,
-            barrier_fn=dist.barrier,
-            keep_last=self.cfg.checkpoint.keep_last,
-            # Each rank's optimizer state is its own under the distributed optimizer (a DP shard)
-            # and under TP (the TP slice of every split parameter).
+            CheckpointState(
+                model_state=state["model"],
+                optimizer_state=state["optimizer"],
+                scheduler_state={"step": step},
+                sampler_state=sampler_state,
+                rng_state=capture_rng_state(),
+                extra={
+                    "config": to_dict(self.cfg),
+                    "wandb_id": self.metrics.wandb_id,
+                    "calibration": self.calibrator.state_dict(),
+                },
+            ),
+            weights_finite=self.runtime.weights_finite(),
+            # Each rank's optimizer state is its own under the distributed optimizer (a DP
+            # shard) and under TP (the TP slice of every split parameter).
             per_rank=(
                 ("rng_state", "optimizer_state")
                 if self.runtime.distributed_optimizer or self.runtime.tp > 1
@@ -318,65 +282,6 @@ class Trainer:
         )
 
     # -- loop ------------------------------------------------------------------------------
-    def _plan(self, batch: GlobalBatch, pinned: dict[int, tuple[int, str]] | None):
-        start = time.perf_counter()
-        planned = self.planner.plan(batch, pinned=pinned)
-        return batch, planned, time.perf_counter() - start, pinned
-
-    def _record(
-        self, step: int, stats: StepStats, planned: PlannedBatch, plan_time_s: float
-    ) -> StepRecord:
-        """The metrics record of one step; its peak memory is the max over ranks (collective)."""
-        tokens = stats.loss_tokens
-        peak_tflops = self.planner.peak_tflops_per_gpu
-        mfu = None
-        if peak_tflops:
-            flops = model_flops(planned.lengths, self.cfg.model)
-            mfu = flops / (stats.step_time_s * self.world_size * peak_tflops * 1e12)
-        return StepRecord(
-            step=step,
-            loss=stats.loss,
-            tokens=tokens,
-            sequences=len(planned.lengths) - len(planned.dropped),
-            step_time_s=stats.step_time_s,
-            tokens_per_s=tokens / stats.step_time_s if stats.step_time_s > 0 else 0.0,
-            compute_time_s=stats.compute_time_s,
-            predicted_step_time_s=planned.predicted_step_time_s,
-            prediction_error=(
-                abs(planned.predicted_step_time_s - stats.compute_time_s) / stats.compute_time_s
-                if stats.compute_time_s > 0
-                else 0.0
-            ),
-            calibration_version=planned.calibration_version,
-            plan_time_s=plan_time_s,
-            lr=stats.lr,
-            grad_norm=stats.grad_norm,
-            skipped=stats.skipped,
-            dropped_sequences=len(planned.dropped),
-            peak_mem_bytes=max_peak_memory_bytes(),
-            optimizer_state_bytes=self._optimizer_state_bytes(),
-            exploration=planned.exploration,
-            padding_tokens=stats.padding_tokens,
-            planner=planned.plan.planner,
-            plan=PlanStats.of(
-                planned.plan,
-                planned.lengths,
-                num_ranks=self.planner.num_planner_ranks,
-                predicted_imbalance=planned.predicted_imbalance,
-            ),
-            mfu=mfu,
-        )
-
-    def _optimizer_state_bytes(self) -> list[int] | None:
-        """Each rank's optimizer state bytes (collective; gathered once, after the first
-        optimizer step created the state; ``None`` before)."""
-        if self._opt_state_bytes is None and self.runtime.step > 0:
-            mine = torch.tensor([self.runtime.optimizer_state_bytes()], dtype=torch.int64)
-            every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(every, mine)
-            self._opt_state_bytes = [int(t) for t in every]
-        return self._opt_state_bytes
-
     def train(self) -> list[StepRecord]:
         """Run up to ``train.steps`` steps (fewer when a stop signal arrives); always closes."""
         try:
@@ -390,83 +295,41 @@ class Trainer:
     def _loop(self) -> list[StepRecord]:
         cfg = self.cfg
         records: list[StepRecord] = []
-        pool = ThreadPoolExecutor(max_workers=1) if cfg.dcp.prefetch_plans else None
-        stop = StopRequest()
-
-        def submit(batch: GlobalBatch, step_no: int, pinned=_DECIDE) -> Future | tuple:
-            # Decided here, in the main thread, from the records every rank holds: the same
-            # exploration on every rank, whatever the planning thread's timing. A batch planned
-            # again (after a refit) keeps the exploration announced for it.
-            if pinned is _DECIDE:
-                pinned = self.calibrator.exploration(
-                    step_no, seq_lengths(batch), self.planner.cost_model
-                )
-            return pool.submit(self._plan, batch, pinned) if pool else self._plan(batch, pinned)
-
-        pending = (
-            submit(next(self.sampler), self.start_step + 1)
-            if self.start_step < cfg.train.steps
-            else None
+        plans = PlanAhead(
+            self.sampler,
+            self.planner,
+            self.calibrator,
+            first_step=self.start_step + 1,
+            last_step=cfg.train.steps,
+            background=cfg.dcp.prefetch_plans,
         )
+        stop = StopRequest()
+        skips = _SkipLimit(cfg.train.max_consecutive_skips)
         step = self.start_step
-        saved = None
-        skips = 0  # consecutive steps skipped for non-finite values
         try:
-            for step in range(self.start_step, cfg.train.steps):
-                batch, planned, plan_time_s, _ = pending.result() if pool else pending
-                sampler_state = self.sampler.state_dict()
-                # Plan the next batch while this one runs (the planner is pure Python).
-                pending = (
-                    submit(next(self.sampler), step + 2) if step + 1 < cfg.train.steps else None
-                )
+            for step in range(self.start_step + 1, cfg.train.steps + 1):
+                batch, planned, plan_time_s, sampler_state = plans.next()
                 reset_peak_memory()
                 stats = self.runtime.train_step(
                     planned.plan,
                     DatasetSource(self.dataset, batch),
                     skip_nonfinite=cfg.train.on_nonfinite == "skip",
                 )
-                with phase(f"the metrics reduction of step {step + 1}"):
-                    record = self._record(step + 1, stats, planned, plan_time_s)
-                skips = skips + 1 if stats.skipped else 0
-                if stats.skipped:
-                    logger.warning(
-                        "step %d: non-finite loss or gradients, weights not updated (%d in a "
-                        "row); plan %s",
-                        step + 1,
-                        skips,
-                        planned.plan.to_json(),
-                    )
-
-                self.calibrator.observe(
-                    step + 1, planned.plan, planned.lengths, stats.micro_step_times_s
-                )
-                refit = self.calibrator.maybe_refit(step + 1, self.planner.cost_model)
-                if refit is not None and refit.accepted:
-                    self.planner.set_spec(self.calibrator.spec, version=refit.version)
-                    if pending is not None:  # planned with the old model: plan it again
-                        next_batch, _, _, pinned = pending.result() if pool else pending
-                        pending = submit(next_batch, step + 2, pinned=pinned)
-                self.metrics.log(step + 1, record.to_dict())
-                self.metrics.note(f"step {step + 1}: {record.plan.summary()}")
+                with phase(f"the metrics reduction of step {step}"):
+                    record = self.recorder.record(step, stats, planned, plan_time_s)
+                skips.count(step, stats, planned)
+                if self._calibrate(step, planned, stats):
+                    plans.replan()
+                self.metrics.log(step, record.to_dict())
+                self.metrics.note(f"step {step}: {record.plan.summary()}")
                 records.append(record)
-                if skips >= cfg.train.max_consecutive_skips:
-                    raise FloatingPointError(
-                        f"{skips} steps in a row had non-finite loss or gradients (steps "
-                        f"{step + 2 - skips}-{step + 1}); stopping (train.max_consecutive_skips="
-                        f"{cfg.train.max_consecutive_skips}); the weights are those before step "
-                        f"{step + 2 - skips}; newest checkpoint: {self._newest_checkpoint()}"
-                    )
-                interval = cfg.checkpoint.interval_steps
-                saved = None
-                if interval and ((step + 1) % interval == 0 or step + 1 == cfg.train.steps):
-                    saved = self._save(step + 1, sampler_state)
-                if self._stop_agreed(stop, step + 1):
-                    if saved is None:
-                        saved = self._save(step + 1, sampler_state)
+                skips.check(step, newest=self.checkpoints.newest)
+                saved = self._save(step, sampler_state) if self.checkpoints.due(step) else None
+                if stop.agreed(step):
+                    saved = saved or self._save(step, sampler_state)
                     self.metrics.note(
                         f"stopped by {stop.signal_name or 'a stop signal on another rank'} after "
-                        f"step {step + 1}: checkpoint {saved}; run the same command again to "
-                        "resume"
+                        f"step {step}: checkpoint {saved}; run the same command again to resume"
                     )
                     break
         except Exception as exc:
@@ -474,30 +337,29 @@ class Trainer:
                 # The stop signal usually comes from torchrun or SLURM tearing the job down: a
                 # peer may already be gone, so the step (and its save) cannot finish.
                 raise StopFailedError(
-                    f"stop requested by {stop.signal_name}, but step {step + 1} could not finish "
-                    f"({_first_line(exc)}); no checkpoint saved; the newest complete checkpoint "
-                    f"is {self._newest_checkpoint()}"
+                    f"stop requested by {stop.signal_name}, but step {step} could not finish "
+                    f"({one_line(exc)}); no checkpoint saved; the newest complete checkpoint "
+                    f"is {self.checkpoints.newest()}"
                 ) from exc
             if is_timeout(exc) and not isinstance(exc, CollectiveTimeout):
                 raise CollectiveTimeout.from_error(
-                    exc, timeout_s=cfg.distributed.timeout_s, step=step + 1
+                    exc, timeout_s=cfg.distributed.timeout_s, step=step
                 ) from exc
             raise
         finally:
             stop.restore()
-            if pool:
-                pool.shutdown(wait=True, cancel_futures=True)
-        self._last_checkpoint = saved
+            plans.close()
         return records
 
-    def _stop_agreed(self, stop: StopRequest, step: int) -> bool:
-        """Whether any rank got a stop signal (one scalar all-reduce, so all ranks agree)."""
-        flag = torch.tensor([int(stop.requested)])
-        if torch.cuda.is_available():
-            flag = flag.cuda()
-        with phase(f"the stop-signal check after step {step}"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def _calibrate(self, step: int, planned: PlannedBatch, stats: StepStats) -> bool:
+        """Feed the step's micro-step times to online calibration; returns whether a refit was
+        accepted (the planner then plans with the refitted cost model)."""
+        self.calibrator.observe(step, planned.plan, planned.lengths, stats.micro_step_times_s)
+        refit = self.calibrator.maybe_refit(step, self.planner.cost_model)
+        if refit is None or not refit.accepted:
+            return False
+        self.planner.set_spec(self.calibrator.spec, version=refit.version)
+        return True
 
     def _where_things_went(self) -> None:
         """The end of the console output: where everything went, and what to run next."""
@@ -505,7 +367,7 @@ class Trainer:
             f"metrics:     {self.run_dir / METRICS_FILENAME}",
             f"micro-steps: {self.run_dir / RECORDS_FILENAME}",
             f"config:      {self.run_dir / 'config.yaml'}",
-            f"checkpoints: {self._last_checkpoint or self.ckpt_root}",
+            f"checkpoints: {self.checkpoints.last_saved or self.ckpt_root}",
         ]
         if self.cfg.metrics.wandb_mode != "disabled":
             wandb_dir = Path(self.cfg.metrics.wandb_dir or self.run_dir) / "wandb"
@@ -529,9 +391,33 @@ def _check_writable(path: Path, what: str) -> None:
         ) from None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+class _SkipLimit:
+    """Counts steps skipped in a row for non-finite values and stops the run at ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_a_row = 0
+
+    def count(self, step: int, stats: StepStats, planned: PlannedBatch) -> None:
+        self.in_a_row = self.in_a_row + 1 if stats.skipped else 0
+        if stats.skipped:
+            logger.warning(
+                "step %d: non-finite loss or gradients, weights not updated (%d in a row); plan %s",
+                step,
+                self.in_a_row,
+                planned.plan.to_json(),
+            )
+
+    def check(self, step: int, *, newest) -> None:
+        """Raise once ``limit`` steps in a row were skipped (after the step was logged)."""
+        if self.in_a_row < self.limit:
+            return
+        first = step + 1 - self.in_a_row
+        raise FloatingPointError(
+            f"{self.in_a_row} steps in a row had non-finite loss or gradients (steps "
+            f"{first}-{step}); stopping (train.max_consecutive_skips={self.limit}); the "
+            f"weights are those before step {first}; newest checkpoint: {newest()}"
+        )
 
 
 def _ranks_per_node() -> int | None:

@@ -268,7 +268,7 @@ def hf_to_dcp(
 ) -> Path:
     """Write a weights-only DCP checkpoint (``out_root/step_000000``) of a HF directory; its
     ``extra`` holds the derived model config. Returns the checkpoint directory."""
-    from dcp.checkpoint import save_checkpoint
+    from dcp.checkpoint import CheckpointState, save_checkpoint
     from dcp.config import to_dict
 
     hf = read_hf_config(hf_dir)
@@ -277,18 +277,14 @@ def hf_to_dcp(
     return save_checkpoint(
         out_root,
         0,
-        model_state=state,
-        optimizer_state=None,
-        scheduler_state=None,
-        sampler_state=None,
-        rng_state=None,
-        extra={
-            "config": {"model": to_dict(cfg)},
-            "hf_model_type": model_type(hf),
-            "source": str(Path(hf_dir).resolve()),
-        },
-        rank=0,
-        world_size=1,
+        CheckpointState(
+            model_state=state,
+            extra={
+                "config": {"model": to_dict(cfg)},
+                "hf_model_type": model_type(hf),
+                "source": str(Path(hf_dir).resolve()),
+            },
+        ),
         barrier_fn=lambda: None,
     )
 

@@ -11,6 +11,7 @@ def _save_and_load(root: str) -> dict:
     import torch.distributed as dist
 
     from dcp.checkpoint import (
+        CheckpointState,
         capture_rng_state,
         load_latest,
         restore_rng_state,
@@ -25,12 +26,12 @@ def _save_and_load(root: str) -> dict:
     path = save_checkpoint(
         root,
         7,
-        model_state=model_state,
-        optimizer_state={"lr": 0.1},
-        scheduler_state=None,
-        sampler_state={"batch_index": 7},
-        rng_state=rng,
-        extra=None,
+        CheckpointState(
+            model_state=model_state,
+            optimizer_state={"lr": 0.1},
+            sampler_state={"batch_index": 7},
+            rng_state=rng,
+        ),
         rank=rank,
         world_size=world,
         barrier_fn=dist.barrier,

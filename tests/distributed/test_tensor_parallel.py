@@ -199,7 +199,7 @@ def _loss_and_grads(runtime: Runtime, plan_dict: dict) -> dict:
 def train_then_save(docs, plans, root: str, tp: int, model: dict = MODEL) -> dict | None:
     """Train one step on ``plans[0]``, checkpoint (the trainer's way), then evaluate loss and
     gradients of ``plans[-1]`` on the trained weights."""
-    from dcp.checkpoint import save_checkpoint
+    from dcp.checkpoint import CheckpointState, save_checkpoint
 
     try:
         runtime = _runtime(tp, model)
@@ -208,12 +208,12 @@ def train_then_save(docs, plans, root: str, tp: int, model: dict = MODEL) -> dic
         save_checkpoint(
             Path(root),
             1,
-            model_state=state["model"],
-            optimizer_state=state["optimizer"],
-            scheduler_state={"step": 1},
-            sampler_state=None,
-            rng_state=None,
-            extra={"config": {"parallel": {"tensor_parallel_size": tp}}},
+            CheckpointState(
+                model_state=state["model"],
+                optimizer_state=state["optimizer"],
+                scheduler_state={"step": 1},
+                extra={"config": {"parallel": {"tensor_parallel_size": tp}}},
+            ),
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
             barrier_fn=dist.barrier,

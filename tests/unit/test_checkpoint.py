@@ -13,6 +13,7 @@ import torch
 from dcp import checkpoint as ckpt
 from dcp.checkpoint import (
     CheckpointConfig,
+    CheckpointState,
     capture_rng_state,
     find_latest,
     load_latest,
@@ -44,12 +45,14 @@ def _save(root, step, model, opt, sched, **kw):
     return save_checkpoint(
         root,
         step,
-        model_state=model.state_dict(),
-        optimizer_state=opt.state_dict(),
-        scheduler_state=sched.state_dict(),
-        sampler_state={"epoch": 0, "batch_index": step},
-        rng_state=capture_rng_state(),
-        extra={"note": "unit"},
+        CheckpointState(
+            model_state=model.state_dict(),
+            optimizer_state=opt.state_dict(),
+            scheduler_state=sched.state_dict(),
+            sampler_state={"epoch": 0, "batch_index": step},
+            rng_state=capture_rng_state(),
+            extra={"note": "unit"},
+        ),
         rank=0,
         world_size=1,
         barrier_fn=lambda: None,

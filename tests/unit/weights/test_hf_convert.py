@@ -160,7 +160,7 @@ def test_derived_model_configs(hf_dirs):
 
 
 def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
-    from dcp.checkpoint import load_component, save_checkpoint
+    from dcp.checkpoint import CheckpointState, load_component, save_checkpoint
 
     tok = tmp_path / "tokenizer"
     tok.mkdir()
@@ -174,14 +174,7 @@ def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
     ckpt = save_checkpoint(
         tmp_path / "run",
         5,
-        model_state=load_component(converted, "model_state"),
-        optimizer_state=None,
-        scheduler_state=None,
-        sampler_state=None,
-        rng_state=None,
-        extra=extra,
-        rank=0,
-        world_size=1,
+        CheckpointState(model_state=load_component(converted, "model_state"), extra=extra),
         barrier_fn=lambda: None,
     )
     out = dcp_to_hf(ckpt.parent, tmp_path / "hf")

@@ -1,0 +1,77 @@
+"""The metrics record of each training step (``runs/<name>/metrics.jsonl`` lines)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dcp.model import ModelConfig
+from dcp.observability.memory import max_peak_memory_bytes
+from dcp.observability.record import PlanStats, StepRecord, model_flops
+from dcp.runtime.runtime import Runtime, StepStats
+from dcp.train.batches import BatchPlanner, PlannedBatch
+
+
+class StepRecorder:
+    """Builds each step's ``StepRecord`` from the runtime's results and the plan."""
+
+    def __init__(self, model: ModelConfig, planner: BatchPlanner, runtime: Runtime) -> None:
+        self.model = model
+        self.planner = planner
+        self.runtime = runtime
+        self.world_size = dist.get_world_size()
+        self._opt_state_bytes: list[int] | None = None
+
+    def record(
+        self, step: int, stats: StepStats, planned: PlannedBatch, plan_time_s: float
+    ) -> StepRecord:
+        """The record of ``step``; its peak memory is the max over ranks (collective)."""
+        tokens = stats.loss_tokens
+        peak_tflops = self.planner.peak_tflops_per_gpu
+        mfu = None
+        if peak_tflops:
+            flops = model_flops(planned.lengths, self.model)
+            mfu = flops / (stats.step_time_s * self.world_size * peak_tflops * 1e12)
+        return StepRecord(
+            step=step,
+            loss=stats.loss,
+            tokens=tokens,
+            sequences=len(planned.lengths) - len(planned.dropped),
+            step_time_s=stats.step_time_s,
+            tokens_per_s=tokens / stats.step_time_s if stats.step_time_s > 0 else 0.0,
+            compute_time_s=stats.compute_time_s,
+            predicted_step_time_s=planned.predicted_step_time_s,
+            prediction_error=(
+                abs(planned.predicted_step_time_s - stats.compute_time_s) / stats.compute_time_s
+                if stats.compute_time_s > 0
+                else 0.0
+            ),
+            calibration_version=planned.calibration_version,
+            plan_time_s=plan_time_s,
+            lr=stats.lr,
+            grad_norm=stats.grad_norm,
+            skipped=stats.skipped,
+            dropped_sequences=len(planned.dropped),
+            peak_mem_bytes=max_peak_memory_bytes(),
+            optimizer_state_bytes=self._optimizer_state_bytes(),
+            exploration=planned.exploration,
+            padding_tokens=stats.padding_tokens,
+            planner=planned.plan.planner,
+            plan=PlanStats.of(
+                planned.plan,
+                planned.lengths,
+                num_ranks=self.planner.num_planner_ranks,
+                predicted_imbalance=planned.predicted_imbalance,
+            ),
+            mfu=mfu,
+        )
+
+    def _optimizer_state_bytes(self) -> list[int] | None:
+        """Each rank's optimizer state bytes (collective; gathered once, after the first
+        optimizer step created the state; ``None`` before)."""
+        if self._opt_state_bytes is None and self.runtime.step > 0:
+            mine = torch.tensor([self.runtime.optimizer_state_bytes()], dtype=torch.int64)
+            every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
+            self._opt_state_bytes = [int(t) for t in every]
+        return self._opt_state_bytes
