@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dcp.config import check_range
+from dcp.schema import check_range
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from dcp.config import check_range
 from dcp.costmodel.spec import Options, ParamCounts, optimizer_bytes_per_param
+from dcp.schema import check_range
 from megatron_patches.rope import set_rope_frequencies
 
 CoreAttention = Literal["auto", "te", "dcp", "megatron_local"]

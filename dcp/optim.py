@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp.config import check_range
+from dcp.schema import check_range
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 import dcp
 from dcp import console
-from dcp.config import load_config
 from dcp.runtime.collectives import CollectiveTimeout
+from dcp.schema import load_config
 from dcp.train.agree import ONE_LINE_ERRORS, RankFailure, agree, exit_code, one_line
 from dcp.train.config import DistributedConfig, PretrainConfig
 from dcp.train.exit_record import write_exit_record

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     console.setup(level=logging.WARNING)  # the benchmark's own lines are its report
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from dcp.config import load_config
+    from dcp.schema import load_config
     from dcp.train.bench import with_spec_tensor_parallelism
     from dcp.train.config import PretrainConfig
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         from dcp.costmodel import load_spec
 
-        nproc = args.nproc or int(load_spec(base_cfg.dcp.spec)["cluster"]["num_gpus"])
+        nproc = args.nproc or int(load_spec(base_cfg.planning.spec)["cluster"]["num_gpus"])
         return relaunch(argv, nproc)
 
     import torch

@@ -22,7 +22,7 @@ import time
 from tqdm import tqdm
 
 from dcp import console
-from dcp.config import apply_overrides
+from dcp.schema import apply_overrides
 from dcp.weights.convert import DEFAULT_MAX_SHARD_BYTES, dcp_to_hf, hf_to_dcp
 from dcp.weights.hf_config import ARCHITECTURES
 

@@ -5,7 +5,8 @@
 Prints the static bytes per GPU (weights, main grads, optimizer shard; split over TP) and, for
 the recipe's longest training sequence, the activation and total bytes at every CP size (in
 planner ranks, one per TP group) and recompute level against the per-GPU budget of the recipe's
-cost-model spec (``dcp.spec``, whose TP must be the recipe's ``parallel.tensor_parallel_size``).
+cost-model spec (``planning.spec``, whose TP must be the recipe's
+``parallel.tensor_parallel_size``).
 The last stdout line is a JSON object: ``fits`` (the longest sequence has a placement within the
 budget), ``static_bytes_per_gpu``, ``budget_bytes_per_gpu``, the breakdown, every cell,
 ``tensor_parallel_size``, ``num_planner_ranks`` and ``model_matches_spec`` (the spec describes
@@ -20,11 +21,11 @@ import json
 import sys
 
 from dcp import console
-from dcp.config import load_config
 from dcp.costmodel import load_cost_model, load_spec, with_runtime_options
 from dcp.costmodel.budget import memory_budget
 from dcp.costmodel.spec import runtime_options
 from dcp.runtime.dispatch import train_len
+from dcp.schema import load_config
 from dcp.train.config import PretrainConfig
 
 GB = 1e9
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
         # The recipe fixes dtype and optimizer sharding, as the trainer's planner sees them.
         spec, _ = with_runtime_options(
-            load_spec(cfg.dcp.spec),
+            load_spec(cfg.planning.spec),
             runtime_options(
                 dtype=cfg.model.dtype,
                 distributed_optimizer=cfg.optim.distributed,

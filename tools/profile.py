@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 from dcp import console
-from dcp.config import load_yaml
 from dcp.costmodel import load_spec
 from dcp.costmodel.calibrate import calibrated_spec
 from dcp.costmodel.load import write_preset_calibration
 from dcp.costmodel.report import format_calibration, format_memory, format_report
 from dcp.plan import RECOMPUTE_LEVELS
+from dcp.schema import load_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "pretrain/configs/tiny_cpu.yaml"

@@ -9,6 +9,7 @@ the micro-step records a training run writes (``dcp.costmodel.records``). See do
 
 from __future__ import annotations
 
+from dcp.costmodel.formula import CostModel
 from dcp.costmodel.load import (
     PROFILES_DIR,
     available_presets,
@@ -18,7 +19,6 @@ from dcp.costmodel.load import (
     with_launch,
     with_runtime_options,
 )
-from dcp.costmodel.model import CostModel
 from dcp.costmodel.online import RecordFit, fit_records
 from dcp.costmodel.records import MicroStepRecord, append_records, read_records
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dcp.costmodel.model import CostModel
+from dcp.costmodel.formula import CostModel
 from dcp.costmodel.spec import static_memory_parts
 from dcp.plan import RECOMPUTE_LEVELS
 

@@ -3,7 +3,7 @@
 ``dcp.train.measure`` measures; this module only does the math (numpy, no torch, no I/O), so
 a fit can be re-run from saved measurements and is unit-tested against data that ``CostModel``
 itself generates. Time: a non-negative least squares on relative errors over the columns of
-``dcp.costmodel.model.time_features``, with the TP collectives (``TPCommPoint``, measured on
+``dcp.costmodel.formula.time_features``, with the TP collectives (``TPCommPoint``, measured on
 their own) fitted apart by ``fit_tp_comm`` and held fixed. Memory: per recompute level, the
 saved-activation bytes per token. The fit's parametrisation and why: docs/design.md, 'Offline
 calibration'.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp.costmodel.model import TIME_FEATURES, CostModel, time_features
+from dcp.costmodel.formula import TIME_FEATURES, CostModel, time_features
 from dcp.costmodel.nnls import nnls
 from dcp.plan import RECOMPUTE_LEVELS
 

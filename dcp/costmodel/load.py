@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dcp.costmodel.model import CostModel
+from dcp.costmodel.formula import CostModel
 from dcp.costmodel.spec import Options, _build
 
 PROFILES_DIR = Path(__file__).parent / "profiles"

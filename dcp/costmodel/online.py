@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from dcp.costmodel.calibrate import FREE_LINK_BYTES_PER_S
+from dcp.costmodel.formula import TIME_FEATURES, CostModel, time_features
 from dcp.costmodel.load import load_spec
-from dcp.costmodel.model import TIME_FEATURES, CostModel, time_features
 from dcp.costmodel.nnls import nnls
 from dcp.costmodel.records import MicroStepRecord
 from dcp.plan import RECOMPUTE_LEVELS

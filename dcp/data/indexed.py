@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp.config import MAX_SEED, check_range
+from dcp.schema import MAX_SEED, check_range
 from dcp.data.base import check_token_slice
 from dcp.data.idx import IndexInfo, check_prefix, first_token_out_of_range
 

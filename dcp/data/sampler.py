@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp.config import MAX_SEED, check_range
+from dcp.schema import MAX_SEED, check_range
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dcp.config import check_range
 from dcp.observability.run_info import to_plain
+from dcp.schema import check_range
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 from dcp.costmodel import CostModel
 from dcp.plan import PLANNERS, Plan, check_choice
 from dcp.planning.bounds import lower_bound_s
-from dcp.planning.dcp import DCPOptions, plan_dcp
+from dcp.planning.dcp_planner import DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
-from dcp.planning.simulate import SimResult, simulate
+from dcp.planning.simulator import SimResult, simulate
 from dcp.planning.static import StaticOptions, plan_static, static_configs
 
 PlannerOptions = DCPOptions | StaticOptions | MegatronOptions

@@ -17,7 +17,7 @@ import numpy as np
 from dcp.costmodel import CostModel
 from dcp.plan import ON_OVERSIZE, RECOMPUTE_LEVELS, MicroStep, Plan, check_choice, check_int
 from dcp.planning.common import pow2_sizes, split_oversize
-from dcp.planning.simulate import simulate
+from dcp.planning.simulator import simulate
 
 
 @dataclass(frozen=True, kw_only=True)

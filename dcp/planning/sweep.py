@@ -20,9 +20,9 @@ from dcp.costmodel import CostModel, load_cost_model
 from dcp.plan import PLANNERS, RECOMPUTE_LEVELS, Plan
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
-from dcp.planning.dcp import plan_dcp
+from dcp.planning.dcp_planner import plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
-from dcp.planning.simulate import simulate
+from dcp.planning.simulator import simulate
 from dcp.planning.static import StaticOptions, plan_static, static_configs
 from dcp.planning.workloads import WORKLOADS, get_workload, make_batch
 

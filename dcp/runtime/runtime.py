@@ -4,7 +4,7 @@
 group a plan may use. ``train_step(plan, source)`` runs this rank's micro-steps
 (``dcp.runtime.schedule.run_plan``), checks the reduced gradients, clips the global gradient
 norm, steps the optimizer and returns the global mean loss. Process set-up is in
-``dcp.runtime.setup``, the builders in ``dcp.runtime.build``, checkpoint state in
+``dcp.runtime.setup``, the builders in ``dcp.runtime.builders``, checkpoint state in
 ``dcp.runtime.state``. ``Runtime(model, optimizer)`` also accepts any ``torch.optim`` optimizer.
 """
 
@@ -22,8 +22,8 @@ import torch.distributed as dist
 from dcp.model import ModelConfig
 from dcp.optim import OptimConfig, lr_at, set_lr
 from dcp.plan import Plan
-from dcp.runtime.build import build_model_and_optimizer, wrap_ddp
-from dcp.runtime.build import local_token_multiple as model_token_multiple
+from dcp.runtime.builders import build_model_and_optimizer, wrap_ddp
+from dcp.runtime.builders import local_token_multiple as model_token_multiple
 from dcp.runtime.collectives import phase
 from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry

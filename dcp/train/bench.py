@@ -37,7 +37,7 @@ def static_variants(base_cfg: PretrainConfig) -> list[tuple[str, dict]]:
     sequence (the dataset's longest document), as in Megatron's static setup."""
     dataset = build_dataset(base_cfg.data, vocab_size=base_cfg.model.vocab_size)
     cost_model = load_cost_model(
-        base_cfg.dcp.spec,
+        base_cfg.planning.spec,
         world_size=dist.get_world_size(),
         tensor_parallel_size=base_cfg.parallel.tensor_parallel_size,
     )
@@ -53,7 +53,7 @@ def with_spec_tensor_parallelism(cfg: PretrainConfig) -> PretrainConfig:
     check to refuse."""
     if cfg.parallel.tensor_parallel_size != 1:
         return cfg
-    tp = load_cost_model(cfg.dcp.spec).tensor_parallel_size
+    tp = load_cost_model(cfg.planning.spec).tensor_parallel_size
     return dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel_size=tp)
     )
@@ -78,7 +78,7 @@ def run_planner(
     cfg = dataclasses.replace(
         base_cfg,
         name=name,
-        dcp=dataclasses.replace(base_cfg.dcp, planner=planner, **options),
+        planning=dataclasses.replace(base_cfg.planning, planner=planner, **options),
         train=dataclasses.replace(base_cfg.train, steps=steps),
         checkpoint=dataclasses.replace(base_cfg.checkpoint, interval_steps=0, resume=False),
         metrics=dataclasses.replace(

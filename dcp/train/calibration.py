@@ -2,14 +2,14 @@
 
 Every step, ranks exchange the wall time of each micro-step they ran (one small all-gather);
 the slowest member's time becomes a ``MicroStepRecord`` (``dcp.costmodel.records``), appended
-by rank 0 to ``runs/<name>/microsteps.jsonl``. With ``dcp.calibration=online``, every
+by rank 0 to ``runs/<name>/microsteps.jsonl``. With ``planning.calibration=online``, every
 ``refit_interval_steps`` steps each rank refits the run's spec on the same records
 (``dcp.costmodel.online.fit_records``, deterministic, so every rank plans with the same model):
 the newest ``refit_holdout_steps`` steps are held out, and a refit that predicts them worse than
 the current model is rejected and logged. The accepted spec and its version go into checkpoints,
 so a resumed run plans with the model it had.
 
-Exploration (``dcp.explore``): a fit only learns about the configurations the planner chose. A
+Exploration (``planning.explore``): a fit only learns about the configurations the planner chose. A
 wrong prior that calls recompute free makes every long sequence run at CP = 1 with recompute,
 and then CP = 2 without recompute is never measured, so the fit can never learn it was faster
 (recompute's cost and attention's are confounded when every long sequence recomputes). So on

@@ -1,7 +1,7 @@
 """The pretraining run's config: one frozen dataclass per component, composed here.
 
 YAML files (``pretrain/configs/*.yaml``) override the defaults; ``key.sub=value`` arguments
-override the YAML (``dcp.config.load_config``). Unknown keys anywhere raise ``ValueError``.
+override the YAML (``dcp.schema.load_config``). Unknown keys anywhere raise ``ValueError``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from dcp.checkpoint import CheckpointConfig
-from dcp.config import MAX_SEED, check_range, config_keys
 from dcp.data.indexed import IndexedDataConfig
 from dcp.data.sampler import SamplerConfig
 from dcp.data.synthetic import SyntheticDataConfig
@@ -22,9 +21,10 @@ from dcp.model import WEIGHT_SHAPE_FIELDS, ModelConfig, check_tensor_parallel
 from dcp.observability.metrics import MetricsConfig
 from dcp.optim import OptimConfig
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS, check_choice
+from dcp.schema import MAX_SEED, check_range, config_keys, rename_key
 
 CALIBRATION_MODES = ("online", "fixed")
-"""How the planner's cost model follows the hardware (``dcp.calibration``)."""
+"""How the planner's cost model follows the hardware (``planning.calibration``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,7 +46,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
-class DCPConfig:
+class PlanningConfig:
     """How each global batch is planned."""
 
     planner: str = "dcp"
@@ -82,19 +82,21 @@ class DCPConfig:
     ``dcp.train.calibration``), so the fit learns about choices the planner never made."""
 
     def __post_init__(self) -> None:
-        check_choice(self.planner, PLANNERS, "dcp.planner")
-        check_choice(self.on_oversize, ON_OVERSIZE, "dcp.on_oversize")
+        check_choice(self.planner, PLANNERS, "planning.planner")
+        check_choice(self.on_oversize, ON_OVERSIZE, "planning.on_oversize")
         if self.static_recompute is not None:
-            check_choice(self.static_recompute, RECOMPUTE_LEVELS, "dcp.static_recompute")
+            check_choice(self.static_recompute, RECOMPUTE_LEVELS, "planning.static_recompute")
         if not self.spec:
-            raise ValueError("dcp.spec must name a preset or a spec JSON path")
-        check_choice(self.calibration, CALIBRATION_MODES, "dcp.calibration")
+            raise ValueError("planning.spec must name a preset or a spec JSON path")
+        check_choice(self.calibration, CALIBRATION_MODES, "planning.calibration")
         for name in ("refit_interval_steps", "refit_holdout_steps", "refit_window_steps"):
-            check_range(getattr(self, name), f"dcp.{name}", ge=1, integer=True)
+            check_range(getattr(self, name), f"planning.{name}", ge=1, integer=True)
         if self.refit_holdout_steps >= self.refit_window_steps:
-            raise ValueError("dcp.refit_holdout_steps must be smaller than dcp.refit_window_steps")
+            raise ValueError(
+                "planning.refit_holdout_steps must be smaller than planning.refit_window_steps"
+            )
         if self.static_cp_size is not None:
-            check_range(self.static_cp_size, "dcp.static_cp_size", ge=1, integer=True)
+            check_range(self.static_cp_size, "planning.static_cp_size", ge=1, integer=True)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -183,7 +185,7 @@ class InitConfig:
 
 def source_model_config(init: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """(source, model config dict) of ``init.from_hf`` / ``init.from_checkpoint``, or None."""
-    from dcp.config import to_dict
+    from dcp.schema import to_dict
 
     if init.get("from_hf"):
         from dcp.weights.hf_config import model_config_from_hf, read_hf_config
@@ -235,7 +237,7 @@ class PretrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    dcp: DCPConfig = field(default_factory=DCPConfig)
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -244,8 +246,18 @@ class PretrainConfig:
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     init: InitConfig = field(default_factory=InitConfig)
 
-    prepare_dict = staticmethod(model_from_init)
-    """``dcp.config.load_config`` hook: the model section of a run started from weights."""
+    renamed_sections: ClassVar[dict[str, str]] = {"dcp": "planning"}
+    """Sections under an old name, still read (with a warning) for one release."""
+
+    @staticmethod
+    def prepare_dict(data: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.schema.load_config`` hook: ``resume.allow_changes`` keys under their current
+        section names, and the model section of a run started from weights."""
+        resume = data.get("resume")
+        if isinstance(resume, Mapping) and isinstance(resume.get("allow_changes"), list):
+            keys = [rename_key(PretrainConfig, k) for k in resume["allow_changes"]]
+            data = {**data, "resume": {**resume, "allow_changes": keys}}
+        return model_from_init(data)
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dcp.costmodel.calibrate import MemoryPoint, TimePoint, TPCommPoint, shape_label
-from dcp.costmodel.model import CostModel
+from dcp.costmodel.formula import CostModel
 from dcp.costmodel.spec import (
     TP_GATHERS_SCATTERS_OUTSIDE_LAYERS,
     TP_GATHERS_SCATTERS_PER_LAYER,
@@ -160,10 +160,10 @@ class _RankSession:
     """The model, runtime and grid of one rank."""
 
     def __init__(self, rank: int, job: Job) -> None:
-        from dcp.config import from_dict
         from dcp.model import ModelConfig
         from dcp.optim import OptimConfig
         from dcp.runtime.runtime import Runtime
+        from dcp.schema import from_dict
 
         self.rank, self.job = rank, job
         self.runtime = Runtime.from_config(

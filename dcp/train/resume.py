@@ -24,11 +24,11 @@ FREE_KEYS = (
     "metrics",
     "distributed",
     "resume",
-    "dcp.planner",
-    "dcp.spec",
-    "dcp.prefetch_plans",
-    "dcp.static_cp_size",
-    "dcp.static_recompute",
+    "planning.planner",
+    "planning.spec",
+    "planning.prefetch_plans",
+    "planning.static_cp_size",
+    "planning.static_recompute",
 )
 
 

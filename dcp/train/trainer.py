@@ -26,7 +26,6 @@ from dcp.checkpoint import (
     resolve_checkpoint,
     restore_rng_state,
 )
-from dcp.config import to_dict
 from dcp.costmodel.spec import runtime_options
 from dcp.data.sampler import GlobalBatchSampler
 from dcp.model import check_model_fits
@@ -41,6 +40,7 @@ from dcp.runtime.collectives import (
     set_collective_timeout,
 )
 from dcp.runtime.runtime import Runtime, StepStats
+from dcp.schema import rename_sections, to_dict
 from dcp.train.agree import ReportedError, agree, one_line
 from dcp.train.batches import (
     BatchPlanner,
@@ -131,7 +131,7 @@ class Trainer:
         box = [restored]
         dist.broadcast_object_list(box, src=0)
         self.calibrator = OnlineCalibrator(
-            cfg.dcp,
+            cfg.planning,
             spec=self.planner.spec,  # the configured spec: every refit starts from it
             run_dir=self.run_dir,
             records=box[0],
@@ -179,7 +179,7 @@ class Trainer:
         )
         self.sampler = GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
         self.planner = BatchPlanner(
-            cfg.dcp,
+            cfg.planning,
             world_size=self.world_size,
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             max_seq_len=longest_seq_len(self.dataset),
@@ -213,7 +213,9 @@ class Trainer:
         extra = load_component(path, "extra") or {}
         if not isinstance(extra, dict):
             raise ValueError(f"{path}: extra.pt holds {type(extra).__name__}, not a dict")
-        old_config, new_config = extra.get("config") or {}, to_dict(self.cfg)
+        # A checkpoint of an earlier release may use old section names.
+        old_config = rename_sections(PretrainConfig, extra.get("config") or {}, warn=False)
+        new_config = to_dict(self.cfg)
         check_checkpoint_owner(
             old_config, new_config, path=path, allow=self.cfg.resume.allow_changes
         )
@@ -301,7 +303,7 @@ class Trainer:
             self.calibrator,
             first_step=self.start_step + 1,
             last_step=cfg.train.steps,
-            background=cfg.dcp.prefetch_plans,
+            background=cfg.planning.prefetch_plans,
         )
         stop = StopRequest()
         skips = _SkipLimit(cfg.train.max_consecutive_skips)

@@ -269,7 +269,7 @@ def hf_to_dcp(
     """Write a weights-only DCP checkpoint (``out_root/step_000000``) of a HF directory; its
     ``extra`` holds the derived model config. Returns the checkpoint directory."""
     from dcp.checkpoint import CheckpointState, save_checkpoint
-    from dcp.config import to_dict
+    from dcp.schema import to_dict
 
     hf = read_hf_config(hf_dir)
     cfg = model_config_from_hf(hf, **overrides)
@@ -368,7 +368,7 @@ def dcp_to_hf(
     a HF directory ``out_dir``. ``kind`` picks the architecture (default: the imported model's,
     else ``qwen2``/``qwen3``/``llama`` from the model's features)."""
     from dcp.checkpoint import load_component, resolve_checkpoint
-    from dcp.config import from_dict
+    from dcp.schema import from_dict
 
     path = resolve_checkpoint(checkpoint)
     extra = load_component(path, "extra") or {}

@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from dcp.config import load_config
 from dcp.data.sampler import GlobalBatchSampler
+from dcp.schema import load_config
 from dcp.train.batches import build_dataset
 from dcp.train.config import PretrainConfig
 from tests.e2e.test_pretrain import OVERRIDES, REPO, command, finish, metrics, start

@@ -38,7 +38,7 @@ OVERRIDES = [
     "checkpoint.interval_steps=2",
     "metrics.progress_bar=false",
     # Bit-exact comparisons between runs: online refits would make plans depend on timings.
-    "dcp.calibration=fixed",
+    "planning.calibration=fixed",
 ]
 
 
@@ -160,7 +160,11 @@ def test_online_calibration_records_microsteps_and_refits(tmp_path):
     model is refitted every few steps, and the version is logged and checkpointed."""
     from dcp.costmodel import read_records
 
-    online = ["dcp.calibration=online", "dcp.refit_interval_steps=3", "dcp.refit_holdout_steps=1"]
+    online = [
+        "planning.calibration=online",
+        "planning.refit_interval_steps=3",
+        "planning.refit_holdout_steps=1",
+    ]
     out = finish(launch(tmp_path, "online", *online, "metrics.wandb_mode=disabled"))
     assert "cost-model refit on" in out  # accepted or rejected, the refit ran
     run_dir = tmp_path / "online"

@@ -142,10 +142,10 @@ def test_tensor_parallel_te_matches_tp1_with_cp_switching(tmp_path):
 def llama3_8b_peak_memory(seq_len: int) -> dict:
     """One optimizer step of Llama-3-8B on one ``seq_len`` document at CP = world, full
     recompute; the peak allocated bytes of each rank."""
-    from dcp.config import load_config
     from dcp.plan import Plan
     from dcp.runtime.dispatch import InMemorySource
     from dcp.runtime.runtime import Runtime
+    from dcp.schema import load_config
     from dcp.train.config import PretrainConfig
     from tests.distributed.tiny import cleanup
 

@@ -20,7 +20,7 @@ PACKAGES = ("dcp", "megatron_patches", "tools", "pretrain")
 LAYERS = [
     "megatron_patches",
     "dcp.plan",
-    "dcp.config",
+    "dcp.schema",
     "dcp.console",
     "dcp.costmodel",
     "dcp.planning",

@@ -81,10 +81,10 @@ def test_planner_options_from_command_line_values():
 def test_batch_planner_builds_each_planners_options():
     """The run's config reaches each planner as its options class (no per-planner dict)."""
     from dcp.train.batches import BatchPlanner
-    from dcp.train.config import DCPConfig
+    from dcp.train.config import PlanningConfig
 
     def options(planner: str, **cfg):
-        config = DCPConfig(planner=planner, spec="cpu-tiny", on_oversize="drop", **cfg)
+        config = PlanningConfig(planner=planner, spec="cpu-tiny", on_oversize="drop", **cfg)
         batch_planner = BatchPlanner(config, world_size=2, max_seq_len=5000)
         return batch_planner
 

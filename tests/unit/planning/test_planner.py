@@ -199,11 +199,11 @@ def test_every_planner_honours_on_oversize(models, planner):
 
 @pytest.mark.parametrize("planner", PLANNERS)
 def test_training_config_on_oversize_reaches_every_planner(planner):
-    """``dcp.on_oversize=drop`` in the run's config drops the sequence for every planner (it once
-    reached only DCP's)."""
+    """``planning.on_oversize=drop`` in the run's config drops the sequence for every planner (it
+    once reached only DCP's)."""
     from dcp.data.sampler import GlobalBatch
     from dcp.train.batches import BatchPlanner
-    from dcp.train.config import DCPConfig
+    from dcp.train.config import PlanningConfig
 
     spec = "cpu-tiny+cpu-mem-tight"
     too_long = 2 * (load_cost_model(spec).max_tokens_per_rank("full") + 1)
@@ -211,7 +211,7 @@ def test_training_config_on_oversize_reaches_every_planner(planner):
     doc_lens = (301, too_long + 1, 51, 701)
     batch = GlobalBatch(doc_ids=(0, 1, 2, 3), lengths=doc_lens, epoch=0, index_in_epoch=0, step=0)
     for on_oversize in ("error", "drop"):
-        cfg = DCPConfig(planner=planner, spec=spec, on_oversize=on_oversize)
+        cfg = PlanningConfig(planner=planner, spec=spec, on_oversize=on_oversize)
         batch_planner = BatchPlanner(cfg, world_size=2, max_seq_len=too_long)
         if on_oversize == "error":
             with pytest.raises(ValueError, match="sequence 1 .* fits no plan"):

@@ -71,7 +71,7 @@ def test_the_recipes_tp_size_is_the_one_the_budget_uses(capsys):
 def test_a_recipe_that_cannot_fit_exits_1(capsys):
     code = tool.main([
         "--config", str(REPO / "pretrain/configs/tiny_cpu.yaml"),
-        "dcp.spec=cpu-tiny+cpu-mem-tight", "model.max_seq_len=400000",
+        "planning.spec=cpu-tiny+cpu-mem-tight", "model.max_seq_len=400000",
         "data.indexed.max_doc_len=400001",
     ])  # fmt: skip
     captured = capsys.readouterr()

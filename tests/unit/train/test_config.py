@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dcp.config import apply_overrides, from_dict, load_config, to_dict
 from dcp.model import ModelConfig
 from dcp.optim import OptimConfig, lr_at
+from dcp.schema import apply_overrides, from_dict, load_config, to_dict
 from dcp.train.config import PretrainConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_tiny_cpu_yaml_loads_and_round_trips():
     cfg = load_config(PretrainConfig, REPO / "pretrain/configs/tiny_cpu.yaml")
-    assert cfg.name == "demo" and cfg.dcp.planner == "dcp"
+    assert cfg.name == "demo" and cfg.planning.planner == "dcp"
     assert cfg.data.indexed.prefixes == ("data/stdlib",)
     assert from_dict(PretrainConfig, to_dict(cfg)) == cfg
 
@@ -25,11 +25,40 @@ def test_overrides_beat_yaml_and_parse_values():
     cfg = load_config(
         PretrainConfig,
         REPO / "pretrain/configs/tiny_cpu.yaml",
-        ["train.steps=7", "dcp.planner=static", "optim.lr=1e-3", "metrics.wandb_tags=[a, b]"],
+        ["train.steps=7", "planning.planner=static", "optim.lr=1e-3", "metrics.wandb_tags=[a, b]"],
     )
-    assert cfg.train.steps == 7 and cfg.dcp.planner == "static"
+    assert cfg.train.steps == 7 and cfg.planning.planner == "static"
     assert cfg.optim.lr == pytest.approx(1e-3)
     assert cfg.metrics.wandb_tags == ("a", "b")
+
+
+def test_the_old_dcp_section_is_read_as_planning_with_a_warning(tmp_path, caplog):
+    """The ``planning:`` section was called ``dcp:``; the old name is read for one release."""
+    old = tmp_path / "old.yaml"
+    old.write_text("dcp:\n  planner: static\n  static_cp_size: 2\n")
+    with caplog.at_level("WARNING", logger="dcp.schema"):
+        cfg = load_config(PretrainConfig, old, ["dcp.spec=cpu-tiny", "resume.allow_changes=[dcp]"])
+    assert cfg.planning.planner == "static" and cfg.planning.static_cp_size == 2
+    assert cfg.planning.spec == "cpu-tiny"
+    assert cfg.resume.allow_changes == ("planning",)
+    assert "config section 'dcp' is now 'planning'" in caplog.text
+    # Set under both names: once is fine, two different values are refused by name.
+    assert load_config(PretrainConfig, old, ["planning.planner=static"]).planning.planner == (
+        "static"
+    )
+    with pytest.raises(ValueError, match=r"dcp\.planner='static' and planning\.planner='dcp'"):
+        load_config(PretrainConfig, old, ["planning.planner=dcp"])
+
+
+def test_a_checkpoint_config_with_the_old_section_name_reads_as_the_new_one():
+    from dcp.schema import rename_sections
+
+    saved = {"name": "demo", "dcp": {"planner": "static"}}
+    assert rename_sections(PretrainConfig, saved, warn=False) == {
+        "name": "demo",
+        "planning": {"planner": "static"},
+    }
+    assert from_dict(PretrainConfig, saved).planning.planner == "static"
 
 
 @pytest.mark.parametrize(
@@ -39,9 +68,9 @@ def test_overrides_beat_yaml_and_parse_values():
         ("trian.steps=3", r"unknown config key trian"),
         ("train.steps=0", r"train\.steps must be an integer >= 1, got 0"),
         ("model.num_query_groups=3", r"num_query_groups"),
-        ("dcp.planner=fast", r"dcp\.planner must be one of .*got 'fast'"),
-        ("dcp.on_oversize=raise", r"dcp\.on_oversize must be one of \('error', 'drop'\)"),
-        ("dcp.static_recompute=some", r"dcp\.static_recompute must be one of"),
+        ("planning.planner=fast", r"planning\.planner must be one of .*got 'fast'"),
+        ("planning.on_oversize=raise", r"planning\.on_oversize must be one of \('error', 'drop'\)"),
+        ("planning.static_recompute=some", r"planning\.static_recompute must be one of"),
         ("optim.lr=abc", r"optim\.lr: expected a number"),
         ("metrics.wandb_mode=sometimes", r"metrics\.wandb_mode must be one of"),
         ("train.steps", r"must look like key\.sub=value"),
@@ -83,7 +112,7 @@ def test_lr_schedule_warmup_then_cosine_to_min():
 
 def test_h200_recipe_is_a_valid_config():
     cfg = load_config(PretrainConfig, REPO / "pretrain/configs/llama3_8b_h200.yaml")
-    assert cfg.model.dtype == "bf16" and cfg.dcp.spec == "h200x8+llama3-8b"
+    assert cfg.model.dtype == "bf16" and cfg.planning.spec == "h200x8+llama3-8b"
 
 
 def test_70b_recipe_runs_tp8_on_256_h200s_and_its_spec_agrees():
@@ -91,7 +120,7 @@ def test_70b_recipe_runs_tp8_on_256_h200s_and_its_spec_agrees():
 
     cfg = load_config(PretrainConfig, REPO / "pretrain/configs/llama3_70b_h200.yaml")
     assert cfg.parallel.tensor_parallel_size == 8 and cfg.model.dtype == "bf16"
-    spec = load_cost_model(cfg.dcp.spec, world_size=256, tensor_parallel_size=8)
+    spec = load_cost_model(cfg.planning.spec, world_size=256, tensor_parallel_size=8)
     assert spec.num_ranks == 32  # one planner rank per node's TP group
     assert (spec.model.num_layers, spec.model.hidden_size) == (80, 8192)
 

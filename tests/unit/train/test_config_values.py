@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import dcp.model
-from dcp.config import config_keys, load_config
 from dcp.model import ModelConfig, check_model_fits, model_state_bytes
+from dcp.schema import config_keys, load_config
 from dcp.train.config import PretrainConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -139,7 +139,7 @@ def test_every_numeric_field_refuses_non_finite_and_negative_values(key, bad):
         ("name=2024-01-01", "2024-01-01"),
         ("name=null", "null"),
         ("runs_dir=123", "123"),
-        ("dcp.spec=1.5", "1.5"),
+        ("planning.spec=1.5", "1.5"),
         ("checkpoint.root_dir=2024", "2024"),
     ],
 )
@@ -165,11 +165,11 @@ def test_typed_fields_still_parse_overrides():
 
 
 def test_only_the_last_override_of_a_key_gives_its_text():
-    assert _load("dcp={spec: cpu-tiny}", "dcp.spec=2024").dcp.spec == "2024"
+    assert _load("planning={spec: cpu-tiny}", "planning.spec=2024").planning.spec == "2024"
     # A section given as a YAML mapping is read as YAML, also where an earlier override of one
     # of its keys gave text.
-    message = _refused("dcp.spec=2024", "dcp={spec: 2024}")
-    assert message == "dcp.spec: expected a string, got 2024", message
+    message = _refused("planning.spec=2024", "planning={spec: 2024}")
+    assert message == "planning.spec: expected a string, got 2024", message
 
 
 def test_yaml_file_values_are_not_reread_as_text(tmp_path):

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from dcp.config import load_config
+from dcp.schema import load_config
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock, RunLockedError
 from dcp.train.resume import check_resume_config, check_resume_parallelism, config_changes
@@ -62,8 +62,8 @@ def test_resume_refuses_trajectory_changes_unless_allowed():
     assert "optim.lr" in check_resume_config(old, new, allow=["optim.lr"])
     assert "optim.lr" in check_resume_config(old, new, allow=["optim"])  # a whole section
     # Steps, logging and the planner are free to change.
-    free = {**old, "train": {"steps": 99, "seed": 1}, "dcp": {"planner": "static"}}
-    check_resume_config({**old, "dcp": {"planner": "dcp"}}, free)
+    free = {**old, "train": {"steps": 99, "seed": 1}, "planning": {"planner": "static"}}
+    check_resume_config({**old, "planning": {"planner": "dcp"}}, free)
 
 
 def test_resume_refuses_another_tp_size_and_names_the_way_to_keep_the_weights():

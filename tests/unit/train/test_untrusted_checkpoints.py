@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp.config import load_config
+from dcp.schema import load_config
 from dcp.train.config import PretrainConfig
 from dcp.train.resume import check_checkpoint_owner, check_resume_parallelism
 from dcp.weights.convert import hf_to_dcp

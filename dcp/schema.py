@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import operator
 import types
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+logger = logging.getLogger(__name__)
 
 MAX_SEED = 2**63 - 1
 """Largest seed a config takes: torch seeds are 64-bit, and megatron adds per-rank offsets."""
@@ -161,6 +164,7 @@ def from_dict[T](cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> 
     naming the dotted key."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    data = rename_sections(cls, data)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{prefix}." if prefix else ""
@@ -179,6 +183,46 @@ def from_dict[T](cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> 
         if prefix and not message.startswith(prefix):
             raise ValueError(f"{prefix}.{message}") from exc
         raise
+
+
+def rename_sections(cls: type, data: Mapping[str, Any], *, warn: bool = True) -> dict[str, Any]:
+    """``data`` with the sections ``cls.renamed_sections`` ({old name: new name}) renamed, and a
+    warning for each old name found; the old section's keys go under the new one, and a key
+    set in both to different values is an error. Classes without the table: ``data`` as is."""
+    renamed = getattr(cls, "renamed_sections", None) or {}
+    out = dict(data)
+    for old, new in renamed.items():
+        if old not in out:
+            continue
+        section = out.pop(old)
+        if warn:
+            logger.warning(
+                "config section %r is now %r; %r is still read in this release, rename it",
+                old,
+                new,
+                old,
+            )
+        current = out.get(new)
+        if not isinstance(section, Mapping) or not isinstance(current, Mapping | None):
+            out[new] = section if current is None else current
+            continue
+        merged = dict(current or {})
+        for key, value in section.items():
+            if key in merged and merged[key] != value:
+                raise ValueError(
+                    f"{old}.{key}={value!r} and {new}.{key}={merged[key]!r}: {old!r} is the old "
+                    f"name of {new!r}; set the key once, under {new!r}"
+                )
+            merged[key] = value
+        out[new] = merged
+    return out
+
+
+def rename_key(cls: type, key: str) -> str:
+    """Dotted ``key`` with an old section name of ``cls.renamed_sections`` replaced."""
+    head, dot, rest = key.partition(".")
+    renamed = getattr(cls, "renamed_sections", None) or {}
+    return f"{renamed[head]}{dot}{rest}" if head in renamed else key
 
 
 def to_dict(obj: Any) -> Any:
@@ -317,6 +361,8 @@ def load_config[T](cls: type[T], path: str | Path | None, overrides: Sequence[st
     the merged data itself (``PretrainConfig``: the model section from ``init.from_hf``).
     """
     data, override_text = _apply_overrides(load_yaml(path) if path is not None else {}, overrides)
+    data = rename_sections(cls, data)
+    override_text = {rename_key(cls, k): v for k, v in override_text.items()}
     _keep_text_of_str_fields(cls, data, override_text)
     prepare = getattr(cls, "prepare_dict", None)
     if prepare is not None:
