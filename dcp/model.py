@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from dcp.costmodel.spec import Options, ParamCounts, optimizer_bytes_per_param
+from dcp.costmodel.spec import ModelSpec, Options, optimizer_bytes_per_param
 from dcp.schema import check_range
 from megatron_patches.rope import set_rope_frequencies
 
@@ -186,17 +186,23 @@ class ModelConfig:
         """The parameter/compute dtype as a torch dtype."""
         return torch.bfloat16 if self.dtype == "bf16" else torch.float32
 
-    def num_params(self) -> int:
-        """Parameter count (for MFU: 6·N·tokens plus attention FLOPs)."""
-        return ParamCounts.of(
+    @property
+    def shape(self) -> ModelSpec:
+        """The model's shape in the cost model's terms: the planner plans for this model, not
+        for the one a cost-model spec was written for (``dcp.costmodel.with_model``)."""
+        return ModelSpec(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
-            q_hidden_size=self.num_attention_heads * self.head_dim,
-            kv_hidden_size=self.num_query_groups * self.head_dim,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
             ffn_hidden_size=self.ffn_hidden_size,
             vocab_size=self.vocab_size,
-            tied_embeddings=self.tie_embeddings,
-        ).total
+            kv_channels=self.kv_channels,
+        )
+
+    def num_params(self) -> int:
+        """Parameter count (for MFU: 6·N·tokens plus attention FLOPs)."""
+        return self.shape.param_counts(tied_embeddings=self.tie_embeddings).total
 
 
 WEIGHT_SHAPE_FIELDS = (

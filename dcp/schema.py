@@ -171,6 +171,14 @@ def from_dict[T](cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> 
         raise ValueError(
             f"unknown config key {where}{unknown[0]!s}; allowed keys here: {sorted(fields)}"
         )
+    required = [
+        n
+        for n, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise ValueError(f"{prefix or cls.__name__} is missing {missing}")
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name

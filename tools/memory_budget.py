@@ -5,13 +5,13 @@
 Prints the static bytes per GPU (weights, main grads, optimizer shard; split over TP) and, for
 the recipe's longest training sequence, the activation and total bytes at every CP size (in
 planner ranks, one per TP group) and recompute level against the per-GPU budget of the recipe's
-cost-model spec (``planning.spec``, whose TP must be the recipe's
-``parallel.tensor_parallel_size``).
+cost-model spec (``planning.spec``), for the recipe's model, dtype, TP size and optimizer
+sharding laid over the spec as the trainer's planner does.
 The last stdout line is a JSON object: ``fits`` (the longest sequence has a placement within the
 budget), ``static_bytes_per_gpu``, ``budget_bytes_per_gpu``, the breakdown, every cell,
-``tensor_parallel_size``, ``num_planner_ranks`` and ``model_matches_spec`` (the spec describes
-the recipe's model; when it does not, the planner's memory rule is about another model). Exit
-code 1 when the recipe cannot fit.
+``tensor_parallel_size``, ``num_planner_ranks`` and ``model_matches_spec`` (the spec was written
+for the recipe's model; when it was not, its calibrated terms are scaled to it analytically).
+Exit code 1 when the recipe cannot fit.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import sys
 
 from dcp import console
-from dcp.costmodel import load_cost_model, load_spec, with_runtime_options
+from dcp.costmodel import load_cost_model, load_spec, with_model, with_runtime_options
 from dcp.costmodel.budget import memory_budget
 from dcp.costmodel.spec import runtime_options
 from dcp.runtime.dispatch import train_len
@@ -40,17 +40,6 @@ def longest_seq_len(cfg: PretrainConfig) -> int:
     return min(cfg.model.max_seq_len, train_len(cap))
 
 
-def model_matches_spec(cfg: PretrainConfig, cost_model) -> bool:
-    spec, model = cost_model.model, cfg.model
-    return (
-        spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_query_groups,
-        spec.ffn_hidden_size, spec.vocab_size, cost_model.options.tied_embeddings,
-    ) == (
-        model.num_layers, model.hidden_size, model.num_attention_heads, model.num_query_groups,
-        model.ffn_hidden_size, model.vocab_size, model.tie_embeddings,
-    )  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     console.setup()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -59,23 +48,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
-        # The recipe fixes dtype and optimizer sharding, as the trainer's planner sees them.
-        spec, _ = with_runtime_options(
+        # The recipe fixes the model, dtype, TP and optimizer sharding, as the trainer's planner
+        # sees them.
+        spec, retied = with_runtime_options(
             load_spec(cfg.planning.spec),
             runtime_options(
                 dtype=cfg.model.dtype,
                 distributed_optimizer=cfg.optim.distributed,
                 fp8=cfg.model.fp8,
                 tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+                tied_embeddings=cfg.model.tie_embeddings,
             ),
         )
+        spec, reshaped = with_model(spec, cfg.model.shape)
+        matches = not reshaped and "tied_embeddings" not in retied
         cost_model = load_cost_model(spec, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     longest = longest_seq_len(cfg)
     budget = memory_budget(cost_model, longest)
-    matches = model_matches_spec(cfg, cost_model)
 
     parts = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in budget.static_parts.items())
     tp = cost_model.tensor_parallel_size
@@ -90,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c.cp_size:>4} {c.recompute:>10} {c.activation_bytes_per_gpu / GB:>15.1f} "
               f"{c.total_bytes_per_gpu / GB:>9.1f}  {'yes' if c.fits else 'no'}")  # fmt: skip
     if not matches:
-        print(f"warning: spec {cost_model.name!r} describes another model than the recipe's "
-              "model section; the planner's memory rule does not apply to this run",
-              file=sys.stderr)  # fmt: skip
+        print(f"note: spec {cost_model.name!r} was written for another model than the recipe's; "
+              "these numbers are for the recipe's model, with any calibrated terms scaled to it "
+              "analytically", file=sys.stderr)  # fmt: skip
     if not budget.fits:
         print("the longest sequence fits no CP size and recompute level: raise the GPU count, "
               "shorten data max_doc_len or shrink the model", file=sys.stderr)  # fmt: skip

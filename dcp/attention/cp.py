@@ -86,7 +86,9 @@ def _real_query_blocks(layout: ShardLayout, rank: int) -> list[tuple[int, int, i
             blocks.append((local_start, num_real, doc_start, 0))
             continue
         chunk = layout.padded_lens[d] // (2 * cp)
-        for half, chunk_index in enumerate((rank, 2 * cp - 1 - rank)):  # zig-zag (dcp.layout)
+        for half, chunk_index in enumerate(
+            (rank, 2 * cp - 1 - rank)
+        ):  # zig-zag (dcp.attention.layout)
             first_pos = chunk_index * chunk
             count = min(chunk, num_real - first_pos)  # padding ends a document
             if count > 0:

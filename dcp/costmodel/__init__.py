@@ -17,6 +17,7 @@ from dcp.costmodel.load import (
     load_preset,
     load_spec,
     with_launch,
+    with_model,
     with_runtime_options,
 )
 from dcp.costmodel.online import RecordFit, fit_records
@@ -35,5 +36,6 @@ __all__ = [
     "load_preset",
     "load_spec",
     "with_launch",
+    "with_model",
     "with_runtime_options",
 ]

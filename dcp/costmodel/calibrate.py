@@ -21,6 +21,7 @@ import numpy as np
 from dcp.costmodel.formula import TIME_FEATURES, CostModel, time_features
 from dcp.costmodel.nnls import nnls
 from dcp.plan import RECOMPUTE_LEVELS
+from dcp.schema import from_dict
 
 LINEAR_HALF_GRID = (0.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 ATTENTION_HALF_GRID = (0.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0)
@@ -71,25 +72,6 @@ class TimePoint:
         if not self.time_s > 0:
             raise ValueError(f"time_s must be > 0, got {self.time_s}")
 
-    def to_dict(self) -> dict:
-        return {
-            "lengths": list(self.lengths),
-            "cp_size": self.cp_size,
-            "recompute": self.recompute,
-            "time_s": self.time_s,
-            "samples_s": list(self.samples_s),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> TimePoint:
-        return cls(
-            lengths=tuple(data["lengths"]),
-            cp_size=int(data["cp_size"]),
-            recompute=data["recompute"],
-            time_s=float(data["time_s"]),
-            samples_s=tuple(data.get("samples_s", ())),
-        )
-
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryPoint:
@@ -107,23 +89,6 @@ class MemoryPoint:
         _check_level(self.recompute)
         if self.peak_bytes < 0 or self.logits_bytes < 0:
             raise ValueError("peak_bytes and logits_bytes must be >= 0")
-
-    def to_dict(self) -> dict:
-        return {
-            "lengths": list(self.lengths),
-            "recompute": self.recompute,
-            "peak_bytes": self.peak_bytes,
-            "logits_bytes": self.logits_bytes,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MemoryPoint:
-        return cls(
-            lengths=tuple(data["lengths"]),
-            recompute=data["recompute"],
-            peak_bytes=float(data["peak_bytes"]),
-            logits_bytes=float(data["logits_bytes"]),
-        )
 
 
 # -- time --------------------------------------------------------------------------------------
@@ -282,17 +247,6 @@ class TPCommPoint:
         if self.tokens < 1 or not self.time_s > 0:
             raise ValueError(f"need tokens >= 1 and time_s > 0, got {self.tokens}, {self.time_s}")
 
-    def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "time_s": self.time_s, "samples_s": list(self.samples_s)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> TPCommPoint:
-        return cls(
-            tokens=int(data["tokens"]),
-            time_s=float(data["time_s"]),
-            samples_s=tuple(float(x) for x in data.get("samples_s", ())),
-        )
-
 
 def fit_tp_comm(points: Sequence[TPCommPoint]) -> dict[str, float]:
     """``tp_latency_s + tp_comm_s_per_token · T`` fitted to the timed collectives
@@ -418,26 +372,30 @@ class Calibration:
     memory_fit: MemoryFit | None
 
 
+def _points(cls: type, items: list, key: str) -> list:
+    return [from_dict(cls, item, prefix=f"{key}[{i}]") for i, item in enumerate(items)]
+
+
 def calibrated_spec(base: dict, measurements: dict) -> Calibration:
     """``base`` (a spec dict) with a calibration block fitted to ``measurements`` (what
     ``dcp.train.measure.measure`` returns) and a description that says when and where."""
     analytic_spec = {k: v for k, v in base.items() if k != "calibration"}
     analytic = CostModel.from_spec(analytic_spec).coefficients
     try:
-        points = [TimePoint.from_dict(p) for p in measurements["time_points"]]
+        points = _points(TimePoint, measurements["time_points"], "time_points")
         memory_fit = None
         if measurements.get("memory_points"):
             memory_fit = fit_memory(
-                [MemoryPoint.from_dict(p) for p in measurements["memory_points"]],
+                _points(MemoryPoint, measurements["memory_points"], "memory_points"),
                 ref_len=int(measurements["memory_ref_len"]),
             )
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"malformed measurements: {exc!r}") from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed measurements: {exc}") from exc
     # Under TP the collectives are timed on their own and held fixed while the rest is fitted.
     tp_block: dict = {}
     fixed_s = None
     if measurements.get("tp_points"):
-        tp_block = fit_tp_comm([TPCommPoint.from_dict(p) for p in measurements["tp_points"]])
+        tp_block = fit_tp_comm(_points(TPCommPoint, measurements["tp_points"], "tp_points"))
         with_tp = CostModel.from_spec({**analytic_spec, "calibration": tp_block})
         fixed_s = [with_tp.tp_time_s(p.lengths, p.cp_size, p.recompute) for p in points]
     time_fit = fit_time(

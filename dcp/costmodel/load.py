@@ -8,11 +8,12 @@ ranks (the launch and the spec describe the same job).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from dcp.costmodel.formula import CostModel
-from dcp.costmodel.spec import Options, _build
+from dcp.costmodel.spec import ModelSpec, Options, _build, analytic_coefficients, parse_spec
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 
@@ -90,6 +91,64 @@ def with_runtime_options(spec: dict, options: dict) -> tuple[dict, dict]:
             k: v for k, v in spec["calibration"].items() if k not in _TP_CALIBRATION_KEYS
         }
     return out, changed
+
+
+# Calibrated terms that follow the model's shape (absolute per-token seconds and bytes, the
+# static memory); the rest (overheads, link speeds, overlap, recompute fractions) describe the
+# hardware and the runtime and carry over to another model as measured.
+_MODEL_SCALED_KEYS = (
+    "linear_s_per_token",
+    "attention_s_per_token2",
+    "logits_s_per_token",
+    "tp_comm_s_per_token",
+    "tp_latency_s",
+    "cp_bytes_per_token",
+    "cp_hop_latency_s",
+    "static_mem_bytes",
+    "activation_bytes_per_token",
+    "logits_bytes_per_token",
+)
+
+
+def with_model(spec: dict, model: ModelSpec) -> tuple[dict, dict]:
+    """``spec`` for the run's ``model`` (its ``"model"`` block replaced), and what changed as
+    ``{"model.<key>": (old, new)}``. A calibration fitted on the spec's own model keeps its
+    hardware terms; its shape-dependent terms (``_MODEL_SCALED_KEYS``) are scaled by the ratio
+    of the analytic values for the two models, until measured on this model (online
+    calibration, ``tools.profile``). The same model returns ``spec`` unchanged."""
+    new_block = {k: v for k, v in dataclasses.asdict(model).items() if v is not None}
+    old_block = dict(spec.get("model", {}))
+    changed = {
+        f"model.{k}": (old_block.get(k), new_block.get(k))
+        for k in sorted(set(old_block) | set(new_block))
+        if old_block.get(k) != new_block.get(k)
+    }
+    if not changed:
+        return spec, {}
+    out = {**spec, "model": new_block}
+    calibration = spec.get("calibration")
+    if isinstance(calibration, dict) and calibration:
+        before = _analytic(spec)
+        after = _analytic(out)
+        scaled = dict(calibration)
+        for key in _MODEL_SCALED_KEYS:
+            if key in calibration:
+                scaled[key] = _scale(calibration[key], getattr(before, key), getattr(after, key))
+        out["calibration"] = scaled
+    return out, changed
+
+
+def _analytic(spec: dict):
+    cluster, model, options, _ = parse_spec(spec)
+    num_ranks = max(1, cluster.num_gpus // options.tensor_parallel_size)
+    return analytic_coefficients(cluster, model, options, num_ranks=num_ranks)
+
+
+def _scale(measured, old, new):
+    """``measured`` × new / old, per recompute level for dicts; kept where old is 0."""
+    if isinstance(measured, dict):
+        return {k: _scale(v, old.get(k, 0.0), new.get(k, 0.0)) for k, v in measured.items()}
+    return measured * new / old if old else measured
 
 
 def with_launch(

@@ -8,9 +8,10 @@ block overrides the derived ``Coefficients`` directly.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from dcp.plan import RECOMPUTE_LEVELS
+from dcp.schema import from_dict
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Sequence-parallel collectives of [tokens, hidden] per micro-step, forward + backward
@@ -48,23 +49,51 @@ class ClusterSpec:
 
 @dataclass(kw_only=True, frozen=True)
 class ModelSpec:
+    """The shape of a Llama-style GPT: what its parameter count, FLOPs and activations follow.
+    A run's ``ModelConfig.shape`` gives it; a spec's ``"model"`` block says which model the
+    spec (and its calibration) was written for."""
+
     num_layers: int
     hidden_size: int
     num_attention_heads: int
     num_query_groups: int
     ffn_hidden_size: int
     vocab_size: int
+    kv_channels: int | None = None
+    """Head dim when it is not hidden_size / num_attention_heads (Qwen3); null: that ratio."""
 
     def __post_init__(self) -> None:
-        _positive(self, tuple(f.name for f in fields(self)), "model")
-        if self.hidden_size % self.num_attention_heads:
+        given = tuple(f.name for f in fields(self) if getattr(self, f.name) is not None)
+        _positive(self, given, "model")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError("model.hidden_size must be divisible by model.num_attention_heads")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError("model.num_attention_heads must be divisible by num_query_groups")
 
     @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_hidden_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
     def kv_hidden_size(self) -> int:
-        return self.hidden_size * self.num_query_groups // self.num_attention_heads
+        return self.num_query_groups * self.head_dim
+
+    def param_counts(self, *, gated_mlp: bool = True, tied_embeddings: bool = False):
+        """``ParamCounts`` of this shape."""
+        return ParamCounts.of(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            q_hidden_size=self.q_hidden_size,
+            kv_hidden_size=self.kv_hidden_size,
+            ffn_hidden_size=self.ffn_hidden_size,
+            vocab_size=self.vocab_size,
+            gated_mlp=gated_mlp,
+            tied_embeddings=tied_embeddings,
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -284,22 +313,10 @@ _TOP_KEYS = {"name", "description", "cluster", "model", "options", "calibration"
 
 
 def _build(cls: type, data: object, section: str):
+    """``cls`` from the spec block ``data`` by the configs' one dict → dataclass reader."""
     if not isinstance(data, dict):
         raise ValueError(f"spec.{section} must be an object, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {sorted(unknown)} in spec.{section}; known: {', '.join(sorted(known))}"
-        )
-    required = {f.name for f in fields(cls) if f.default is MISSING}
-    missing = required - set(data)
-    if missing:
-        raise ValueError(f"spec.{section} is missing {sorted(missing)}")
-    try:
-        return cls(**data)
-    except TypeError as exc:
-        raise ValueError(f"spec.{section}: {exc}") from exc
+    return from_dict(cls, data, prefix=f"spec.{section}")
 
 
 def parse_spec(spec: dict) -> tuple[ClusterSpec, ModelSpec, Options, dict]:
@@ -323,15 +340,7 @@ def parse_spec(spec: dict) -> tuple[ClusterSpec, ModelSpec, Options, dict]:
 
 def spec_param_counts(model: ModelSpec, options: Options) -> ParamCounts:
     """The parameter counts of the model a spec describes."""
-    return ParamCounts.of(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        kv_hidden_size=model.kv_hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-        vocab_size=model.vocab_size,
-        gated_mlp=options.gated_mlp,
-        tied_embeddings=options.tied_embeddings,
-    )
+    return model.param_counts(gated_mlp=options.gated_mlp, tied_embeddings=options.tied_embeddings)
 
 
 def optimizer_bytes_per_param(dtype: str) -> float:
@@ -346,10 +355,11 @@ def runtime_options(
     distributed_optimizer: bool,
     fp8: bool = False,
     tensor_parallel_size: int | None = None,
+    tied_embeddings: bool | None = None,
 ) -> dict:
     """The spec ``options`` a training run fixes (its model dtype, FP8, optimizer and, when
-    given, its TP size): the trainer and ``tools.memory_budget`` lay them over the spec
-    (``with_runtime_options``), so planner and runtime agree."""
+    given, its TP size and embedding tying): the trainer and ``tools.memory_budget`` lay them
+    over the spec (``with_runtime_options``), so planner and runtime agree."""
     options = {
         "dtype": dtype,
         "fp8": fp8,
@@ -358,6 +368,8 @@ def runtime_options(
     }
     if tensor_parallel_size is not None:
         options["tensor_parallel_size"] = tensor_parallel_size
+    if tied_embeddings is not None:
+        options["tied_embeddings"] = tied_embeddings
     return options
 
 
@@ -410,8 +422,9 @@ def analytic_coefficients(
     fwd_bwd = 3.0  # backward = 2x forward for GEMMs
     att_passes = 1.0 + options.attention_backward_ratio
 
-    # Causal attention forward: QK^T and PV, 2·L²·h FLOPs each, halved by the causal mask.
-    attention_s_per_token2 = att_passes * 2.0 * h * layers / att_rate
+    # Causal attention forward: QK^T and PV, 2·L²·(heads × head dim) FLOPs each, halved by the
+    # causal mask.
+    attention_s_per_token2 = att_passes * 2.0 * model.q_hidden_size * layers / att_rate
     linear_s_per_token = fwd_bwd * 2.0 * linear_params / lin_rate
     logits_s_per_token = fwd_bwd * 2.0 * h * vocab / (rank_flops * options.linear_efficiency)
 

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp.costmodel import load_cost_model, load_spec, with_launch, with_runtime_options
+from dcp.costmodel import (
+    load_cost_model,
+    load_spec,
+    with_launch,
+    with_model,
+    with_runtime_options,
+)
+from dcp.costmodel.spec import ModelSpec
 from dcp.data import build_document_dataset
 from dcp.data.sampler import GlobalBatch
 from dcp.plan import Plan
@@ -98,6 +105,7 @@ class BatchPlanner:
         max_seq_len: int | None = None,
         runtime_options: dict | None = None,
         ranks_per_node: int | None = None,
+        model: ModelSpec | None = None,
     ) -> None:
         """``world_size``: the launched ranks (GPUs); plans are over ``world_size /
         tensor_parallel_size`` planner ranks. ``max_seq_len``: the run's longest sequence; the
@@ -105,7 +113,8 @@ class BatchPlanner:
         longest. ``runtime_options`` (``dcp.costmodel.spec.runtime_options``) replace the
         spec's options the run fixes; with them, the spec's cluster is also sized to the launch
         (``world_size``, ``ranks_per_node``): the run and its launch are the truth for the
-        layout, the spec for the hardware."""
+        layout, the spec for the hardware. ``model`` (the run's ``ModelConfig.shape``) replaces
+        the spec's model (``dcp.costmodel.with_model``)."""
         self.cfg = dcp_cfg
         self.world_size = world_size
         self.tensor_parallel_size = tensor_parallel_size
@@ -128,6 +137,17 @@ class BatchPlanner:
                     "calibration, or tools.profile at this TP size)",
                     old_tp,
                     new_tp,
+                )
+        if model is not None:
+            calibrated = "calibration" in self.spec
+            self.spec, reshaped = with_model(self.spec, model)
+            for key, (old, new) in reshaped.items():
+                logger.info("cost-model spec %s: %s -> %s (the run's model)", key, old, new)
+            if reshaped and calibrated:
+                logger.info(
+                    "the spec was calibrated on another model: its measured per-token terms are "
+                    "scaled to this model analytically until measured (online calibration, or "
+                    "tools.profile with this model)"
                 )
         self.version = 0
         self.cost_model = self._load(self.spec)

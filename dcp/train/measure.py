@@ -31,6 +31,7 @@ from dcp.costmodel.spec import (
 )
 from dcp.observability.memory import peak_memory_bytes
 from dcp.plan import RECOMPUTE_LEVELS
+from dcp.schema import to_dict
 
 PLANNER_RANKS = 2
 # Planner-rank token counts at which the TP collectives are timed on their own.
@@ -228,9 +229,11 @@ class _RankSession:
             tracker.close()
         if tracker.current:  # every saved tensor is released after backward, or the hook leaks
             _log(self.rank, f"warning: {tracker.current} saved bytes still live after backward")
-        return MemoryPoint(
-            lengths=shape, recompute=level, peak_bytes=tracker.peak, logits_bytes=tracker.logits
-        ).to_dict()
+        return to_dict(
+            MemoryPoint(
+                lengths=shape, recompute=level, peak_bytes=tracker.peak, logits_bytes=tracker.logits
+            )
+        )
 
     def static_bytes(self) -> int:
         """Parameters + gradient buffers + optimizer state, after one real optimizer step."""
@@ -309,7 +312,7 @@ class _RankSession:
         if job.tensor_parallel_size > 1:
             for tokens in TP_TOKENS:
                 point = self.tp_point(tokens)
-                tp_points.append(point.to_dict())
+                tp_points.append(to_dict(point))
                 _log(rank, f"TP collectives, {tokens} tokens: {point.time_s:.4f} s")
         base = CostModel.from_spec(job.spec)
         grid = sorted(
@@ -350,7 +353,7 @@ class _RankSession:
             {"after_build_bytes": self.rss_after_build, "peak_bytes": peak_memory_bytes()}
         )
         return {
-            "time_points": [p.to_dict() for p in points],
+            "time_points": [to_dict(p) for p in points],
             "tp_points": tp_points,
             "tensor_parallel_size": job.tensor_parallel_size,
             "memory_points": memory,

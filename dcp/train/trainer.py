@@ -188,8 +188,10 @@ class Trainer:
                 distributed_optimizer=cfg.optim.distributed,
                 fp8=cfg.model.fp8,
                 tensor_parallel_size=tp,
+                tied_embeddings=cfg.model.tie_embeddings,
             ),
             ranks_per_node=_ranks_per_node(),
+            model=cfg.model.shape,
         )
 
     def close(self) -> None:

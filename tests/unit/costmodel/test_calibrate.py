@@ -28,6 +28,7 @@ from dcp.costmodel.load import write_preset_calibration
 from dcp.costmodel.nnls import nnls
 from dcp.costmodel.report import format_report
 from dcp.plan import RECOMPUTE_LEVELS
+from dcp.schema import to_dict
 
 SHAPES = [[32], [128], [512], [1024], [2048], [32] * 16, [64] * 32, [256] * 4, [100, 700, 30]]
 
@@ -147,8 +148,8 @@ def test_tp_collectives_are_fitted_on_their_own_and_held_fixed():
     ]
     assert fit_tp_comm(tp_points) == pytest.approx(tp_truth, rel=1e-9)
     measurements = {
-        "time_points": [p.to_dict() for p in points],
-        "tp_points": [p.to_dict() for p in tp_points],
+        "time_points": [to_dict(p) for p in points],
+        "tp_points": [to_dict(p) for p in tp_points],
     }
     calibrated = calibrated_spec({**spec, "calibration": {}}, measurements)
     got = calibrated.spec["calibration"]
@@ -280,11 +281,11 @@ def test_profile_cli_refits_saved_measurements(tmp_path, capsys):
     cm = CostModel.from_spec(spec)
     measurements = {
         "spec": "cpu-tiny",
-        "time_points": [p.to_dict() for p in _synthetic_points(cm)],
+        "time_points": [to_dict(p) for p in _synthetic_points(cm)],
         "memory_points": [
-            MemoryPoint(
-                lengths=(n,), recompute=lv, peak_bytes=1e4 * n, logits_bytes=2e3 * n
-            ).to_dict()
+            to_dict(
+                MemoryPoint(lengths=(n,), recompute=lv, peak_bytes=1e4 * n, logits_bytes=2e3 * n)
+            )
             for n in (256, 1024)
             for lv in RECOMPUTE_LEVELS
         ],

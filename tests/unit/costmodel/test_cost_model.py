@@ -60,7 +60,7 @@ def test_unknown_preset_lists_the_available_ones():
         (lambda s: s["model"].update(num_query_groups=3), "num_query_groups"),
         (lambda s: s.update(extra=1), r"unknown spec key\(s\) \['extra'\]"),
         (lambda s: s.setdefault("options", {}).update(dtype="int8"), "options.dtype"),
-        (lambda s: s.setdefault("options", {}).update(bogus=1), r"\['bogus'\] in spec.options"),
+        (lambda s: s.setdefault("options", {}).update(bogus=1), r"key spec\.options\.bogus"),
         (lambda s: s.update(calibration={"nope": 1.0}), "calibration.nope"),
         (lambda s: s.update(calibration={"activation_bytes_per_token": {"x": 1}}), "levels"),
         (lambda s: s["options"].update(tensor_parallel_size=3), "tensor_parallel_size"),
@@ -214,3 +214,42 @@ def test_the_run_and_its_launch_size_the_spec():
     )
     # Without a TP size, runtime options keep the spec's (tools that take it from the spec).
     assert "tensor_parallel_size" not in runtime_options(dtype="bf16", distributed_optimizer=True)
+
+
+def test_the_runs_model_replaces_the_specs_and_scales_its_calibration():
+    """The run's model is the truth: laid over a spec written for another model, the planner's
+    model has the run's shape, its hardware terms as measured and its shape-dependent terms
+    scaled by the analytic ratio (so an uncalibrated spec gives exactly the analytic model)."""
+    from dcp.costmodel import load_spec, with_model
+    from dcp.costmodel.spec import ModelSpec, analytic_coefficients, parse_spec
+
+    spec = load_spec("cpu-tiny")
+    same = ModelSpec(**spec["model"])
+    assert with_model(spec, same) == (spec, {})
+
+    wider = ModelSpec(**{**spec["model"], "hidden_size": 256, "ffn_hidden_size": 704})
+    moved, changed = with_model(spec, wider)
+    assert changed == {"model.ffn_hidden_size": (352, 704), "model.hidden_size": (128, 256)}
+    assert load_cost_model(moved).model == wider
+
+    def analytic(s):
+        cluster, model, options, _ = parse_spec(s)
+        return analytic_coefficients(cluster, model, options, num_ranks=cluster.num_gpus)
+
+    before, after = analytic(spec), analytic(moved)
+    measured, scaled = spec["calibration"], moved["calibration"]
+    ratio = after.linear_s_per_token / before.linear_s_per_token
+    assert 3.5 < ratio < 4.5  # linear FLOPs grow with hidden x ffn
+    assert scaled["linear_s_per_token"] == pytest.approx(measured["linear_s_per_token"] * ratio)
+    act = scaled["activation_bytes_per_token"]
+    for level, value in measured["activation_bytes_per_token"].items():
+        want = after.activation_bytes_per_token[level] / before.activation_bytes_per_token[level]
+        assert act[level] == pytest.approx(value * want)
+    for hardware in ("step_overhead_s", "sequence_overhead_s", "intra_node_bytes_per_s"):
+        assert scaled[hardware] == measured[hardware]
+    assert scaled["recompute_linear_frac"] == measured["recompute_linear_frac"]
+
+    bare = {k: v for k, v in spec.items() if k != "calibration"}
+    bare_moved, _ = with_model(bare, wider)
+    assert "calibration" not in bare_moved
+    assert load_cost_model(bare_moved).coefficients == after

@@ -222,6 +222,34 @@ def test_training_config_on_oversize_reaches_every_planner(planner):
         assert sorted(planned.plan.seq_ids()) == [0, 2, 3]
 
 
+def test_the_trainers_planner_plans_for_the_runs_model(caplog):
+    """A run whose model is wider than its spec's: the planner's cost model has the run's shape
+    (so a sequence the spec's small model would fit may need more ranks) and the log says so."""
+    from dcp.model import ModelConfig
+    from dcp.train.batches import BatchPlanner
+    from dcp.train.config import PlanningConfig
+
+    run_model = ModelConfig(
+        num_layers=4,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=1408,
+        vocab_size=257,
+    )
+    cfg = PlanningConfig(spec="cpu-tiny+cpu-mem-tight")
+    as_written = BatchPlanner(cfg, world_size=2)
+    with caplog.at_level("INFO", logger="dcp.train.batches"):
+        for_run = BatchPlanner(cfg, world_size=2, model=run_model.shape)
+    assert for_run.cost_model.model == run_model.shape
+    assert as_written.cost_model.model != run_model.shape
+    assert "model.hidden_size: 128 -> 512 (the run's model)" in caplog.text
+    assert "scaled to this model analytically" in caplog.text
+    assert for_run.cost_model.max_tokens_per_rank("none") < (
+        as_written.cost_model.max_tokens_per_rank("none")
+    )
+
+
 def test_bad_planner_options_are_value_errors_naming_the_option(models):
     cost_model = models["cpu-tiny"]
     with pytest.raises(ValueError, match="max_cp_size must be an integer >= 1, got 'abc'"):
