@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 import os
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from dcp.costmodel.spec import ModelSpec, Options, optimizer_bytes_per_param
+from dcp.plan import check_choice
 from dcp.schema import check_range
+from megatron_patches.fusions import wgrad_fusion_available
 from megatron_patches.rope import set_rope_frequencies
 
 CoreAttention = Literal["auto", "te", "dcp", "megatron_local"]
@@ -126,6 +129,7 @@ class ModelConfig:
     ranks run different numbers of micro-steps (a hang)."""
 
     def __post_init__(self) -> None:
+        check_choice(self.core_attention, typing.get_args(CoreAttention), "core_attention")
         for name in (
             "num_layers",
             "hidden_size",
@@ -426,7 +430,10 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel_size: int = 1, **ove
         # TE's fused THD RoPE takes cp_size/cp_rank and indexes DCP's zig-zag chunks; the
         # unfused path loops over documents in Python with a host sync per layer.
         apply_rope_fusion=te,
-        gradient_accumulation_fusion=te,
+        # megatron's output layer is a plain ColumnParallelLinear whose fused weight-gradient
+        # path needs apex's fused_weight_gradient_mlp_cuda; megatron refuses the flag without it
+        # (tensor_parallel/layers.py, ColumnParallelLinear.__init__). TE alone is not enough.
+        gradient_accumulation_fusion=te and wgrad_fusion_available(),
         persist_layer_norm=False,
         tensor_model_parallel_size=tensor_parallel_size,
         sequence_parallel=tensor_parallel_size > 1,
@@ -500,7 +507,17 @@ def block_spec(cfg: ModelConfig):
     )
 
     spec = layer_spec(cfg)
-    final_norm = RMSNorm if resolved_attention(cfg) == "dcp" else LayerNormImpl
+    attention = resolved_attention(cfg)
+    if attention == "te":
+        final_norm = LayerNormImpl  # TENorm: megatron picks it whenever TE imports
+    elif attention == "dcp":
+        final_norm = RMSNorm
+    else:
+        # megatron's LayerNormImpl is TENorm whenever TE imports (transformer_block.py), which
+        # the local spec must not get on a machine where TE cannot run: its own torch norm.
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        final_norm = WrappedTorchNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=final_norm)
 
 

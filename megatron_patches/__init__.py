@@ -8,7 +8,8 @@
 - ``optimizer_state``: save/restore megatron's optimizer state so a resume continues exactly;
 - ``process_groups``: the groups megatron's parallel state created (to set their timeout);
 - ``rope``: give a built model its RoPE frequencies (HF rope scaling);
-- ``te_attention``: TE's attention class under per-micro-step CP groups (GPU).
+- ``te_attention``: TE's attention class under per-micro-step CP groups (GPU);
+- ``fusions``: whether megatron found apex's fused weight-gradient kernel.
 
 Only ``apply()`` changes process-wide state, and only when an entry point asks for it: the
 training and tool entry points and the test harness call it once at start-up (``dcp.init()``

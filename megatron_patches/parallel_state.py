@@ -29,6 +29,25 @@ def _te_attention_modules(model) -> list:
     return [m for m in model.modules() if hasattr(m, "set_context_parallel_group")]
 
 
+def shared_cp_stream(module):
+    """The one CP stream every TE attention layer shares: the class-level ``cp_stream`` of the
+    first class in ``module``'s MRO that keeps one (megatron's ``TEDotProductAttention``, which
+    creates it only for a model built with CP > 1), created there once if missing. TE's own
+    ``DotProductAttention.__init__`` sets an instance ``cp_stream`` (None at CP = 1) that shadows
+    the class attribute, so reading ``module.cp_stream`` would give every layer its own stream.
+    A class hierarchy that keeps none: one stream kept on the module."""
+    import torch
+
+    for cls in type(module).__mro__:
+        if "cp_stream" in vars(cls):
+            if cls.cp_stream is None:
+                cls.cp_stream = torch.cuda.Stream()
+            return cls.cp_stream
+    if getattr(module, "cp_stream", None) is None:
+        module.cp_stream = torch.cuda.Stream()
+    return module.cp_stream
+
+
 @contextlib.contextmanager
 def use_cp_group(
     model,
@@ -77,11 +96,7 @@ def use_cp_group(
         config.context_parallel_size = len(ranks)
         for module in te_modules:
             # TE creates its CP stream only for models built with CP > 1; DCP builds at CP = 1.
-            stream = getattr(module, "cp_stream", None)
-            if stream is None and len(ranks) > 1:
-                import torch
-
-                stream = module.cp_stream = torch.cuda.Stream()
+            stream = shared_cp_stream(module) if len(ranks) > 1 else None
             module.set_context_parallel_group(
                 group if len(ranks) > 1 else None, ranks, stream, config.cp_comm_type or "p2p"
             )
@@ -100,6 +115,6 @@ def use_cp_group(
             module.set_context_parallel_group(
                 saved_pg[0] if saved_cp_size > 1 else None,
                 list(saved_globals["_CONTEXT_PARALLEL_GLOBAL_RANKS"] or []),
-                getattr(module, "cp_stream", None),
+                shared_cp_stream(module) if saved_cp_size > 1 else None,
                 config.cp_comm_type or "p2p",
             )

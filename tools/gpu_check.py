@@ -72,13 +72,19 @@ def versions() -> dict:
 def _fp8_support() -> tuple[bool, str]:
     # TE 2.x exposes check_fp8_support in transformer_engine.pytorch.fp8; newer releases moved
     # the quantization helpers to transformer_engine.pytorch.quantization.
+    # On a machine without a GPU, TE 2.20's check_fp8_support raises RuntimeError (it queries the
+    # device); that is an answer ("no FP8 here"), not a crash of the check.
     for module in ("transformer_engine.pytorch.fp8", "transformer_engine.pytorch.quantization"):
         try:
             mod = __import__(module, fromlist=["check_fp8_support"])
-            ok, reason = mod.check_fp8_support()
-            return bool(ok), str(reason or "")
+            check = mod.check_fp8_support
         except (ImportError, AttributeError):
             continue
+        try:
+            ok, reason = check()
+        except RuntimeError as exc:
+            return False, f"check_fp8_support raised: {' '.join(str(exc).split())}"
+        return bool(ok), str(reason or "")
     return False, "this Transformer Engine exposes no check_fp8_support"
 
 

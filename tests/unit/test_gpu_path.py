@@ -132,3 +132,62 @@ def test_fp8_speeds_up_only_the_linear_layers_in_the_cost_model():
     assert fp8.linear_s_per_token == pytest.approx(bf16.linear_s_per_token / speedup)
     assert fp8.logits_s_per_token == bf16.logits_s_per_token
     assert fp8.attention_s_per_token2 == bf16.attention_s_per_token2
+
+
+def test_an_unknown_core_attention_is_refused():
+    with pytest.raises(ValueError, match=r"core_attention must be one of .*got 'bogus'"):
+        ModelConfig(core_attention="bogus")
+
+
+@pytest.mark.parametrize("apex", [True, False])
+def test_te_spec_asks_for_weight_gradient_fusion_only_with_apex(monkeypatch, apex):
+    """TE without apex: megatron's output layer (a plain ColumnParallelLinear) refuses
+    ``gradient_accumulation_fusion``, so the TE spec sets it only when apex's kernel is there."""
+    from megatron.core.tensor_parallel import layers
+
+    from dcp.model import transformer_config
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", apex)
+    cfg = ModelConfig(core_attention="te", dtype="bf16")
+    # TE's RoPE and SwiGLU fusions cannot be validated without TE; they are not under test.
+    tf = transformer_config(cfg, apply_rope_fusion=False, bias_activation_fusion=False)
+    assert tf.gradient_accumulation_fusion is apex
+
+
+def test_the_local_spec_keeps_a_torch_final_norm_when_te_imports(monkeypatch):
+    """megatron makes ``LayerNormImpl`` TE's norm whenever TE imports; the local spec must not
+    inherit it (it would not run on a machine where TE cannot)."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from dcp.model import RMSNorm, block_spec
+
+    class TENormStandIn:
+        pass
+
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", TENormStandIn)
+    assert block_spec(ModelConfig(core_attention="megatron_local")).layer_norm is WrappedTorchNorm
+    assert block_spec(ModelConfig(core_attention="dcp")).layer_norm is RMSNorm
+
+
+def test_every_te_attention_layer_shares_one_cp_stream(monkeypatch):
+    """TE's ``DotProductAttention`` keeps an instance ``cp_stream`` (None at CP = 1) that
+    shadows megatron's class-level one: the CP switch must use (and create once) the class's."""
+    from megatron_patches.parallel_state import shared_cp_stream
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: made.append(object()) or made[-1])
+
+    class MegatronTEAttention:  # megatron's TEDotProductAttention keeps the class attribute
+        cp_stream = None
+
+        def __init__(self):
+            self.cp_stream = None  # what TE's __init__ does at CP = 1
+
+    class DCPSubclass(MegatronTEAttention):
+        pass
+
+    layers = [DCPSubclass() for _ in range(3)]
+    streams = {id(shared_cp_stream(m)) for m in layers}
+    assert len(made) == 1 and streams == {id(made[0])}
+    assert MegatronTEAttention.cp_stream is made[0]

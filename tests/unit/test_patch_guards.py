@@ -138,3 +138,11 @@ def test_te_attention_makes_its_cp_stream_only_at_cp_above_one():
     guard = src.index("if self.config.context_parallel_size > 1:")
     made = src.index("TEDotProductAttention.cp_stream = torch.cuda.Stream()")
     assert 0 < made - guard < 600
+
+
+def test_wgrad_fusion_flag_is_what_column_parallel_linear_checks():
+    from megatron.core.tensor_parallel import layers
+
+    assert isinstance(layers._grad_accum_fusion_available, bool)
+    src = inspect.getsource(layers.ColumnParallelLinear.__init__)
+    assert "config.gradient_accumulation_fusion and not _grad_accum_fusion_available" in src

@@ -31,6 +31,34 @@ def test_junit_report_is_summarised_per_test():
     assert out["test_multi_gpu::test_c"]["outcome"] == "failed"
 
 
+def test_fp8_support_that_raises_without_a_device_is_a_no(monkeypatch):
+    """TE's ``check_fp8_support`` raises ``RuntimeError`` on a machine without a GPU; the check
+    reports FP8 as unsupported with TE's reason instead of crashing."""
+    import sys
+    import types
+
+    def no_device():
+        raise RuntimeError("CUDA driver\nnot found")
+
+    te = types.ModuleType("transformer_engine")
+    te.__version__ = "2.20.2"
+    te.__path__ = []
+    pytorch = types.ModuleType("transformer_engine.pytorch")
+    pytorch.__path__ = []
+    fp8 = types.ModuleType("transformer_engine.pytorch.fp8")
+    fp8.check_fp8_support = no_device
+    for name, module in (
+        ("transformer_engine", te),
+        ("transformer_engine.pytorch", pytorch),
+        ("transformer_engine.pytorch.fp8", fp8),
+    ):
+        monkeypatch.setitem(sys.modules, name, module)
+    info = gpu_check.versions()
+    assert info["transformer_engine"] == "2.20.2"
+    assert info["fp8_supported"] is False
+    assert info["fp8_reason"] == "check_fp8_support raised: CUDA driver not found"
+
+
 def test_delayed_scaling_check_passes_on_any_machine():
     out = gpu_check.delayed_scaling_refused()
     assert out["outcome"] == "passed" and "delayed" in out["message"]
