@@ -72,17 +72,26 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(finite) if finite else math.nan
 
 
+def _timed_steps(run: RunMetrics) -> set[int]:
+    """Steps for which ``run`` logged both a throughput and a step time."""
+    return set(run.series("tokens_per_s")[0]) & set(run.series("step_time_s")[0])
+
+
 def summarize(runs: Sequence[RunMetrics], *, skip_first_steps: int = 0) -> list[dict[str, Any]]:
-    """One row per run; throughput means skip each run's first ``skip_first_steps`` steps."""
+    """One row per run. Throughput and step time are means over the steps every run logged,
+    after the first ``skip_first_steps`` (a run's later steps are not compared with another
+    run's earlier ones: warm-up, calibration and the data differ along a run)."""
     base = runs[0]
     base_loss = dict(zip(*base.series("loss"), strict=True))
+    shared = set.intersection(*(_timed_steps(run) for run in runs))
+    timed = {s for s in shared if s > skip_first_steps}
     rows = []
     base_tps = base_step_time = math.nan
     for i, run in enumerate(runs):
-        steps, tps = run.series("tokens_per_s")
-        mean_tps = _mean([v for s, v in zip(steps, tps, strict=True) if s > skip_first_steps])
-        steps, st = run.series("step_time_s")
-        mean_st = _mean([v for s, v in zip(steps, st, strict=True) if s > skip_first_steps])
+        tps = dict(zip(*run.series("tokens_per_s"), strict=True))
+        st = dict(zip(*run.series("step_time_s"), strict=True))
+        mean_tps = _mean([tps[s] for s in sorted(timed)])
+        mean_st = _mean([st[s] for s in sorted(timed)])
         if i == 0:
             base_tps, base_step_time = mean_tps, mean_st
         loss_steps, losses = run.series("loss")
@@ -103,6 +112,7 @@ def summarize(runs: Sequence[RunMetrics], *, skip_first_steps: int = 0) -> list[
                     math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=math.nan)
                 ),
                 "common_steps": len(common),
+                "throughput_steps": len(timed),
             }
         )
     return rows
@@ -226,7 +236,8 @@ td,th{{border:1px solid #bbb;padding:4px 8px;text-align:right}} td:first-child{{
 </style></head><body>
 <h1>Run comparison</h1>
 <p>Ratios and loss differences are relative to the first run, <b>{html.escape(rows[0]["run"])}
-</b>. max_abs_loss_diff is over the steps both runs logged (common_steps).</p>
+</b>. max_abs_loss_diff is over the steps both runs logged (common_steps); throughput and step
+time are means over the steps every run logged (throughput_steps).</p>
 <table><tr>{"".join(f"<th>{html.escape(h)}</th>" for h in headers)}</tr>
 {table}
 </table>

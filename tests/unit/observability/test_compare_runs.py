@@ -67,6 +67,25 @@ def test_nan_loss_and_partial_overlap(tmp_path):
     assert rows[1]["tokens_per_s_ratio"] == pytest.approx(0.5)
 
 
+def test_throughput_is_compared_over_the_steps_every_run_logged(tmp_path):
+    """A 12-step run against a 4-step one: only steps 1-4 count for both (a longer run's later,
+    faster steps must not make it look faster than a run that stopped early)."""
+    cfg = MetricsConfig(wandb_mode="disabled", progress_bar=False)
+    for name, steps, fast_from in (("long", 12, 5), ("short", 4, 99)):
+        with MetricsLogger(tmp_path / name, cfg, rank=0, total_steps=steps, run_config={}) as log:
+            for step in range(1, steps + 1):
+                tps = 4000.0 if step >= fast_from else 1000.0
+                log.log(step, {"loss": 1.0, "tokens_per_s": tps, "step_time_s": 1000.0 / tps})
+    long, short = compare_runs([tmp_path / "long", tmp_path / "short"], tmp_path / "r")["rows"]
+    assert long["throughput_steps"] == short["throughput_steps"] == 4
+    assert long["mean_tokens_per_s"] == short["mean_tokens_per_s"] == pytest.approx(1000.0)
+    assert short["tokens_per_s_ratio"] == pytest.approx(1.0)
+    rows = compare_runs(
+        [tmp_path / "long", tmp_path / "short"], tmp_path / "r2", skip_first_steps=2
+    )["rows"]
+    assert rows[0]["throughput_steps"] == 2
+
+
 def test_cli_errors_for_missing_and_empty_metrics(tmp_path, capsys):
     _write_run(tmp_path / "ok", tokens_per_s=1.0, step_time_s=1.0)
     assert main([str(tmp_path / "ok"), str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
