@@ -4,6 +4,14 @@
                              [--workloads lognormal,...] [--batches 2] [--out-dir runs/simulate]
     python -m tools.simulate --quick      # 8 and 32 GPUs, one small batch each: seconds
     python -m tools.simulate --model llama3-70b --clusters 64,256,1024   # TP = 8 (the preset's)
+    python -m tools.simulate --data data/stdlib --spec h200x8+llama3-8b --batch-tokens 65536
+                             [--max-seq-len L] [--batches 8]   # your own corpus
+
+``--data`` answers "what would DCP gain on my data": global batches are drawn from your corpus
+(a megatron indexed-dataset prefix, of which only the ``.idx`` is read, or a ``.jsonl`` file of
+document lengths) by the training sampler, and planned on ``--spec``'s cost model; documents
+longer than ``--max-seq-len`` + 1 tokens are split as the trainer splits them. It prints a
+per-batch table and writes ``data_results.json``.
 
 All numbers are *simulated* on the cost model (no GPU runs); ``dcp.planning.sweep`` says what is
 compared. The model preset's ``options.tensor_parallel_size`` applies (``llama3-70b``: TP = 8,
@@ -128,6 +136,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default="runs/simulate")
     parser.add_argument("--no-plan-time", dest="plan_time", action="store_false")
     parser.add_argument("--quick", action="store_true", help="8 and 32 GPUs, 1 small batch each")
+    data = parser.add_argument_group("your own corpus (--data)")
+    data.add_argument("--data", help="indexed-dataset prefix or .jsonl of document lengths")
+    data.add_argument("--spec", help="cost-model spec to plan on, e.g. h200x8+llama3-8b")
+    data.add_argument("--batch-tokens", type=int, help="tokens per global batch (the sampler's)")
+    data.add_argument("--max-seq-len", type=int, help="longest training sequence (split longer)")
     args = parser.parse_args(argv)
     if args.quick:
         args.clusters = "8,32"
@@ -138,9 +151,101 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def simulate_data(args: argparse.Namespace) -> int:
+    """``--data``: the planners on global batches drawn from the user's corpus."""
+    from dcp.costmodel import load_cost_model, load_spec
+    from dcp.data.lengths import corpus_doc_lengths
+    from dcp.data.sampler import sample_batches
+    from dcp.planning.sweep import simulate_batches
+    from dcp.runtime.dispatch import train_len
+
+    if not args.spec or not args.batch_tokens:
+        print("error: --data needs --spec and --batch-tokens", file=sys.stderr)
+        return 2
+    try:
+        cost_model = load_cost_model(args.spec)
+        max_doc_len = args.max_seq_len + 1 if args.max_seq_len else None
+        doc_lengths = corpus_doc_lengths(args.data, max_doc_len=max_doc_len)
+        _log(
+            f"{args.data}: {doc_lengths.size:,} documents, {int(doc_lengths.sum()):,} tokens, "
+            f"longest {int(doc_lengths.max()):,}"
+        )
+        if int(doc_lengths.max()) > args.batch_tokens:
+            raise ValueError(
+                f"a document of {int(doc_lengths.max()):,} tokens does not fit a "
+                f"{args.batch_tokens:,}-token batch: raise --batch-tokens or split long "
+                "documents with --max-seq-len"
+            )
+        batches = [
+            [train_len(n) for n in lengths if n > 1]
+            for lengths in sample_batches(
+                doc_lengths,
+                batch_tokens=args.batch_tokens,
+                num_batches=args.batches,
+                seed=args.seed,
+            )
+        ]
+        longest = args.max_seq_len or max(train_len(int(doc_lengths.max())), 1)
+        results = simulate_batches(
+            cost_model,
+            batches,
+            label=Path(args.data).name,
+            max_seq_len=longest,
+            planners=[p for p in args.planners.split(",") if p],
+            log=_log,
+        )
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    results["data"] = str(args.data)
+    results["calibrated"] = bool(load_spec(args.spec).get("calibration"))
+    table = format_data_table(results)
+    print(table)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "data_results.json").write_text(json.dumps(results, indent=1))
+    _log(f"wrote {out_dir / 'data_results.json'}")
+    return 0
+
+
+def format_data_table(results: dict) -> str:
+    """Per-batch simulated step times of every planner on the user's data, and the totals."""
+    planners = [p for p in ("dcp", *BASELINES) if p in results]
+    kind = "calibrated" if results["calibrated"] else "analytic (uncalibrated)"
+    lines = [
+        f"SIMULATED on the {kind} cost model of {results['spec']} (no GPU ran), "
+        f"{results['num_planner_ranks']} planner ranks x TP {results['tensor_parallel_size']}, "
+        f"data {results['data']}",
+        f"{'batch':>5} {'seqs':>6} {'tokens':>10} "
+        + " ".join(f"{p + ' s':>16}" for p in planners)
+        + f" {'lower bd s':>10}",
+    ]
+    sizes = zip(results["batch_lengths"], results["batch_tokens"], strict=True)
+    for i, (n, tokens) in enumerate(sizes):
+        times = " ".join(f"{results[p]['step_time_s'][i]:16.3f}" for p in planners)
+        lines.append(f"{i:>5} {n:>6} {tokens:>10,} {times} {results['lower_bound_s'][i]:10.3f}")
+    for p in BASELINES:
+        if f"speedup_vs_{p}" in results:
+            config = results[p].get("config", "")
+            lines.append(
+                f"DCP vs {p}{f' ({config})' if config else ''}: "
+                f"{results[f'speedup_vs_{p}']:.3f}x overall, worst batch "
+                f"{results[f'min_batch_speedup_vs_{p}']:.3f}x"
+            )
+    if "dcp_over_lower_bound" in results:
+        lines.append(f"DCP / lower bound: {results['dcp_over_lower_bound']:.3f}")
+    if "dcp" in results:
+        total = sum(results["dcp"]["mix"].values())
+        mix = ", ".join(f"{k} {v / total:.0%}" for k, v in results["dcp"]["mix"].items())
+        lines.append(f"DCP's sequences by CP size/recompute: {mix}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     console.setup()
     args = parse_args(argv)
+    if args.data:
+        return simulate_data(args)
     cases = [(32, 512)] if args.quick else [(32, 512), (1024, 8192)]
     try:
         results = run_sweep(

@@ -13,7 +13,15 @@ import json
 from pathlib import Path
 
 from dcp.costmodel.formula import CostModel
-from dcp.costmodel.spec import ModelSpec, Options, _build, analytic_coefficients, parse_spec
+from dcp.costmodel.spec import (
+    ModelSpec,
+    Options,
+    _build,
+    analytic_coefficients,
+    monotone_activations,
+    parse_spec,
+)
+from dcp.plan import RECOMPUTE_LEVELS
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 
@@ -134,6 +142,12 @@ def with_model(spec: dict, model: ModelSpec) -> tuple[dict, dict]:
         for key in _MODEL_SCALED_KEYS:
             if key in calibration:
                 scaled[key] = _scale(calibration[key], getattr(before, key), getattr(after, key))
+        if isinstance(scaled.get("activation_bytes_per_token"), dict):
+            # Each level scales by its own ratio, which may reorder them on a very different
+            # shape; the memory rule needs them ordered (each level at least the next one's).
+            levels = scaled["activation_bytes_per_token"]
+            if set(levels) == set(RECOMPUTE_LEVELS):
+                scaled["activation_bytes_per_token"] = monotone_activations(levels)
         out["calibration"] = scaled
     return out, changed
 

@@ -399,6 +399,17 @@ def tp_recompute_fractions(num_layers: int) -> dict[str, float]:
     return {"none": 0.0, "selective": 2 * num_layers / total, "full": 4 * num_layers / total}
 
 
+def monotone_activations(act: dict[str, float]) -> dict[str, float]:
+    """Activation bytes per level with none >= selective >= full, each raised to the level
+    below where needed. A shallow model with a wide MLP can keep more under full recompute (one
+    layer's whole working set) than under selective (no MLP intermediates in any layer); the
+    cost model then charges the lighter level the heavier one's bytes, never fewer than it
+    needs."""
+    full = act["full"]
+    selective = max(act["selective"], full)
+    return {"none": max(act["none"], selective), "selective": selective, "full": full}
+
+
 def analytic_coefficients(
     cluster: ClusterSpec, model: ModelSpec, options: Options, *, num_ranks: int
 ) -> Coefficients:
@@ -462,11 +473,13 @@ def analytic_coefficients(
     mlp_act = (2 * ffn if options.gated_mlp else ffn) + ffn
     per_layer_none = 6 * h + 2 * hkv + mlp_act
     per_layer_selective = 6 * h + 2 * hkv
-    act = {
-        "none": dt * layers * per_layer_none / tp,
-        "selective": dt * layers * per_layer_selective / tp,
-        "full": dt * (layers * h + per_layer_none) / tp,
-    }
+    act = monotone_activations(
+        {
+            "none": dt * layers * per_layer_none / tp,
+            "selective": dt * layers * per_layer_selective / tp,
+            "full": dt * (layers * h + per_layer_none) / tp,
+        }
+    )
     static_mem = sum(static_memory_parts(model, options, num_ranks=num_ranks).values())
     # Memory is per GPU: weights, activations (sequence parallel) and logits split over TP.
     budget = (

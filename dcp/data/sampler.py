@@ -193,3 +193,15 @@ class GlobalBatchSampler:
         self._cursor = int(state["cursor"])
         self._batch_in_epoch = int(state["batch_in_epoch"])
         self._step = int(state["step"])
+
+
+def sample_batches(
+    doc_lengths: Sequence[int] | np.ndarray, *, batch_tokens: int, num_batches: int, seed: int = 0
+) -> list[tuple[int, ...]]:
+    """The document lengths of the first ``num_batches`` global batches the training sampler
+    draws from ``doc_lengths`` with a ``batch_tokens`` budget (shuffled with ``seed``)."""
+    check_range(num_batches, "num_batches", ge=1, integer=True)
+    sampler = GlobalBatchSampler(
+        doc_lengths, SamplerConfig(max_tokens_per_batch=batch_tokens, seed=seed)
+    )
+    return [next(sampler).lengths for _ in range(num_batches)]

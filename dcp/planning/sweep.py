@@ -12,6 +12,7 @@ import math
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -54,9 +55,18 @@ def _best_fixed(runs: dict[str, list[float]]) -> tuple[str, list[float]]:
 
 
 def evaluate(
-    cost_model: CostModel, workload_name: str, batches: list[list[int]], planners: tuple[str, ...]
+    cost_model: CostModel,
+    workload_name: str,
+    batches: list[list[int]],
+    planners: tuple[str, ...],
+    *,
+    max_seq_len: int | None = None,
 ) -> dict:
-    workload = get_workload(workload_name)
+    """Every planner of ``planners`` on ``batches``, simulated on ``cost_model``. The static
+    baselines are sized for ``max_seq_len`` (default: the named workload's longest sequence),
+    as a static run must be for its data's longest sequence."""
+    if max_seq_len is None:
+        max_seq_len = get_workload(workload_name).max_seq_len
     row: dict = {
         "workload": workload_name,
         "num_sequences": statistics.mean(len(b) for b in batches),
@@ -69,22 +79,24 @@ def evaluate(
     pow2 = pow2_sizes(cost_model.num_ranks)
     row["lower_bound_pow2_s"] = [lower_bound_s(b, cost_model, cp_sizes=pow2) for b in batches]
     if "dcp" in planners:
-        times, plan_ms = [], []
+        times, plan_ms, mix = [], [], Counter()
         for b in batches:
             start = time.perf_counter()
             plan = plan_dcp(b, cost_model=cost_model)
             plan_ms.append((time.perf_counter() - start) * 1e3)
             times.append(_checked_time(plan, b, cost_model))
-        row["dcp"] = {"step_time_s": times, "plan_ms": plan_ms}
+            for step in plan.steps:
+                mix[f"cp{len(step.ranks)}/{step.recompute}"] += len(step.seq_ids)
+        row["dcp"] = {"step_time_s": times, "plan_ms": plan_ms, "mix": dict(sorted(mix.items()))}
     for planner, tuned in (("static", False), (ORACLE, True)):
         if planner not in planners:
             continue
         runs, plan_ms = {}, []
-        for cp, level in static_configs(cost_model, workload.max_seq_len):
+        for cp, level in static_configs(cost_model, max_seq_len):
             key = f"cp{cp}/{level}"
             runs[key] = []
             options = StaticOptions(
-                cp_size=cp, recompute=level, max_seq_len=workload.max_seq_len, tuned=tuned
+                cp_size=cp, recompute=level, max_seq_len=max_seq_len, tuned=tuned
             )
             for b in batches:
                 start = time.perf_counter()
@@ -139,6 +151,44 @@ def _summarise(row: dict, planners: tuple[str, ...]) -> None:
     row["pow2_bound_over_any_shape_bound"] = sum(row["lower_bound_pow2_s"]) / sum(
         row["lower_bound_s"]
     )
+
+
+def simulate_batches(
+    cost_model: CostModel,
+    batches: list[list[int]],
+    *,
+    label: str,
+    max_seq_len: int,
+    planners: Sequence[str] = SWEEP_PLANNERS,
+    log: Log = _quiet,
+) -> dict:
+    """Every planner of ``planners`` on the given global batches (training lengths, e.g.
+    sampled from a user's corpus), simulated on ``cost_model``: per batch and overall step
+    times, the lower bound, the speedups and DCP's CP/recompute mix (sequences per
+    ``cp<size>/<level>``). Static baselines are sized for ``max_seq_len``."""
+    planners = tuple(planners)
+    unknown = set(planners) - set(SWEEP_PLANNERS)
+    if unknown:
+        raise ValueError(f"unknown planner(s) {sorted(unknown)}; choose from {SWEEP_PLANNERS}")
+    if not batches:
+        raise ValueError("no global batches to simulate")
+    log(
+        f"{cost_model.describe()}: simulating {len(batches)} global batches "
+        f"({sum(map(len, batches))} sequences) with {', '.join(planners)}"
+    )
+    started = time.perf_counter()
+    row = evaluate(cost_model, label, batches, planners, max_seq_len=max_seq_len)
+    log(f"simulated in {time.perf_counter() - started:.1f} s")
+    return {
+        "simulated": True,
+        "spec": cost_model.name,
+        "num_planner_ranks": cost_model.num_ranks,
+        "tensor_parallel_size": cost_model.tensor_parallel_size,
+        "planners": planners,
+        "batch_lengths": [len(b) for b in batches],
+        "batch_tokens": [sum(b) for b in batches],
+        **row,
+    }
 
 
 def plan_time_benchmark(

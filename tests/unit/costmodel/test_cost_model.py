@@ -253,3 +253,25 @@ def test_the_runs_model_replaces_the_specs_and_scales_its_calibration():
     bare_moved, _ = with_model(bare, wider)
     assert "calibration" not in bare_moved
     assert load_cost_model(bare_moved).coefficients == after
+
+
+def test_a_shallow_wide_model_keeps_its_recompute_levels_ordered():
+    """Two layers of hidden 32 with a 352-wide MLP: full recompute keeps one layer's whole
+    working set, more than selective keeps in both layers. The memory rule charges selective
+    (and none) at least full's bytes, analytic or scaled from a calibration."""
+    from dcp.costmodel import load_spec, with_model
+    from dcp.costmodel.spec import ModelSpec
+
+    shallow = ModelSpec(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=352,
+        vocab_size=257,
+    )
+    spec = load_spec("cpu-tiny")
+    for source in (spec, {k: v for k, v in spec.items() if k != "calibration"}):
+        moved, _ = with_model(source, shallow)
+        act = load_cost_model(moved).coefficients.activation_bytes_per_token
+        assert act["none"] >= act["selective"] >= act["full"] > 0
