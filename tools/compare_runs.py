@@ -2,11 +2,13 @@
 
     python -m tools.compare_runs runs/static runs/dcp [runs/megatron ...] --out report
 
-writes ``report/comparison.png`` (loss vs step, tokens/s, step time with the predicted step
-time dashed, MFU and peak memory when logged, and every plan stat under ``plan/``),
-``report/comparison.html`` (the PNG embedded, plus a summary table) and
-``report/comparison.json`` (the table's numbers). Ratios and loss differences are relative to
-the first run. Each argument is a run directory holding ``metrics.jsonl`` or the file itself.
+writes ``report/comparison.png`` (loss vs step, vs training time and vs tokens, tokens/s, step
+time with the predicted step time dashed, MFU and peak memory when logged, and every plan stat
+under ``plan/``), ``report/comparison.html`` (the PNG embedded, a summary table and a
+time-to-loss table), ``report/comparison.json`` (the table's numbers) and
+``report/time_to_loss.json`` (training seconds and tokens until each run's 5-step mean loss
+reaches a few levels, and the speedup). Ratios and loss differences are relative to the first
+run. Each argument is a run directory holding ``metrics.jsonl`` or the file itself.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("  ".join(headers))
     for row in result["rows"]:
         print("  ".join(format_value(row[h]) for h in headers))
+    for level in result["time_to_loss"]:
+        reached = ", ".join(
+            f"{label} {seconds:.1f} s ({level['speedup'].get(label, float('nan')):.2f}x)"
+            for label, seconds in level["seconds"].items()
+        )
+        print(f"time to loss {level['loss']:.4f}: {reached}")
     print(f"wrote {result['png']} and {result['html']}")
     return 0
 

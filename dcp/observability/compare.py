@@ -2,8 +2,10 @@
 
 ``compare_runs`` writes ``comparison.png`` (loss vs step, tokens/s, step time with the predicted
 step time dashed, MFU and peak memory when logged, and every plan stat under ``plan/``),
-``comparison.html`` (the PNG embedded, plus a summary table) and ``comparison.json`` (the
-table's numbers). Ratios and loss differences are relative to the first run. Each run is a run
+``comparison.html`` (the PNG embedded, a summary table and the time-to-loss table),
+``comparison.json`` (the summary's numbers) and ``time_to_loss.json``: the loss against training
+time and against tokens, and how long each run took to reach a few loss levels
+(``time_to_loss``). Ratios and loss differences are relative to the first run. Each run is a run
 directory holding ``metrics.jsonl`` or the file itself. ``python -m tools.compare_runs`` is the
 command line.
 """
@@ -65,6 +67,78 @@ def load_run(path: str | Path, *, label: str | None = None) -> RunMetrics:
     by_step = {r["step"]: r for r in records}
     name = label or (p.name if p.is_dir() else p.parent.name)
     return RunMetrics(label=name, path=file, records=[by_step[s] for s in sorted(by_step)])
+
+
+SMOOTH_STEPS = 5
+"""Trailing window of the loss a run must reach (one lucky batch does not reach a level)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """A run's training progress: after each timed step, the cumulative training seconds (sum
+    of step times: start-up, evaluation and checkpoint writes excluded), cumulative tokens and
+    the trailing mean loss over ``SMOOTH_STEPS`` steps."""
+
+    seconds: list[float]
+    tokens: list[float]
+    loss: list[float]
+
+    @classmethod
+    def of(cls, run: RunMetrics) -> Progress:
+        seconds, tokens, loss = [], [], []
+        clock = count = 0.0
+        window: list[float] = []
+        for r in run.records:
+            step_time, step_loss = r.get("step_time_s"), r.get("loss")
+            if not isinstance(step_time, int | float) or not isinstance(step_loss, int | float):
+                continue
+            clock += float(step_time)
+            count += float(r.get("tokens") or 0)
+            window = [*window, float(step_loss)][-SMOOTH_STEPS:]
+            seconds.append(clock)
+            tokens.append(count)
+            loss.append(statistics.fmean(window))
+        return cls(seconds, tokens, loss)
+
+    def first_reaching(self, level: float) -> tuple[float, float] | None:
+        """(seconds, tokens) when the smoothed loss first reached ``level``; None if never."""
+        for s, t, v in zip(self.seconds, self.tokens, self.loss, strict=True):
+            if v <= level:
+                return s, t
+        return None
+
+
+def time_to_loss(runs: Sequence[RunMetrics], *, levels: int = 3) -> list[dict[str, Any]]:
+    """For ``levels`` loss levels every run reaches (spaced from halfway down to the lowest
+    level all reach), each run's training seconds and tokens to get there and its speedup over
+    the first run (first run's seconds / this run's seconds). Empty when the runs share no
+    level (a run never logged a loss, or one never got below another's start)."""
+    progress = [Progress.of(run) for run in runs]
+    if any(not p.loss for p in progress):
+        return []
+    start = min(p.loss[0] for p in progress)
+    reachable = max(min(p.loss) for p in progress)
+    if not reachable < start:
+        return []
+    out = []
+    for k in range(levels):
+        fraction = 0.5 + 0.5 * k / max(levels - 1, 1)
+        level = start - fraction * (start - reachable)
+        reached = [p.first_reaching(level) for p in progress]
+        base = reached[0]
+        out.append(
+            {
+                "loss": level,
+                "seconds": {r.label: x[0] for r, x in zip(runs, reached, strict=True) if x},
+                "tokens": {r.label: x[1] for r, x in zip(runs, reached, strict=True) if x},
+                "speedup": {
+                    r.label: base[0] / x[0]
+                    for r, x in zip(runs, reached, strict=True)
+                    if x and base and x[0] > 0
+                },
+            }
+        )
+    return out
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -164,7 +238,13 @@ def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
     line_panels = [(k, t) for k, t in _FIXED_PANELS if k in present]
     plan_scalars, plan_groups = _plan_panels(runs)
     line_panels += [(k, k) for k in plan_scalars]
-    n_panels = len(line_panels) + len(plan_groups)
+    progress = [Progress.of(run) for run in runs]
+    progress_panels = (
+        [("seconds", "training time (s, sum of step times)"), ("tokens", "tokens")]
+        if any(p.loss for p in progress)
+        else []
+    )
+    n_panels = len(line_panels) + len(progress_panels) + len(plan_groups)
     cols = 2 if n_panels > 1 else 1
     rows = math.ceil(n_panels / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.6 * rows), squeeze=False)
@@ -188,7 +268,17 @@ def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax, group in zip(flat_axes[len(line_panels) :], plan_groups, strict=False):
+    after_lines = flat_axes[len(line_panels) :]
+    for ax, (axis, xlabel) in zip(after_lines, progress_panels, strict=False):
+        for i, (run, p) in enumerate(zip(runs, progress, strict=True)):
+            ax.plot(getattr(p, axis), p.loss, label=run.label, color=colors[i % len(colors)])
+        ax.set_title(f"loss ({SMOOTH_STEPS}-step mean) vs {axis}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    group_axes = after_lines[len(progress_panels) :]
+    for ax, group in zip(group_axes, plan_groups, strict=False):
         means = [_group_means(run, group) for run in runs]
         members = sorted({m for d in means for m in d}, key=lambda m: (len(m), m))
         width = 0.8 / len(runs)
@@ -220,7 +310,32 @@ def format_value(value: Any) -> str:
     return html.escape(str(value))
 
 
-def write_html(rows: list[dict[str, Any]], png_path: Path, html_path: Path, runs) -> None:
+def _time_to_loss_table(levels: list[dict[str, Any]], runs) -> str:
+    if not levels:
+        return "<p>Time to loss: the runs share no loss level.</p>"
+    head = "".join(
+        f"<th>{html.escape(r.label)} s</th><th>{html.escape(r.label)} speedup</th>" for r in runs
+    )
+    body = "\n".join(
+        f"<tr><td>{level['loss']:.4f}</td>"
+        + "".join(
+            f"<td>{format_value(level['seconds'].get(r.label, math.nan))}</td>"
+            f"<td>{format_value(level['speedup'].get(r.label, math.nan))}</td>"
+            for r in runs
+        )
+        + "</tr>"
+        for level in levels
+    )
+    return (
+        f"<h2>Time to loss</h2><p>Training seconds (the sum of step times) until the "
+        f"{SMOOTH_STEPS}-step mean loss first reaches each level; speedup = the first run's "
+        f"seconds / this run's.</p><table><tr><th>loss</th>{head}</tr>\n{body}\n</table>"
+    )
+
+
+def write_html(
+    rows: list[dict[str, Any]], png_path: Path, html_path: Path, runs, levels=()
+) -> None:
     image = base64.b64encode(png_path.read_bytes()).decode("ascii")
     headers = list(rows[0])
     table = "\n".join(
@@ -241,6 +356,7 @@ time are means over the steps every run logged (throughput_steps).</p>
 <table><tr>{"".join(f"<th>{html.escape(h)}</th>" for h in headers)}</tr>
 {table}
 </table>
+{_time_to_loss_table(list(levels), runs)}
 <p><img alt="comparison plots" src="data:image/png;base64,{image}"></p>
 <h2>Sources</h2><ul>{sources}</ul>
 </body></html>
@@ -256,7 +372,8 @@ def compare_runs(
     labels: Sequence[str] | None = None,
     skip_first_steps: int = 0,
 ) -> dict[str, Any]:
-    """Write the PNG/HTML/JSON report into ``out_dir``; return ``{"rows", "png", "html"}``."""
+    """Write the PNG/HTML/JSON report into ``out_dir``; return ``{"rows", "png", "html",
+    "time_to_loss"}``."""
     if not run_paths:
         raise ValueError("give at least one run directory or metrics.jsonl file")
     if labels is not None and len(labels) != len(run_paths):
@@ -265,13 +382,15 @@ def compare_runs(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(runs, skip_first_steps=skip_first_steps)
+    levels = time_to_loss(runs)
     png, page = out / "comparison.png", out / "comparison.html"
     plot(runs, png)
-    write_html(rows, png, page, runs)
+    write_html(rows, png, page, runs, levels)
+    (out / "time_to_loss.json").write_text(json.dumps(levels, indent=1), encoding="utf-8")
     # JSON has no NaN: write null for "not available".
     clean = [
         {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         for row in rows
     ]
     (out / "comparison.json").write_text(json.dumps(clean, indent=1), encoding="utf-8")
-    return {"rows": rows, "png": png, "html": page}
+    return {"rows": rows, "png": png, "html": page, "time_to_loss": levels}

@@ -86,6 +86,32 @@ def test_throughput_is_compared_over_the_steps_every_run_logged(tmp_path):
     assert rows[0]["throughput_steps"] == 2
 
 
+def test_time_to_loss_says_how_much_sooner_a_faster_run_gets_there(tmp_path, capsys):
+    """Two runs with the same loss per step, one taking half the time per step: it reaches every
+    loss level in half the training seconds and the same tokens, and the report says 2x."""
+    cfg = MetricsConfig(wandb_mode="disabled", progress_bar=False)
+    for name, step_time in (("slow", 2.0), ("fast", 1.0)):
+        with MetricsLogger(tmp_path / name, cfg, rank=0, total_steps=30, run_config={}) as log:
+            for step in range(1, 31):
+                log.log(
+                    step,
+                    {"loss": 6.0 - step * 0.1, "tokens": 100, "step_time_s": step_time},
+                )
+    assert main([str(tmp_path / "slow"), str(tmp_path / "fast"), "--out", str(tmp_path / "r")]) == 0
+    printed = capsys.readouterr().out
+    levels = json.loads((tmp_path / "r" / "time_to_loss.json").read_text())
+    assert len(levels) == 3
+    for level in levels:
+        assert level["seconds"]["fast"] == pytest.approx(level["seconds"]["slow"] / 2)
+        assert level["tokens"]["fast"] == level["tokens"]["slow"]
+        assert level["speedup"]["fast"] == pytest.approx(2.0)
+    # The last level is the lowest both reach: the 5-step mean of the last five losses.
+    assert levels[-1]["loss"] == pytest.approx(6.0 - 2.8)
+    assert "time to loss" in printed and "(2.00x)" in printed
+    page = (tmp_path / "r" / "comparison.html").read_text()
+    assert "<h2>Time to loss</h2>" in page
+
+
 def test_cli_errors_for_missing_and_empty_metrics(tmp_path, capsys):
     _write_run(tmp_path / "ok", tokens_per_s=1.0, step_time_s=1.0)
     assert main([str(tmp_path / "ok"), str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
