@@ -4,7 +4,8 @@ Why upstream can't: megatron-core 0.19.2's ``TEDotProductAttention`` creates its
 ``cp_stream`` only when the model is built with CP > 1, and a model DCP builds at CP = 1 later
 runs micro-steps at CP = 2, 4, ...; and TE ≤ 2.17 misses the padding on the last document of a
 padded THD batch. ``te_core_attention()`` returns ``DCPTEDotProductAttention``, the upstream
-class with a CP stream made at construction (``ensure_cp_stream``) and padded document
+class with the shared CP stream made at construction (``parallel_state.shared_cp_stream``, the
+one the per-micro-step CP switch hands TE) and padded document
 boundaries passed as real (``cu_seqlens_q = cu_seqlens_padded``). Nothing here runs on CPU;
 ``tools/gpu_check.py`` exercises it on a GPU. In detail: docs/design.md, 'Transformer Engine (GPU
 path, not yet run)'.
@@ -15,17 +16,8 @@ from __future__ import annotations
 import dataclasses
 from functools import cache
 
-import torch
-
 from megatron_patches._version import require_pinned_megatron
-
-
-def ensure_cp_stream() -> None:
-    """Create megatron's class-level ``TEDotProductAttention.cp_stream`` if it is missing."""
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-    if TEDotProductAttention.cp_stream is None:
-        TEDotProductAttention.cp_stream = torch.cuda.Stream()
+from megatron_patches.parallel_state import shared_cp_stream
 
 
 def padded_as_real(params):
@@ -50,7 +42,7 @@ def te_core_attention() -> type:
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            ensure_cp_stream()
+            shared_cp_stream(self)
 
         def forward(
             self,

@@ -163,7 +163,8 @@ def simulate_data(args: argparse.Namespace) -> int:
         print("error: --data needs --spec and --batch-tokens", file=sys.stderr)
         return 2
     try:
-        cost_model = load_cost_model(args.spec)
+        spec = load_spec(args.spec)
+        cost_model = load_cost_model(spec)
         max_doc_len = args.max_seq_len + 1 if args.max_seq_len else None
         doc_lengths = corpus_doc_lengths(args.data, max_doc_len=max_doc_len)
         _log(
@@ -198,7 +199,7 @@ def simulate_data(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     results["data"] = str(args.data)
-    results["calibrated"] = bool(load_spec(args.spec).get("calibration"))
+    results["calibrated"] = bool(spec.get("calibration"))
     table = format_data_table(results)
     print(table)
     out_dir = Path(args.out_dir)

@@ -40,6 +40,18 @@ def current_phase() -> str:
     return getattr(_state, "phase", None) or "outside any collective phase"
 
 
+def all_reduce_int(value: int, *, op: dist.ReduceOp = dist.ReduceOp.SUM) -> int:
+    """``value`` of every rank reduced with ``op`` over the default group (a collective; the
+    tensor lives on this rank's GPU where there is one, as NCCL needs)."""
+    import torch
+
+    flag = torch.tensor([int(value)])
+    if torch.cuda.is_available():
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=op)
+    return int(flag.item())
+
+
 def is_timeout(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective that gave up waiting (gloo: "Timed out waiting ...";
     NCCL's watchdog: "Watchdog caught collective operation timeout"; torch: DistTimeoutError)."""

@@ -120,8 +120,8 @@ class BatchPlanner:
         self.tensor_parallel_size = tensor_parallel_size
         self.max_seq_len = max_seq_len
         self.spec = load_spec(dcp_cfg.spec)
+        calibrated = "calibration" in self.spec
         if runtime_options:
-            calibrated = "calibration" in self.spec
             self.spec, changed = with_runtime_options(self.spec, runtime_options)
             self.spec, resized = with_launch(
                 self.spec, world_size=world_size, ranks_per_node=ranks_per_node
@@ -139,7 +139,6 @@ class BatchPlanner:
                     new_tp,
                 )
         if model is not None:
-            calibrated = "calibration" in self.spec
             self.spec, reshaped = with_model(self.spec, model)
             for key, (old, new) in reshaped.items():
                 logger.info("cost-model spec %s: %s -> %s (the run's model)", key, old, new)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from dcp.checkpoint import CheckpointConfig, CheckpointState, find_latest, save_checkpoint
-from dcp.runtime.collectives import phase
+from dcp.runtime.collectives import all_reduce_int, phase
 from dcp.train.agree import ReportedError
 
 
@@ -41,14 +40,11 @@ class Checkpointing:
         """Checkpoint after ``step`` (every rank together, each with its ``state``). Non-finite
         weights on any rank are refused (collective), and a failed write (a full disk, a lost
         mount) is one line naming the newest complete checkpoint."""
-        bad = torch.tensor([0 if weights_finite else 1])
-        if torch.cuda.is_available():
-            bad = bad.cuda()
         with phase(f"the checkpoint save of step {step}"):
-            dist.all_reduce(bad)
-            if bad.item():
+            bad = all_reduce_int(0 if weights_finite else 1)
+            if bad:
                 raise FloatingPointError(
-                    f"step {step}: non-finite weights on {int(bad.item())} rank(s); refusing to "
+                    f"step {step}: non-finite weights on {bad} rank(s); refusing to "
                     f"checkpoint them (the newest checkpoint stays {self.newest()})"
                 )
             try:

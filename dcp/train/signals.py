@@ -60,14 +60,9 @@ class StopRequest:
 
     def agreed(self, step: int) -> bool:
         """Whether any rank got a stop signal (one scalar all-reduce, so every rank agrees)."""
-        import torch
         import torch.distributed as dist
 
-        from dcp.runtime.collectives import phase
+        from dcp.runtime.collectives import all_reduce_int, phase
 
-        flag = torch.tensor([int(self.requested)])
-        if torch.cuda.is_available():
-            flag = flag.cuda()
         with phase(f"the stop-signal check after step {step}"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            return bool(all_reduce_int(int(self.requested), op=dist.ReduceOp.MAX))

@@ -115,7 +115,6 @@ class Trainer:
             seed=cfg.train.seed,
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
         )
-        self._opt_state_bytes: list[int] | None = None
         loaded, extra = agree("reading the checkpoint to resume from", self._read_resume_state)
         if loaded is not None:
             agree(f"restoring {loaded.path}", lambda: self._restore(loaded))
