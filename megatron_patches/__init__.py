@@ -9,7 +9,8 @@
 - ``process_groups``: the groups megatron's parallel state created (to set their timeout);
 - ``rope``: give a built model its RoPE frequencies (HF rope scaling);
 - ``te_attention``: TE's attention class under per-micro-step CP groups (GPU);
-- ``fusions``: whether megatron found apex's fused weight-gradient kernel.
+- ``fusions``: whether megatron found apex's fused weight-gradient kernel;
+- ``megatron_training``: Megatron-LM's training loop (``megatron.training.pretrain``) on CPU.
 
 Only ``apply()`` changes process-wide state, and only when an entry point asks for it: the
 training and tool entry points and the test harness call it once at start-up (``dcp.init()``

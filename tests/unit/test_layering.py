@@ -33,6 +33,7 @@ LAYERS = [
     "dcp.weights",
     "dcp.runtime",
     "dcp.train",
+    "dcp.integrations",
     "dcp",
     "tools",
     "pretrain",

@@ -146,3 +146,36 @@ def test_wgrad_fusion_flag_is_what_column_parallel_linear_checks():
     assert isinstance(layers._grad_accum_fusion_available, bool)
     src = inspect.getsource(layers.ColumnParallelLinear.__init__)
     assert "config.gradient_accumulation_fusion and not _grad_accum_fusion_available" in src
+
+
+def test_megatron_training_cpu_targets_are_what_the_patch_says():
+    """``megatron_patches.megatron_training`` answers these upstream lines: pretrain calls
+    initialize_megatron without allow_no_cuda, the parallel state and the RNG tracker are only
+    set up when a CUDA device is counted, and the jit warm-up and helper build are separate
+    functions it can skip."""
+    from megatron.training import initialize, training
+
+    from megatron_patches.megatron_training import training_on_cpu
+
+    assert "allow_no_cuda" not in inspect.getsource(training.pretrain)
+    assert "if device_count > 0 and not skip_model_parallel_init:" in inspect.getsource(
+        initialize._initialize_distributed
+    )
+    assert "if torch.cuda.device_count() > 0:" in inspect.getsource(initialize._set_random_seed)
+    assert "compile_helpers()" in inspect.getsource(initialize._compile_dependencies)
+    assert "_warmup_jit_function" in inspect.getsource(initialize.set_jit_fusion_options)
+    assert training.set_jit_fusion_options is initialize.set_jit_fusion_options
+    originals = (
+        initialize._initialize_distributed,
+        training.initialize_megatron,
+        training.set_jit_fusion_options,
+    )
+    with training_on_cpu():
+        assert training.initialize_megatron.keywords == {"allow_no_cuda": True}
+        assert initialize._initialize_distributed is not originals[0]
+    # Restored on exit: the patch is scoped to the block.
+    assert (
+        initialize._initialize_distributed,
+        training.initialize_megatron,
+        training.set_jit_fusion_options,
+    ) == originals

@@ -1,0 +1,152 @@
+"""DCP's command-line arguments for a Megatron-LM script, and the checks on Megatron's own.
+
+``parse_args`` is megatron's ``parse_and_validate_args`` with ``add_dcp_args`` added to the
+parser (an ``extra_args_provider``, usable on its own). ``check_args`` refuses, before anything
+is built, the Megatron settings DCP cannot honour, each with the flag to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS
+from dcp.train.config import CALIBRATION_MODES, PlanningConfig
+from megatron_patches.megatron_training import arguments_on_cpu
+
+
+def parse_args(extra_args_provider=None, **kwargs) -> argparse.Namespace:
+    """megatron's ``parse_and_validate_args`` (``kwargs`` passed on) with DCP's arguments and
+    ``extra_args_provider``'s, runnable on a machine without a GPU; sets megatron's global
+    args as megatron's own call does."""
+    from megatron.training.arguments import parse_and_validate_args
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = add_dcp_args(parser)
+        return extra_args_provider(parser) if extra_args_provider else parser
+
+    with arguments_on_cpu():
+        return parse_and_validate_args(extra_args_provider=provider, **kwargs)
+
+
+def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DCP's arguments (``--dcp`` and ``--dcp-*``, Megatron's naming) to ``parser``."""
+    defaults = PlanningConfig()
+    group = parser.add_argument_group(title="DCP (data-centric parallelism)")
+    group.add_argument(
+        "--dcp",
+        action="store_true",
+        help="Run each global batch as a DCP plan: per-micro-step CP groups, micro-step counts "
+        "and recompute levels chosen from the batch's document lengths. Needs "
+        "--calculate-per-token-loss and --dataloader-type external.",
+    )
+    group.add_argument(
+        "--dcp-spec",
+        default=defaults.spec,
+        help="Cost-model spec: a preset of dcp/costmodel/profiles (cpu-tiny, h200x8+llama3-8b, "
+        "...) or a spec JSON path. Its model is replaced by this run's.",
+    )
+    group.add_argument(
+        "--dcp-planner",
+        choices=PLANNERS,
+        default=defaults.planner,
+        help="dcp: DCP's planner; static: one CP size and recompute level for every batch; "
+        "megatron: megatron-core's Hybrid-CP scheduler (BalancedCPScheduler) run by DCP's "
+        "executor.",
+    )
+    group.add_argument(
+        "--dcp-calibration",
+        choices=CALIBRATION_MODES,
+        default="fixed",
+        help="fixed: plan with the spec as it is; online: refit its compute terms on this run's "
+        "measured micro-steps every --dcp-refit-interval steps (records beside --dcp-metrics, "
+        "else in --save; a --load restarts the refits from the spec, so plans after a resume "
+        "may differ).",
+    )
+    group.add_argument(
+        "--dcp-refit-interval",
+        type=int,
+        default=defaults.refit_interval_steps,
+        help="Steps between online refits (--dcp-calibration online).",
+    )
+    group.add_argument(
+        "--dcp-static-cp-size",
+        type=int,
+        default=None,
+        help="--dcp-planner static: the run's CP size (default: the fastest feasible one).",
+    )
+    group.add_argument(
+        "--dcp-static-recompute",
+        choices=RECOMPUTE_LEVELS,
+        default=None,
+        help="--dcp-planner static: the run's recompute level (default: the fastest).",
+    )
+    group.add_argument(
+        "--dcp-on-oversize",
+        choices=ON_OVERSIZE,
+        default=defaults.on_oversize,
+        help="A document no plan can fit: error, or drop it (counted in the step records).",
+    )
+    group.add_argument(
+        "--dcp-metrics",
+        default=None,
+        help="Write one JSON line per training step here (loss, tokens, step time, plan).",
+    )
+    return parser
+
+
+def planning_config(args: argparse.Namespace) -> PlanningConfig:
+    """The ``PlanningConfig`` the ``--dcp-*`` arguments describe (validated)."""
+    return PlanningConfig(
+        planner=args.dcp_planner,
+        spec=args.dcp_spec,
+        prefetch_plans=False,
+        on_oversize=args.dcp_on_oversize,
+        static_cp_size=args.dcp_static_cp_size,
+        static_recompute=args.dcp_static_recompute,
+        calibration=args.dcp_calibration,
+        refit_interval_steps=args.dcp_refit_interval,
+        explore=False,
+    )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` naming the flag for every Megatron setting DCP cannot run with."""
+    problems = []
+    if args.pipeline_model_parallel_size != 1:
+        problems.append(
+            "pipeline parallelism is not supported by DCP yet: --pipeline-model-parallel-size 1"
+        )
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        problems.append("virtual pipeline stages need pipeline parallelism: drop them")
+    if args.micro_batch_size != 1:
+        problems.append(
+            "documents are packed into one sequence per micro-batch: --micro-batch-size 1"
+        )
+    if args.dataloader_type != "external":
+        problems.append("DCP feeds Megatron its own batch iterator: --dataloader-type external")
+    if args.dcp:
+        if not args.calculate_per_token_loss:
+            problems.append(
+                "DCP divides the loss by the global batch's token count, so gradients must be "
+                "summed, not averaged, over ranks: --calculate-per-token-loss"
+            )
+        if args.context_parallel_size != 1:
+            problems.append(
+                "DCP chooses the CP size of every micro-step itself: --context-parallel-size 1"
+            )
+        if args.hybrid_context_parallel:
+            problems.append("--dcp and --hybrid-context-parallel exclude each other")
+        if args.eval_iters and args.eval_interval:
+            problems.append(
+                "evaluation inside Megatron's loop is not run through DCP plans yet: --eval-iters 0"
+            )
+        if args.dcp_calibration == "online" and not (args.dcp_metrics or args.save):
+            problems.append(
+                "online calibration keeps its micro-step records beside the step records or "
+                "the checkpoints: give --dcp-metrics or --save"
+            )
+        planning_config(args)  # the --dcp-* values themselves
+    if problems:
+        raise ValueError(
+            "DCP cannot run with these Megatron arguments:\n  - " + "\n  - ".join(problems)
+        )

@@ -1,0 +1,246 @@
+"""Wire DCP into ``megatron.training.pretrain``: ``with install(args) as dcp_run: pretrain(...)``.
+
+Inside the block:
+
+- on a machine without a GPU, megatron's loop runs on CPU with gloo
+  (``megatron_patches.megatron_training``);
+- ``dcp_run.datasets_provider`` is a ``train_valid_test_datasets_provider`` whose training
+  "dataset" is DCP's batch iterator over ``--data-path`` (``--dataloader-type external``): whole
+  global batches under ``--dcp``, this rank's packed micro-batches otherwise;
+- ``dcp_run.forward_step`` is the ``forward_step_func`` for those packed micro-batches (runs
+  without ``--dcp`` go through Megatron's own schedule with it);
+- under ``--dcp``, ``megatron.training.training.get_forward_backward_func`` returns
+  ``DCPForwardBackward``: Megatron's ``train_step`` then runs DCP's plan in place of its schedule
+  and keeps everything else (optimizer step, grad clipping, LR schedule, logging, timers,
+  checkpoints, W&B);
+- with ``--dcp-metrics`` every ``train_step`` is timed and recorded.
+
+Everything is restored on exit. The model must use an attention that follows per-micro-step CP
+groups: ``with_dcp_attention(layer_spec)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+from dcp.integrations.megatron_lm.args import check_args, planning_config
+from dcp.integrations.megatron_lm.data import DocumentBatches, document_dataset
+from dcp.integrations.megatron_lm.records import LoopRecorder
+from dcp.integrations.megatron_lm.steps import (
+    DCPForwardBackward,
+    PackedMicroBatches,
+    packed_forward_step,
+)
+from megatron_patches.megatron_training import training_on_cpu
+
+logger = logging.getLogger(__name__)
+
+
+def with_dcp_attention(layer_spec):
+    """``layer_spec`` (megatron's GPT layer ``ModuleSpec``, local or Transformer Engine) with its
+    core attention replaced by one that follows DCP's per-micro-step CP groups and packed
+    documents: DCP's torch attention for megatron's local ``DotProductAttention``, DCP's TE
+    subclass for TE's. Any other core attention is refused."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from dcp.attention import DCPCoreAttention
+
+    attn = layer_spec.submodules.self_attention
+    core = attn.submodules.core_attention
+    if core is DotProductAttention or core is DCPCoreAttention:
+        replacement = DCPCoreAttention
+    elif getattr(core, "__name__", "") == "TEDotProductAttention" or hasattr(
+        core, "set_context_parallel_group"
+    ):
+        from megatron_patches.te_attention import te_core_attention
+
+        replacement = te_core_attention()
+    else:
+        raise ValueError(
+            f"DCP cannot run core attention {core!r}: use megatron's local or Transformer "
+            "Engine GPT layer spec"
+        )
+    spec = dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules))
+    spec.submodules.self_attention = dataclasses.replace(
+        attn, submodules=dataclasses.replace(attn.submodules, core_attention=replacement)
+    )
+    return spec
+
+
+def _model_spec(args: argparse.Namespace):
+    """The cost model's view of Megatron's model arguments."""
+    from dcp.costmodel.spec import ModelSpec
+
+    return ModelSpec(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups
+        if args.group_query_attention
+        else args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=args.padded_vocab_size,
+        kv_channels=args.kv_channels,
+    )
+
+
+class MegatronLMRun:
+    """DCP's pieces for one Megatron-LM run (built by ``install``)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.recorder = LoopRecorder(
+            args.dcp_metrics, planner=args.dcp_planner if args.dcp else "megatron-schedule"
+        )
+        self._dataset = None
+        self._forward_backward: DCPForwardBackward | None = None
+
+    @property
+    def records_dir(self) -> Path:
+        """Where online calibration appends its micro-step records (``microsteps.jsonl``):
+        beside ``--dcp-metrics``, else in ``--save``."""
+        if self.args.dcp_metrics:
+            return Path(self.args.dcp_metrics).parent
+        return Path(self.args.save)
+
+    @property
+    def dataset(self):
+        if self._dataset is None:
+            self._dataset = document_dataset(self.args)
+        return self._dataset
+
+    def _batches(self) -> DocumentBatches:
+        args = self.args
+        batches = DocumentBatches(
+            self.dataset,
+            num_bins=args.global_batch_size,
+            bin_tokens=args.seq_length,
+            seed=args.seed,
+        )
+        # Megatron restores args.iteration from --load before it builds the data iterators.
+        batches.skip(args.iteration)
+        return batches
+
+    def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
+        """Megatron's ``train_valid_test_datasets_provider``: the training batch iterator (no
+        validation or test sets)."""
+        from megatron.core import parallel_state as ps
+
+        batches = self._batches()
+        if self.args.dcp:
+            return _Recording(batches, self.recorder.on_batch), None, None
+        micro = PackedMicroBatches(
+            batches,
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            on_batch=self.recorder.on_batch,
+        )
+        return micro, None, None
+
+    datasets_provider.is_distributed = True  # every rank builds its own iterator
+
+    def forward_step(self, data_iterator, model):
+        """Megatron's ``forward_step_func`` for the packed micro-batches of a run without
+        ``--dcp``."""
+        return packed_forward_step(data_iterator, model)
+
+    def get_forward_backward_func(self, *args, **kwargs) -> DCPForwardBackward:
+        """Replaces megatron's ``get_forward_backward_func`` under ``--dcp``."""
+        if self._forward_backward is None:
+            self._forward_backward = self._build_forward_backward()
+        return self._forward_backward
+
+    def _build_forward_backward(self) -> DCPForwardBackward:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.training import get_args
+
+        from dcp.costmodel.spec import runtime_options
+        from dcp.runtime.groups import GroupRegistry
+        from dcp.train.batches import BatchPlanner
+
+        args = get_args()
+        tp = ps.get_tensor_model_parallel_world_size()
+        planner = BatchPlanner(
+            planning_config(args),
+            world_size=dist.get_world_size(),
+            tensor_parallel_size=tp,
+            max_seq_len=args.seq_length,
+            runtime_options=runtime_options(
+                dtype="bf16" if args.bf16 else "fp32",
+                distributed_optimizer=args.use_distributed_optimizer,
+                fp8=bool(args.fp8),
+                tensor_parallel_size=tp,
+                tied_embeddings=not args.untie_embeddings_and_output_weights,
+            ),
+            model=_model_spec(args),
+        )
+        logger.info(
+            "DCP plans every global batch with planner %s on spec %s (%d planner ranks)",
+            args.dcp_planner,
+            args.dcp_spec,
+            planner.num_planner_ranks,
+        )
+        calibrator = None
+        if args.dcp_calibration == "online":
+            from dcp.train.calibration import OnlineCalibrator
+
+            calibrator = OnlineCalibrator(
+                planning_config(args),
+                spec=planner.spec,
+                run_dir=self.records_dir,
+                records=[],  # a resumed run refits from the spec again
+            )
+        return DCPForwardBackward(
+            planner,
+            registry=GroupRegistry(tensor_parallel_size=tp),
+            dataset=self.dataset,
+            on_step=self.recorder.on_plan,
+            calibrator=calibrator,
+            first_step=args.iteration + 1,
+        )
+
+
+class _Recording:
+    """Passes batches through, telling the recorder which batch the step trains on."""
+
+    def __init__(self, batches: DocumentBatches, on_batch) -> None:
+        self.batches = batches
+        self.on_batch = on_batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.batches)
+        self.on_batch(batch)
+        return batch
+
+
+@contextlib.contextmanager
+def install(args: argparse.Namespace) -> Iterator[MegatronLMRun]:
+    """Check Megatron's ``args`` against what DCP supports, then patch Megatron's loop for DCP
+    (module docstring) until the block exits."""
+    from megatron.training import training
+
+    check_args(args)
+    run = MegatronLMRun(args)
+    saved = [
+        (training, "train_step", training.train_step),
+        (training, "get_forward_backward_func", training.get_forward_backward_func),
+    ]
+    training.train_step = run.recorder.wrap(training.train_step)
+    if args.dcp:
+        training.get_forward_backward_func = run.get_forward_backward_func
+    try:
+        with training_on_cpu():
+            yield run
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        run.recorder.close()

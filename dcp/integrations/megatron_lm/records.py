@@ -1,0 +1,111 @@
+"""One JSON line per training step of a Megatron-loop run (``--dcp-metrics``).
+
+Keys follow ``runs/<name>/metrics.jsonl`` (``dcp.observability.record.StepRecord``) where the
+quantity exists in Megatron's loop: ``step``, ``loss``, ``tokens``, ``sequences``,
+``step_time_s`` (Megatron's whole ``train_step``: forward, backward and optimizer),
+``tokens_per_s``, ``lr``, ``grad_norm``, ``skipped``, ``planner`` and, for ``--dcp`` runs,
+``compute_time_s``, ``predicted_step_time_s``, ``prediction_error``, ``plan_time_s``,
+``padding_tokens`` and ``plan`` (``PlanStats``), so ``tools.compare_runs`` reads these files too.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dcp.integrations.megatron_lm.data import DocumentBatch
+from dcp.observability.record import PlanStats
+
+
+def plan_fields(planned, result, *, plan_time_s: float, num_ranks: int) -> dict:
+    """What a ``--dcp`` step adds to its record: the plan and this rank's execution of it."""
+    compute_s = result.compute_time_s
+    predicted = planned.predicted_step_time_s
+    return {
+        "planner": planned.plan.planner,
+        "compute_time_s": compute_s,
+        "predicted_step_time_s": predicted,
+        "prediction_error": abs(predicted - compute_s) / compute_s if compute_s > 0 else 0.0,
+        "calibration_version": planned.calibration_version,
+        "plan_time_s": plan_time_s,
+        "dropped_sequences": len(planned.dropped),
+        "local_padding_tokens": result.padding_tokens,
+        "plan": asdict(
+            PlanStats.of(
+                planned.plan,
+                planned.lengths,
+                num_ranks=num_ranks,
+                predicted_imbalance=planned.predicted_imbalance,
+            )
+        ),
+    }
+
+
+class LoopRecorder:
+    """Times Megatron's ``train_step`` and writes one record per step (global rank 0 writes)."""
+
+    def __init__(self, path: str | None, *, planner: str) -> None:
+        self.path = Path(path) if path else None
+        self.planner = planner
+        self._batch: DocumentBatch | None = None
+        self._plan: dict = {}
+        self._file = None
+
+    def on_batch(self, batch: DocumentBatch) -> None:
+        self._batch = batch
+
+    def on_plan(self, fields: dict) -> None:
+        self._plan = fields
+
+    def wrap(self, train_step):
+        """``train_step`` that also records its step (same arguments, same results)."""
+
+        @functools.wraps(train_step)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = train_step(*args, **kwargs)
+            optimizer = args[3] if len(args) > 3 else kwargs.get("optimizer")
+            lr = optimizer.param_groups[0]["lr"] if optimizer is not None else math.nan
+            self._write(kwargs.get("iteration"), out, time.perf_counter() - start, lr)
+            return out
+
+        return timed
+
+    def _write(self, iteration: int | None, out, step_time_s: float, lr: float) -> None:
+        loss_reduced, skipped, grad_norm = out[0], out[1], out[5]
+        if self.path is None or self._batch is None or not loss_reduced:
+            return
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        batch = self._batch
+        tokens = batch.num_loss_tokens
+        record = {
+            "step": (iteration or 0) + 1,
+            "loss": float(loss_reduced["lm loss"]),
+            "tokens": tokens,
+            "sequences": len(batch.doc_ids),
+            "step_time_s": step_time_s,
+            "tokens_per_s": tokens / step_time_s if step_time_s > 0 else 0.0,
+            "lr": float(lr),
+            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "skipped": bool(skipped),
+            "planner": self.planner,
+            **self._plan,
+        }
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self._plan = {}
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

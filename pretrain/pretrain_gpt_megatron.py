@@ -1,0 +1,89 @@
+"""Pretrain a GPT in Megatron-LM's own loop (``megatron.training.pretrain``), with or without DCP.
+
+A Megatron-LM ``pretrain_gpt.py`` with the DCP lines marked ``# DCP``. Megatron's arguments as
+usual, plus ``--dcp`` and ``--dcp-*`` (``python -m pretrain.pretrain_gpt_megatron --help``)::
+
+    torchrun --nproc-per-node 2 -m pretrain.pretrain_gpt_megatron \\
+        $(cat pretrain/configs/megatron_lm_cpu.args) --dcp --dcp-spec cpu-tiny
+
+Without ``--dcp`` the same documents run through Megatron's own schedule at the fixed
+``--context-parallel-size``: the static baseline. README, "From Megatron-LM".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.training import get_args, pretrain
+from megatron.training.argument_utils import (
+    core_transformer_config_from_args,
+    pretrain_cfg_container_from_args,
+)
+
+from dcp.integrations import megatron_lm as dcp_mlm  # DCP
+
+
+def model_provider(
+    pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None
+) -> GPTModel:
+    """Megatron's GPT from its arguments, with DCP's attention."""
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    if args.transformer_impl == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(
+            normalization=args.normalization, qk_layernorm=args.qk_layernorm
+        )
+    spec = dcp_mlm.with_dcp_attention(spec)  # DCP
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        pg_collection=pg_collection,
+    )
+
+
+def main() -> int:
+    try:
+        train()
+    except ValueError as exc:  # a bad argument or data file: the same on every rank
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def train() -> None:
+    args = dcp_mlm.parse_args()  # DCP: megatron's parse_and_validate_args + --dcp arguments
+    with warnings.catch_warnings():
+        # megatron recommends a ModelConfig over a model provider; this script is the
+        # provider-style pretrain_gpt.py most Megatron-LM users have.
+        warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig")
+        cfg = pretrain_cfg_container_from_args(args)
+    with dcp_mlm.install(args) as dcp_run:  # DCP
+        pretrain(
+            cfg,
+            dcp_run.datasets_provider,  # DCP
+            ModelType.encoder_or_decoder,
+            dcp_run.forward_step,  # DCP
+            model_provider=model_provider,
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""DCP inside Megatron-LM's own loop, end to end: 2 gloo ranks, Megatron's ``pretrain``.
+
+The commands are README's "From Megatron-LM" block, run as written (plus shorter-run flags):
+the same documents through Megatron's own schedule (static) and as DCP plans give the same loss
+every step and the same weights; a Megatron checkpoint of the DCP run resumes with the losses
+of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 10
+RESUME_FROM = 5
+# Shorter and smaller than the README's demo: 8K-token global batches of up to 4K-token
+# documents, so DCP's plans still mix CP sizes and recompute levels. (Uneven micro-step counts
+# per rank are covered by tests/distributed's parity tests.)
+TEST_FLAGS = [
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    str(STEPS),
+    "--lr-decay-iters",
+    str(STEPS),
+    "--log-interval",
+    "5",
+]
+
+
+def readme_commands() -> dict[str, list[str]]:
+    """The torchrun commands of README's "From Megatron-LM" block, by mode, argv-split, with
+    ``$(cat FILE)`` expanded as the shell would."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## From Megatron-LM", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    commands = {}
+    for chunk in block.replace("\\\n", " ").splitlines():
+        chunk = chunk.strip()
+        if not chunk.startswith("torchrun"):
+            continue
+        chunk = re.sub(r"\$\(cat ([^)]+)\)", lambda m: (REPO / m.group(1)).read_text(), chunk)
+        argv = shlex.split(chunk)
+        commands["dcp" if "--dcp" in argv else "static"] = argv
+    return commands
+
+
+def run(argv: list[str], *, data: Path, out: Path, extra: list[str]) -> list[dict]:
+    """One README command with the test's data and ``extra`` flags; its step records."""
+    metrics = out / "metrics.jsonl"
+    argv = [str(Path(sys.executable).with_name("torchrun")), "--standalone", *argv[1:]]
+    argv = [str(data) if a == "data/stdlib" else a for a in argv]
+    argv += [*TEST_FLAGS, "--dcp-metrics", str(metrics), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def weights(checkpoint: Path, iteration: int) -> dict[str, torch.Tensor]:
+    """The model tensors of a Megatron distributed checkpoint (written by this test)."""
+    import torch.distributed.checkpoint as dcp_io
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp_io.FileSystemReader(str(checkpoint / f"iter_{iteration:07d}"))
+    meta = reader.read_metadata()
+    state = {
+        key: torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in meta.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata) and not key.startswith("optimizer")
+    }
+    dcp_io.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("corpus") / "stdlib"
+    subprocess.run(
+        [sys.executable, "-m", "tools.prepare_data", "--stdlib", "--out", str(out)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory) -> dict:
+    commands = readme_commands()
+    assert set(commands) == {"static", "dcp"}, commands
+    root = tmp_path_factory.mktemp("megatron_lm")
+    result = {}
+    for mode in ("static", "dcp"):
+        ckpt = root / f"{mode}-ckpt"
+        result[mode] = run(
+            commands[mode],
+            data=corpus,
+            out=root / mode,
+            extra=["--save", str(ckpt), "--save-interval", str(RESUME_FROM)],
+        )
+        result[f"{mode}-ckpt"] = ckpt
+    # Resume the DCP run from its step-5 checkpoint, in a copy that holds only that one.
+    resumed = root / "dcp-resume-ckpt"
+    resumed.mkdir()
+    os.symlink(result["dcp-ckpt"] / f"iter_{RESUME_FROM:07d}", resumed / f"iter_{RESUME_FROM:07d}")
+    (resumed / "latest_checkpointed_iteration.txt").write_text(str(RESUME_FROM))
+    result["resumed"] = run(
+        commands["dcp"],
+        data=corpus,
+        out=root / "resumed",
+        extra=["--load", str(resumed), "--save", str(resumed), "--save-interval", str(STEPS)],
+    )
+    result["resumed-ckpt"] = resumed
+    return result
+
+
+def test_dcp_plans_give_megatron_static_losses_and_weights(runs):
+    static, dcp = runs["static"], runs["dcp"]
+    assert [r["step"] for r in static] == [r["step"] for r in dcp] == list(range(1, STEPS + 1))
+    assert [r["tokens"] for r in static] == [r["tokens"] for r in dcp]
+    for a, b in zip(static, dcp, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+    # The DCP run really regrouped: CP = 1 and CP = 2 steps, and recompute.
+    cp_sizes = {cp for r in dcp for cp in r["plan"]["cp_hist"]}
+    assert cp_sizes >= {"1", "2"}, cp_sizes
+    assert any(r["plan"]["recompute_fraction"] > 0 for r in dcp)
+    assert all(r["planner"] == "megatron-schedule" for r in static)
+    w_static = weights(runs["static-ckpt"], STEPS)
+    w_dcp = weights(runs["dcp-ckpt"], STEPS)
+    assert w_static.keys() == w_dcp.keys() and len(w_static) >= 9
+    for key, value in w_static.items():
+        scale = float(value.abs().max())
+        assert float((value - w_dcp[key]).abs().max()) <= 1e-4 * scale, key
+
+
+def test_megatron_checkpoint_of_a_dcp_run_resumes_exactly(runs):
+    straight, resumed = runs["dcp"], runs["resumed"]
+    assert [r["step"] for r in resumed] == list(range(RESUME_FROM + 1, STEPS + 1))
+    tail = straight[RESUME_FROM:]
+    for a, b in zip(tail, resumed, strict=True):
+        assert a["tokens"] == b["tokens"], a["step"]
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a["step"], a["loss"], b["loss"])
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+    w_straight = weights(runs["dcp-ckpt"], STEPS)
+    w_resumed = weights(runs["resumed-ckpt"], STEPS)
+    for key, value in w_straight.items():
+        torch.testing.assert_close(w_resumed[key], value, rtol=1e-6, atol=1e-7, msg=key)

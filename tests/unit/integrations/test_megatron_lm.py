@@ -1,0 +1,131 @@
+"""DCP's Megatron-LM integration without processes: arguments, checks, global batches, spec."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from dcp.integrations import megatron_lm as dcp_mlm
+from dcp.integrations.megatron_lm.args import planning_config
+from dcp.integrations.megatron_lm.data import DocumentBatches
+
+
+def megatron_args(*argv: str) -> argparse.Namespace:
+    """Megatron's own parser with DCP's arguments (nothing validated or initialised)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser = dcp_mlm.add_dcp_args(add_megatron_arguments(parser))
+    return parser.parse_args(list(argv))
+
+
+GOOD = ("--micro-batch-size", "1", "--dataloader-type", "external", "--calculate-per-token-loss")
+
+
+def test_dcp_arguments_parse_into_a_planning_config():
+    args = megatron_args(*GOOD, "--dcp", "--dcp-planner", "megatron", "--dcp-spec", "cpu-tiny")
+    assert args.dcp
+    cfg = planning_config(args)
+    assert (cfg.planner, cfg.spec, cfg.calibration) == ("megatron", "cpu-tiny", "fixed")
+    dcp_mlm.check_args(args)  # nothing to refuse
+
+
+def test_unsupported_megatron_settings_are_refused_with_the_flag():
+    args = megatron_args(
+        "--micro-batch-size",
+        "2",
+        "--dataloader-type",
+        "single",
+        "--dcp",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--context-parallel-size",
+        "2",
+        "--eval-iters",
+        "5",
+        "--eval-interval",
+        "10",
+    )
+    with pytest.raises(ValueError) as err:
+        dcp_mlm.check_args(args)
+    message = str(err.value)
+    for flag in (
+        "--pipeline-model-parallel-size 1",
+        "--micro-batch-size 1",
+        "--dataloader-type external",
+        "--calculate-per-token-loss",
+        "--context-parallel-size 1",
+        "--eval-iters 0",
+    ):
+        assert flag in message, flag
+
+
+def test_a_bad_dcp_value_is_refused_by_name():
+    args = megatron_args(*GOOD, "--dcp", "--dcp-refit-interval", "0")
+    with pytest.raises(ValueError, match="refit_interval_steps"):
+        dcp_mlm.check_args(args)
+
+
+class _Docs:
+    def __init__(self, lengths):
+        self.doc_lengths = np.asarray(lengths, dtype=np.int64)
+
+
+def test_global_batches_pack_every_document_once_within_the_micro_batches():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 101, size=500)
+    batches = DocumentBatches(_Docs(lengths), num_bins=4, bin_tokens=100, seed=3)
+    seen = []
+    for _ in range(20):
+        batch = next(batches)
+        assert len(batch.bins) == 4 and all(batch.bins)
+        assert sorted(i for b in batch.bins for i in b) == list(range(len(batch.doc_ids)))
+        for b in batch.bins:
+            assert sum(batch.lengths[i] - 1 for i in b) <= 100
+        assert batch.lengths == tuple(int(lengths[d]) for d in batch.doc_ids)
+        seen += batch.doc_ids
+    assert len(seen) == len(set(seen))  # less than one epoch: no document twice
+    # Deterministic, and a resumed run skips to the same next batch.
+    again = DocumentBatches(_Docs(lengths), num_bins=4, bin_tokens=100, seed=3)
+    again.skip(20)
+    assert next(again) == next(batches)
+
+
+def test_a_document_longer_than_a_micro_batch_is_refused():
+    with pytest.raises(ValueError, match="more than a micro-batch holds"):
+        DocumentBatches(_Docs([50, 102]), num_bins=2, bin_tokens=100, seed=0)
+
+
+def test_dcp_attention_replaces_megatrons_local_core_attention_only():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from dcp.attention import DCPCoreAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    replaced = dcp_mlm.with_dcp_attention(spec)
+    assert replaced.submodules.self_attention.submodules.core_attention is DCPCoreAttention
+    # The caller's spec is left as it was.
+    assert spec.submodules.self_attention.submodules.core_attention is DotProductAttention
+    other = dcp_mlm.with_dcp_attention(replaced)
+    assert other.submodules.self_attention.submodules.core_attention is DCPCoreAttention
+    attn = spec.submodules.self_attention
+    bogus = type(spec)(
+        module=spec.module,
+        submodules=type(spec.submodules)(
+            **{
+                **vars(spec.submodules),
+                "self_attention": type(attn)(
+                    module=attn.module,
+                    params=attn.params,
+                    submodules=type(attn.submodules)(
+                        **{**vars(attn.submodules), "core_attention": object}
+                    ),
+                ),
+            }
+        ),
+    )
+    with pytest.raises(ValueError, match="cannot run core attention"):
+        dcp_mlm.with_dcp_attention(bogus)

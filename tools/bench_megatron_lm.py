@@ -1,0 +1,214 @@
+"""The same run three ways in Megatron-LM's own loop: static, Megatron Hybrid-CP's schedule, DCP.
+
+    python -m tools.bench_megatron_lm [--nproc 2] [--steps 6] [--warmup 1] [--rounds 2] \\
+        [--spec cpu-tiny+cpu-mem-demo] [--out runs/bench-megatron-lm] [-- MEGATRON ARGS ...]
+
+Each run is ``pretrain/pretrain_gpt_megatron.py`` under torchrun with the arguments of
+``pretrain/configs/megatron_lm_cpu.args`` (then any given after ``--``), the same data, seed and
+global batches:
+
+- ``static``: Megatron's own schedule over packed micro-batches, once for every fixed
+  (``--context-parallel-size``, recompute) that holds a ``--seq-length`` document within the
+  spec's memory (``dcp.planning.static_configs``); the fastest is the baseline;
+- ``megatron``: megatron-core's Hybrid-CP scheduler (``BalancedCPScheduler``, reproduced in
+  ``dcp.planning.megatron``) run by DCP's executor in Megatron's loop (``--dcp --dcp-planner
+  megatron``). Megatron's own ``--hybrid-context-parallel`` does not run end to end in
+  megatron-core 0.19.2 (docs/megatron_lm.md says where and why), so this is the closest
+  baseline that runs, and it is labelled so;
+- ``dcp``: ``--dcp``.
+
+``--rounds`` passes alternate the order (forward, reversed) and pool throughput. Rank 0's step
+records (``--dcp-metrics``) land in ``<out>/<run>/metrics.jsonl``. Prints a table and, as the
+last line of stdout, one JSON object: ``speedup_vs_static``, ``speedup_vs_megatron`` (DCP's
+tokens/s over each baseline's, warm-up steps excluded), ``max_abs_loss_diff`` (DCP against the
+static baseline, same steps), ``runs`` (per run: tokens_per_s, step_time_s, losses, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS_FILE = REPO / "pretrain/configs/megatron_lm_cpu.args"
+RECOMPUTE_FLAGS = {
+    "none": [],
+    "selective": ["--recompute-granularity", "selective"],
+    "full": [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ],
+}
+"""Megatron's flags for DCP's recompute levels (``megatron_patches.recompute`` sets the same)."""
+HYBRID_CP_LABEL = "megatron (Hybrid-CP schedule, DCP executor)"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=1, help="steps excluded from throughput")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--spec", default="cpu-tiny+cpu-mem-demo")
+    parser.add_argument("--out", default="runs/bench-megatron-lm")
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.megatron_args[:1] == ["--"]:
+        args.megatron_args = args.megatron_args[1:]
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.nproc < 1:
+        parser.error("--steps, --rounds and --nproc must be >= 1 and --warmup >= 0")
+    return args
+
+
+def base_args(args: argparse.Namespace) -> list[str]:
+    total = args.steps + args.warmup
+    return [
+        *shlex.split(ARGS_FILE.read_text()),
+        "--train-iters",
+        str(total),
+        "--lr-decay-iters",
+        str(total),
+        *args.megatron_args,
+    ]
+
+
+def megatron_value(argv: list[str], flag: str) -> str:
+    """The last value given to ``flag`` (argparse's rule)."""
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag][-1]
+
+
+def run_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(run name, extra Megatron flags) of every run of one round."""
+    from dcp.costmodel import load_cost_model
+    from dcp.planning import static_configs
+
+    base = base_args(args)
+    seq_length = int(megatron_value(base, "--seq-length"))
+    cost_model = load_cost_model(args.spec, world_size=args.nproc)
+    statics = [
+        (f"static-cp{cp}-{level}", ["--context-parallel-size", str(cp), *RECOMPUTE_FLAGS[level]])
+        for cp, level in static_configs(cost_model, seq_length)
+    ]
+    if not statics:
+        raise ValueError(
+            f"no static configuration holds a {seq_length}-token document on {args.spec}"
+        )
+    dcp = ["--dcp", "--dcp-spec", args.spec]
+    return [
+        *statics,
+        ("megatron", [*dcp, "--dcp-planner", "megatron"]),
+        ("dcp", dcp),
+    ]
+
+
+def run_one(name: str, extra: list[str], args: argparse.Namespace, round_index: int) -> list[dict]:
+    """One torchrun of the Megatron-loop script; its step records."""
+    out = Path(args.out) / f"{name}-r{round_index}"
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc),
+        "-m",
+        "pretrain.pretrain_gpt_megatron",
+        *base_args(args),
+        *extra,
+        "--dcp-metrics",
+        str(metrics),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    start = time.perf_counter()
+    with (out / "log.txt").open("w") as log:
+        code = subprocess.call(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - start
+    print(f"  {name} (round {round_index + 1}): exit {code}, {wall:.0f} s", file=sys.stderr)
+    if code != 0:
+        raise RuntimeError(f"{name}: exit {code}; see {out / 'log.txt'}")
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def summarize(rounds: list[list[dict]], warmup: int) -> dict:
+    """Throughput pooled over rounds (warm-up steps out), mean plan shape, first round's
+    losses."""
+    timed = [r for records in rounds for r in records[warmup:]]
+    tokens = sum(r["tokens"] for r in timed)
+    seconds = sum(r["step_time_s"] for r in timed)
+    plans = [r["plan"] for r in timed if "plan" in r]
+    errors = [r["prediction_error"] for r in timed if "prediction_error" in r]
+    return {
+        "tokens_per_s": tokens / seconds,
+        "step_time_s": seconds / len(timed),
+        "losses": [r["loss"] for r in rounds[0]],
+        "micro_steps": (sum(p["num_micro_steps"] for p in plans) / len(plans) if plans else None),
+        "recompute_fraction": (
+            sum(p["recompute_fraction"] for p in plans) / len(plans) if plans else None
+        ),
+        "step_time_prediction_error": sorted(errors)[len(errors) // 2] if errors else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        variants = run_variants(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    records: dict[str, list[list[dict]]] = {name: [] for name, _ in variants}
+    for round_index in range(args.rounds):
+        order = variants if round_index % 2 == 0 else variants[::-1]
+        for name, extra in order:
+            records[name].append(run_one(name, extra, args, round_index))
+    rows = {name: summarize(rounds, args.warmup) for name, rounds in records.items()}
+    statics = {n: r for n, r in rows.items() if n.startswith("static-")}
+    best = max(statics, key=lambda n: statics[n]["tokens_per_s"])
+    dcp, static, megatron = rows["dcp"], rows[best], rows["megatron"]
+    loss_diff = max(abs(a - b) for a, b in zip(dcp["losses"], static["losses"], strict=True))
+    print(
+        f"\nMegatron-LM loop: {args.steps} measured steps (+{args.warmup} warm-up) x "
+        f"{args.rounds} rounds, {args.nproc} ranks, same data and seeds; measured on this machine"
+    )
+    print(f"{'run':>44} {'tok/s':>9} {'step s':>8} {'µsteps':>7} {'recomp':>7} {'final loss':>10}")
+    for name, row in sorted(rows.items(), key=lambda item: -item[1]["tokens_per_s"]):
+        label = HYBRID_CP_LABEL if name == "megatron" else name
+        label += " <- best static" if name == best else ""
+        micro = "" if row["micro_steps"] is None else f"{row['micro_steps']:7.1f}"
+        recomp = "" if row["recompute_fraction"] is None else f"{row['recompute_fraction']:7.2f}"
+        print(
+            f"{label:>44} {row['tokens_per_s']:9.0f} {row['step_time_s']:8.3f} {micro:>7} "
+            f"{recomp:>7} {row['losses'][-1]:10.4f}"
+        )
+    summary = {
+        "speedup_vs_static": dcp["tokens_per_s"] / static["tokens_per_s"],
+        "speedup_vs_megatron": dcp["tokens_per_s"] / megatron["tokens_per_s"],
+        "max_abs_loss_diff": loss_diff,
+        "best_static": best,
+        "megatron_baseline": HYBRID_CP_LABEL,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "runs": rows,
+    }
+    print(
+        f"DCP speedup: static {summary['speedup_vs_static']:.3f}x, Megatron Hybrid-CP schedule "
+        f"{summary['speedup_vs_megatron']:.3f}x; max |loss diff| vs static: {loss_diff:.2e}"
+    )
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
