@@ -13,7 +13,8 @@ fastest is the baseline. ``--rounds`` passes run
 all planners in alternating (forward, reversed) order and pool their throughput, so machine-speed
 drift during the benchmark does not favour whoever runs first. Each run writes
 ``runs/<prefix>-<name>/metrics.jsonl`` (W&B runs share the group ``<prefix>``, so they
-overlay). Rank 0 prints a table and, as the last line of stdout, one JSON object:
+overlay). Rank 0 prints a table, the ``tools.wandb_dashboard`` command that builds a W&B
+workspace over these runs, and, as the last line of stdout, one JSON object:
 
     speedup_vs_static, speedup_vs_megatron   DCP tokens/s over each baseline's (after warm-up)
     max_abs_loss_diff                         max |loss_dcp - loss_static| over the same steps
@@ -125,6 +126,24 @@ def report(results: dict[str, dict], args) -> dict:
     return summary
 
 
+def dashboard_hint(
+    results: dict[str, dict], *, runs_dir: str, prefix: str, wandb_mode: str = "offline"
+) -> str:
+    """The command that builds a W&B workspace over the benchmark's runs (offline JSON), and
+    what to add when the runs did not log to W&B."""
+    dirs = [
+        str(Path(runs_dir) / f"{prefix}-{name}")
+        for name in results
+        if name != "static" and (Path(runs_dir) / f"{prefix}-{name}" / "metrics.jsonl").is_file()
+    ]
+    if not dirs:
+        return "W&B dashboard: no run logged a step"
+    hint = f"W&B dashboard of these runs: python -m tools.wandb_dashboard {' '.join(dirs)}"
+    if wandb_mode == "disabled":
+        hint += " (these runs did not log to W&B: rerun with metrics.wandb_mode=offline)"
+    return hint
+
+
 def main(argv: list[str] | None = None) -> int:
     console.setup(level=logging.WARNING)  # the benchmark's own lines are its report
     argv = sys.argv[1:] if argv is None else argv
@@ -169,7 +188,15 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda msg: print(msg, file=sys.stderr, flush=True) if rank == 0 else None,
         )
         if rank == 0:
-            print(json.dumps(report(results, args)), flush=True)
+            summary = report(results, args)
+            hint = dashboard_hint(
+                results,
+                runs_dir=base_cfg.runs_dir,
+                prefix=args.prefix,
+                wandb_mode=base_cfg.metrics.wandb_mode,
+            )
+            print(hint)
+            print(json.dumps(summary), flush=True)  # the last line: the benchmark's result
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,7 +1,8 @@
 """Planning: one global batch's sequence lengths + a cost model -> a ``Plan``.
 
-Torch-free. ``plan_batch`` dispatches by name to DCP's planner or one of the two baselines it is
-measured against, each with its own frozen options class (``PLANNER_REGISTRY``); ``simulate``
+Torch-free. ``plan_batch`` dispatches by name to DCP's planner, one of the two baselines it is
+measured against or the static variant choosing per batch, each with its own frozen options class
+(``PLANNER_REGISTRY``); ``simulate``
 executes a plan on the cost model and ``lower_bound_s`` says how far from optimal any plan is.
 Every planner's options take ``on_oversize`` (``dcp.plan.ON_OVERSIZE``). See docs/planner.md.
 """
@@ -13,12 +14,18 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from dcp.costmodel import CostModel
-from dcp.plan import PLANNERS, Plan, check_choice
+from dcp.plan import PLANNERS, STATIC_PER_BATCH, Plan, check_choice
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.dcp_planner import DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.simulator import SimResult, simulate
-from dcp.planning.static import StaticOptions, plan_static, static_configs
+from dcp.planning.static import (
+    StaticOptions,
+    fixed_static_config,
+    plan_static,
+    plan_static_per_batch,
+    static_configs,
+)
 
 PlannerOptions = DCPOptions | StaticOptions | MegatronOptions
 """The options of any planner."""
@@ -34,6 +41,7 @@ PLANNER_REGISTRY: dict[str, PlannerEntry] = {
     "dcp": PlannerEntry(plan_dcp, DCPOptions),
     "static": PlannerEntry(plan_static, StaticOptions),
     "megatron": PlannerEntry(plan_megatron, MegatronOptions),
+    STATIC_PER_BATCH: PlannerEntry(plan_static_per_batch, StaticOptions),
 }
 """Each planner name of ``dcp.plan.PLANNERS``: its function and options class."""
 assert tuple(PLANNER_REGISTRY) == PLANNERS, "dcp.plan.PLANNERS and the registry must agree"
@@ -45,11 +53,13 @@ __all__ = [
     "PlannerOptions",
     "SimResult",
     "StaticOptions",
+    "fixed_static_config",
     "lower_bound_s",
     "plan_batch",
     "plan_dcp",
     "plan_megatron",
     "plan_static",
+    "plan_static_per_batch",
     "planner_options",
     "simulate",
     "static_configs",

@@ -2,9 +2,11 @@
 
 ``plan_static`` gives the whole run one CP size and one recompute level, sized so its longest
 sequence fits one micro-batch, and packs and deals sequences by *tokens*, as a run without a cost
-model does; without ``cp_size``/``recompute`` it returns the fastest such config for the batch.
-``tuned=True`` is the static oracle, stronger than any static Megatron run. See
-docs/planner.md, 'Baselines'.
+model does; without ``cp_size``/``recompute`` it returns the fastest such config for the batch
+(the batch is then the whole run). A training run fixes its configuration once, over its own
+batches (``fixed_static_config``); ``plan_static_per_batch`` is the variant that re-chooses for
+every batch, under its own planner name. ``tuned=True`` is the static oracle, stronger than any
+static Megatron run. See docs/planner.md, 'Baselines'.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcp.costmodel import CostModel
-from dcp.plan import ON_OVERSIZE, RECOMPUTE_LEVELS, MicroStep, Plan, check_choice, check_int
+from dcp.plan import (
+    ON_OVERSIZE,
+    RECOMPUTE_LEVELS,
+    STATIC_PER_BATCH,
+    MicroStep,
+    Plan,
+    check_choice,
+    check_int,
+)
 from dcp.planning.common import pow2_sizes, split_oversize
 from dcp.planning.simulator import simulate
 
@@ -53,14 +63,80 @@ class StaticOptions:
         check_choice(self.on_oversize, ON_OVERSIZE, "on_oversize")
 
 
-def static_configs(cost_model: CostModel, max_seq_len: int) -> list[tuple[int, str]]:
-    """Every (CP size, recompute) a static run sized for ``max_seq_len`` can use."""
+def static_configs(
+    cost_model: CostModel,
+    max_seq_len: int,
+    *,
+    cp_size: int | None = None,
+    recompute: str | None = None,
+) -> list[tuple[int, str]]:
+    """Every (CP size, recompute) a static run sized for ``max_seq_len`` can use, smallest CP and
+    cheapest recompute first; ``cp_size``/``recompute``, where given, keep only matching ones.
+    The candidates of every static choice: the benchmark's fixed runs, ``fixed_static_config``
+    and ``plan_static``."""
     return [
         (cp, lv)
         for cp in pow2_sizes(cost_model.num_ranks)
         for lv in RECOMPUTE_LEVELS
-        if cost_model.fits([max_seq_len], cp, lv)
+        if (cp_size is None or cp == cp_size)
+        and (recompute is None or lv == recompute)
+        and cost_model.fits([max_seq_len], cp, lv)
     ]
+
+
+def fixed_static_config(
+    batches: Sequence[Sequence[int]],
+    *,
+    cost_model: CostModel,
+    max_seq_len: int,
+    cp_size: int | None = None,
+    recompute: str | None = None,
+    on_oversize: str = "error",
+) -> tuple[int, str]:
+    """The one (CP size, recompute) a static run trains every batch with: of ``static_configs``
+    (sized for the run's ``max_seq_len``, narrowed to ``cp_size``/``recompute`` where given), the
+    one whose plans of ``batches`` (the run's own) take the least predicted time in total; ties
+    go to the smaller CP size, then the cheaper recompute. ``ValueError`` when no configuration
+    holds ``max_seq_len`` or ``batches`` is empty."""
+    if not batches:
+        raise ValueError("choosing the static configuration needs at least one batch")
+    for lengths in batches:  # a sequence no plan can hold is named, as every planner does
+        split_oversize(lengths, cost_model, on_oversize=on_oversize)
+    if on_oversize == "drop":
+        max_seq_len = _kept_max_seq_len(cost_model, max_seq_len)
+    configs = static_configs(cost_model, max_seq_len, cp_size=cp_size, recompute=recompute)
+    if not configs:
+        raise _no_config_error(cost_model, max_seq_len, cp_size=cp_size, recompute=recompute)
+    best, best_s = configs[0], math.inf
+    for cp, level in configs:
+        options = StaticOptions(
+            cp_size=cp, recompute=level, max_seq_len=max_seq_len, on_oversize=on_oversize
+        )
+        total_s = sum(
+            plan_static(b, cost_model=cost_model, options=options).predicted_step_time_s or 0.0
+            for b in batches
+        )
+        if total_s < best_s:
+            best, best_s = (cp, level), total_s
+    return best
+
+
+def _kept_max_seq_len(cost_model: CostModel, max_seq_len: int) -> int:
+    """The longest sequence a run that drops what no configuration can hold is sized for."""
+    holdable = pow2_sizes(cost_model.num_ranks)[-1] * cost_model.max_tokens_per_rank("full")
+    return min(max_seq_len, holdable)
+
+
+def _no_config_error(
+    cost_model: CostModel, max_seq_len: int, *, cp_size: int | None, recompute: str | None
+) -> ValueError:
+    if cp_size is None and recompute is None:
+        return ValueError(f"no static config holds a {max_seq_len}-token sequence")
+    return ValueError(
+        f"static config cp_size={cp_size}, recompute={recompute} cannot hold a "
+        f"{max_seq_len}-token sequence in {cost_model.mem_budget_bytes / 1e9:.1f} GB/rank; "
+        f"feasible: {static_configs(cost_model, max_seq_len)}"
+    )
 
 
 def plan_static(
@@ -80,26 +156,12 @@ def plan_static(
     longest = int(lens[keep].max())
     max_seq_len = longest if options.max_seq_len is None else options.max_seq_len
     if options.on_oversize == "drop":
-        # The run drops what no config can hold, so it is sized for the longest it keeps.
-        holdable = pow2_sizes(cost_model.num_ranks)[-1] * cost_model.max_tokens_per_rank("full")
-        max_seq_len = max(longest, min(max_seq_len, holdable))
+        max_seq_len = max(longest, _kept_max_seq_len(cost_model, max_seq_len))
     if max_seq_len < longest:
         raise ValueError(f"max_seq_len={max_seq_len} is below this batch's longest {longest}")
-    configs = static_configs(cost_model, max_seq_len)
-    if cp_size is not None or recompute is not None:
-        configs = [
-            (c, r)
-            for c, r in configs
-            if (cp_size is None or c == cp_size) and (recompute is None or r == recompute)
-        ]
-        if not configs:
-            raise ValueError(
-                f"static config cp_size={cp_size}, recompute={recompute} cannot hold a "
-                f"{max_seq_len}-token sequence in {cost_model.mem_budget_bytes / 1e9:.1f} GB/rank; "
-                f"feasible: {static_configs(cost_model, max_seq_len)}"
-            )
+    configs = static_configs(cost_model, max_seq_len, cp_size=cp_size, recompute=recompute)
     if not configs:
-        raise ValueError(f"no static config holds a {max_seq_len}-token sequence")
+        raise _no_config_error(cost_model, max_seq_len, cp_size=cp_size, recompute=recompute)
     best = None
     for cp, level in configs:
         capacities = {max_seq_len}
@@ -111,6 +173,16 @@ def plan_static(
                 best = plan
     assert best is not None
     return dataclasses.replace(best, dropped=dropped)
+
+
+def plan_static_per_batch(
+    lengths: Sequence[int], *, cost_model: CostModel, options: StaticOptions = StaticOptions()
+) -> Plan:
+    """The static baseline choosing its configuration again for every batch: ``plan_static``'s
+    plan under the planner name ``static_per_batch``. No static Megatron run can do this; it
+    shows what the per-batch choice alone is worth."""
+    plan = plan_static(lengths, cost_model=cost_model, options=options)
+    return dataclasses.replace(plan, planner=STATIC_PER_BATCH)
 
 
 def _static_for_config(

@@ -7,7 +7,10 @@ tokens[0:n-1], labels tokens[1:n]); see ``dcp.runtime.dispatch.train_len``.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,18 +25,23 @@ from dcp.costmodel import (
 from dcp.costmodel.spec import ModelSpec
 from dcp.data import build_document_dataset
 from dcp.data.sampler import GlobalBatch
-from dcp.plan import Plan
+from dcp.plan import STATIC_PER_BATCH, Plan
 from dcp.planning import (
     DCPOptions,
     MegatronOptions,
     PlannerOptions,
     StaticOptions,
+    fixed_static_config,
     plan_batch,
     simulate,
 )
 from dcp.runtime.dispatch import train_len
 
 logger = logging.getLogger(__name__)
+
+STATIC_CHOICE_BATCHES = 16
+"""How many of the run's first global batches ``planner=static`` chooses its one configuration
+over (``with_fixed_static_config``)."""
 
 
 def build_dataset(data_cfg, *, vocab_size: int, max_seq_len: int | None = None):
@@ -149,6 +157,7 @@ class BatchPlanner:
                     "tools.profile with this model)"
                 )
         self.version = 0
+        self._static_config: tuple[int, str] | None = None
         self.cost_model = self._load(self.spec)
         self.peak_tflops_per_gpu = float(self.spec["cluster"]["peak_tflops"])
 
@@ -176,17 +185,35 @@ class BatchPlanner:
             raise ValueError(f"pinned sequences are a dcp planner option, not {cfg.planner!r}'s")
         if cfg.planner == "dcp":
             return DCPOptions(on_oversize=cfg.on_oversize, pinned=pinned or None)
-        if cfg.planner == "static":
+        if cfg.planner in ("static", STATIC_PER_BATCH):
             # Sized for the run's longest sequence, as a static Megatron run must be.
             longest = None if self.max_seq_len is None else max(self.max_seq_len, max(lengths))
+            cp_size, recompute = cfg.static_cp_size, cfg.static_recompute
+            if cfg.planner == "static" and (cp_size is None or recompute is None):
+                cp_size, recompute = self._fixed_static(lengths, longest or max(lengths))
             return StaticOptions(
-                cp_size=cfg.static_cp_size,
-                recompute=cfg.static_recompute,
+                cp_size=cp_size,
+                recompute=recompute,
                 max_seq_len=longest,
                 on_oversize=cfg.on_oversize,
             )
         assert cfg.planner == "megatron", cfg.planner
         return MegatronOptions(on_oversize=cfg.on_oversize)
+
+    def _fixed_static(self, lengths: list[int], max_seq_len: int) -> tuple[int, str]:
+        """planner=static's one configuration, chosen on the first batch planned when the
+        config leaves it open (a trainer fixes it beforehand over the run's first batches:
+        ``with_fixed_static_config``)."""
+        if self._static_config is None:
+            self._static_config = fixed_static_config(
+                [lengths],
+                cost_model=self.cost_model,
+                max_seq_len=max_seq_len,
+                cp_size=self.cfg.static_cp_size,
+                recompute=self.cfg.static_recompute,
+                on_oversize=self.cfg.on_oversize,
+            )
+        return self._static_config
 
     def plan(
         self, batch: GlobalBatch, *, pinned: dict[int, tuple[int, str]] | None = None
@@ -212,3 +239,32 @@ class BatchPlanner:
                 ", ".join(f"cp{cp}/{level}" for cp, level in pinned.values()) if pinned else None
             ),
         )
+
+
+def with_fixed_static_config(planner: BatchPlanner, batches: Iterable[GlobalBatch]):
+    """``planner``'s planning config with ``planner=static``'s one (CP size, recompute) filled
+    in, as a static Megatron run fixes it before it starts: ``fixed_static_config`` over the
+    first ``STATIC_CHOICE_BATCHES`` of ``batches`` (the run's own, from its start, so a resumed
+    run chooses the same), sized for the run's longest sequence. Any other planner's config, or
+    one that already fixes both, is returned as it is."""
+    cfg = planner.cfg
+    if cfg.planner != "static" or None not in (cfg.static_cp_size, cfg.static_recompute):
+        return cfg
+    sample = [seq_lengths(b) for b in itertools.islice(batches, STATIC_CHOICE_BATCHES)]
+    longest = max(max(lengths) for lengths in sample)
+    cp_size, recompute = fixed_static_config(
+        sample,
+        cost_model=planner.cost_model,
+        max_seq_len=longest if planner.max_seq_len is None else max(planner.max_seq_len, longest),
+        cp_size=cfg.static_cp_size,
+        recompute=cfg.static_recompute,
+        on_oversize=cfg.on_oversize,
+    )
+    logger.info(
+        "planner=static: the run's configuration is CP %d, recompute %s (the fastest predicted "
+        "over its first %d batches)",
+        cp_size,
+        recompute,
+        len(sample),
+    )
+    return dataclasses.replace(cfg, static_cp_size=cp_size, static_recompute=recompute)

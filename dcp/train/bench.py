@@ -34,7 +34,9 @@ BENCH_PLANNERS = ("static", "megatron", "dcp")
 
 def static_variants(base_cfg: PretrainConfig) -> list[tuple[str, dict]]:
     """Every fixed (CP size, recompute) a static run can use: sized for the run's longest
-    sequence (the dataset's longest document), as in Megatron's static setup."""
+    sequence (the dataset's longest document), as in Megatron's static setup. The same
+    candidates ``planner=static`` chooses its run's one configuration from
+    (``dcp.planning.static_configs``); the benchmark measures each instead of predicting."""
     dataset = build_dataset(base_cfg.data, vocab_size=base_cfg.model.vocab_size)
     cost_model = load_cost_model(
         base_cfg.planning.spec,

@@ -50,8 +50,9 @@ class PlanningConfig:
     """How each global batch is planned."""
 
     planner: str = "dcp"
-    """``dcp``: DCP's planner; ``static``: fixed CP/recompute baseline; ``megatron``:
-    megatron-core's Hybrid-CP scheduler."""
+    """``dcp``: DCP's planner; ``static``: one CP size and recompute level for the whole run
+    (static Megatron); ``megatron``: megatron-core's Hybrid-CP scheduler; ``static_per_batch``:
+    the static baseline choosing its CP size and recompute level again for every batch."""
     spec: str = "cpu-tiny"
     """Cost-model spec: a preset name from dcp/costmodel/profiles (``cpu-tiny``,
     ``h200x8+llama3-8b``) or a path to a spec JSON."""
@@ -61,10 +62,12 @@ class PlanningConfig:
     """A sequence no plan can fit: ``error`` (default) or ``drop`` it, counted in the metrics;
     honoured by every planner."""
     static_cp_size: int | None = None
-    """planner=static: the run's fixed CP size (>= 1; null: the fastest feasible one per
-    batch)."""
+    """planner=static: the run's fixed CP size (>= 1; null: the one predicted fastest over the
+    run's first batches, chosen once before the run and written to its config.yaml);
+    static_per_batch: a CP size to keep (null: the fastest per batch)."""
     static_recompute: str | None = None
-    """planner=static: the run's fixed recompute level (null: the fastest per batch)."""
+    """planner=static: the run's fixed recompute level (null: chosen once, as for
+    ``static_cp_size``); static_per_batch: a level to keep (null: the fastest per batch)."""
     calibration: str = "online"
     """``online``: refit the cost model on the run's own measured micro-steps every
     ``refit_interval_steps`` and plan with it (plans then depend on measured times, so reruns

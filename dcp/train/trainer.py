@@ -9,6 +9,7 @@ docs/operations.md for resume, signals, timeouts and non-finite values."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
@@ -48,6 +49,7 @@ from dcp.train.batches import (
     PlannedBatch,
     build_dataset,
     longest_seq_len,
+    with_fixed_static_config,
 )
 from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator, restore_records
 from dcp.train.checkpointing import Checkpointing
@@ -107,8 +109,8 @@ class Trainer:
     def _build(self) -> None:
         """Every start-up phase that can fail on one rank ends in an exchange of statuses
         (``dcp.train.agree``), so no rank is left waiting in a collective."""
-        cfg = self.cfg
         agree("sizing the model and opening the data", self._open_data)
+        cfg = self.cfg  # with planner=static's configuration fixed
         self.runtime = Runtime.from_config(
             cfg.model,
             cfg.optim,
@@ -177,8 +179,7 @@ class Trainer:
             cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len
         )
         self.sampler = GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
-        self.planner = BatchPlanner(
-            cfg.planning,
+        planner_args = dict(
             world_size=self.world_size,
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             max_seq_len=longest_seq_len(self.dataset),
@@ -192,6 +193,15 @@ class Trainer:
             ranks_per_node=_ranks_per_node(),
             model=cfg.model.shape,
         )
+        self.planner = BatchPlanner(cfg.planning, **planner_args)
+        # planner=static fixes its configuration once, before the run, over the run's first
+        # batches (a fresh sampler: a resumed run chooses the same); config.yaml records it.
+        planning = with_fixed_static_config(
+            self.planner, GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
+        )
+        if planning != cfg.planning:
+            self.cfg = dataclasses.replace(cfg, planning=planning)
+            self.planner = BatchPlanner(planning, **planner_args)
 
     def close(self) -> None:
         """Finish metrics and release the directories (idempotent)."""

@@ -71,3 +71,6 @@ def test_bench_prints_table_and_json_contract(tmp_path):
     # Same batches, same init: the planners differ only in float summation order.
     assert summary["max_abs_loss_diff"] < 1e-4
     assert any("planner" in line and "tok/s" in line for line in lines)
+    # Before the JSON line, the command that builds the W&B dashboard of these runs.
+    assert lines[-2].startswith("W&B dashboard of these runs: python -m tools.wandb_dashboard ")
+    assert str(tmp_path / "t-dcp") in lines[-2].split()
