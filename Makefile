@@ -12,7 +12,8 @@ PYTHON312   := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/pyth
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo demo-tp data test unit lint format bench simulate extend-context clean
+.PHONY: setup demo demo-tp data test unit test-compat lint format bench simulate extend-context \
+        clean
 
 setup: $(STAMP)
 
@@ -73,6 +74,31 @@ test: setup lint
 
 unit: setup
 	$(VENV)/bin/pytest -q tests/unit
+
+# The oldest supported torch (requirements-compat.txt) with every other pin, in its own venv:
+# the unit tests and the distributed parity tests (docs/testing.md, "Supported versions").
+COMPAT_VENV := .venv-compat
+COMPAT_PY   := $(COMPAT_VENV)/bin/python
+COMPAT_REQS := requirements-compat.txt $(REQS)
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell cat $(COMPAT_REQS) | cksum | cut -d' ' -f1)
+COMPAT_TESTS ?= tests/unit tests/distributed/test_attention.py \
+                tests/distributed/test_runtime_parity.py tests/distributed/test_tensor_parallel.py \
+                tests/distributed/test_hf_parity.py
+
+$(COMPAT_STAMP): $(COMPAT_REQS)
+	@if [ -z "$(PYTHON312)" ]; then \
+	  echo "error: Python 3.12 not found (megatron-core 0.19 requires it)." >&2; exit 1; fi
+	@test -x $(COMPAT_PY) || $(PYTHON312) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	sed '/^torch==/d' requirements.txt > $(COMPAT_VENV)/requirements-rest.txt
+	$(COMPAT_PY) -m pip install -q -r requirements-compat.txt \
+	  -r $(COMPAT_VENV)/requirements-rest.txt -r requirements-dev.txt
+	@rm -f $(COMPAT_VENV)/.installed-*
+	@touch $@
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_PY) -c 'import torch; print("torch", torch.__version__)'
+	$(COMPAT_VENV)/bin/pytest -q $(COMPAT_TESTS)
 
 simulate: setup
 	$(PY) -m tools.simulate

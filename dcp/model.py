@@ -10,11 +10,12 @@ biases). ``core_attention`` picks the layer spec:
   fusions on.
   The GPU production path.
 - ``"dcp"``: megatron's local spec with DCP's packed, context-parallel torch attention
-  (``dcp.attention``); the CPU path and the reference the TE path is checked against.
+  (``dcp.attention``): the CPU path, the reference the TE path is checked against, and on a GPU
+  without TE the stock-PyTorch path (torch's flash ``varlen_attn`` in bf16).
 - ``"megatron_local"``: megatron's own ``DotProductAttention`` (CP=1, unpacked only), an
   independent reference for tests.
-- ``"auto"`` (default): ``"te"`` when Transformer Engine and a CUDA device are present, else
-  ``"dcp"``.
+- ``"auto"`` (default): ``"te"`` when a CUDA device is present and Transformer Engine imports,
+  else ``"dcp"``.
 """
 
 from __future__ import annotations
@@ -294,10 +295,10 @@ def check_device_support(cfg: ModelConfig) -> None:
         )
     if cfg.fp8 and attention != "te":
         raise ValueError("model.fp8 needs the Transformer Engine spec (core_attention te/auto)")
-    if attention == "dcp" and torch.cuda.is_available():
+    if attention == "dcp" and torch.cuda.is_available() and cfg.dtype == "fp32":
         logger.warning(
-            "core_attention=dcp on a GPU: DCP's torch attention is the CPU reference kernel "
-            "(it materialises a q x kv score block per chunk); use core_attention=te for speed"
+            "core_attention=dcp on a GPU in fp32: torch's flash varlen attention takes bf16 only, "
+            "so attention runs one SDPA call per document chunk; set model.dtype=bf16"
         )
 
 

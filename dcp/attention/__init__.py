@@ -1,6 +1,7 @@
 """DCP's core attention: the zig-zag shard layout of a micro-step's packed documents
-(``layout``), exact causal attention over a per-micro-step CP group (``cp``), its CPU kernels
-(``kernels``) and the megatron module (``module``).
+(``layout``), exact causal attention over a per-micro-step CP group (``cp``), the local kernel
+it runs once K/V are gathered (``local``: the CPU reference in ``kernels``, torch's flash
+``varlen_attn`` or SDPA per block in ``varlen``) and the megatron module (``module``).
 
 The package's names load on first use: ``dcp.attention.layout`` is numpy only, and the
 dispatch code that needs it must not pull in megatron-core (its import-time warnings, seconds
@@ -15,6 +16,7 @@ _EXPORTS = {
     "DCPCoreAttention": "dcp.attention.module",
     "transformer_engine_usable": "dcp.attention.module",
     "cp_attention": "dcp.attention.cp",
+    "select_local_kernel": "dcp.attention.local",
 }
 
 __all__ = sorted(_EXPORTS)

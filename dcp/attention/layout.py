@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +35,20 @@ if TYPE_CHECKING:
 
 def _cumsum0(lens: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+
+
+class QueryBlock(NamedTuple):
+    """A run of one rank's real queries at consecutive positions of one document: it attends to
+    that document's keys at positions [0, first_pos + count)."""
+
+    local_start: int
+    """First local row."""
+    count: int
+    """Number of queries (>= 1)."""
+    doc_start: int
+    """Start of the document in the padded global sequence."""
+    first_pos: int
+    """Document position of the first query."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +191,36 @@ class ShardLayout:
         doc = self.doc_ids(rank)
         src = self.cu_seqlens[:-1].astype(np.int64)[doc] + pos
         return np.where(pos < np.asarray(self.doc_lens)[doc], src, -1)
+
+    def query_blocks(self, rank: int) -> list[QueryBlock]:
+        """This rank's real queries as blocks, in local order: one per document at CP = 1, else
+        one per zig-zag chunk that holds real tokens (padding only ends a document)."""
+        self._check_rank(rank)
+        blocks = []
+        for d, num_real in enumerate(self.doc_lens):
+            local_start = int(self.local_cu_seqlens[d])
+            doc_start = int(self.cu_seqlens_padded[d])
+            if self.cp_size == 1:
+                blocks.append(QueryBlock(local_start, num_real, doc_start, 0))
+                continue
+            chunk = self.padded_lens[d] // (2 * self.cp_size)
+            for half, chunk_index in enumerate((rank, 2 * self.cp_size - 1 - rank)):
+                first_pos = chunk_index * chunk
+                count = min(chunk, num_real - first_pos)
+                if count > 0:
+                    blocks.append(
+                        QueryBlock(local_start + half * chunk, count, doc_start, first_pos)
+                    )
+        return blocks
+
+    @cached_property
+    def gathered_rows(self) -> np.ndarray:
+        """int64 [num_padded_tokens]: the row of each padded position in the K/V every rank holds
+        after the CP all-gather (the ranks' local sequences concatenated in rank order)."""
+        if self.cp_size == 1:
+            return np.arange(self.num_padded_tokens)
+        gathered = np.concatenate([self.token_indices(r) for r in range(self.cp_size)])
+        return np.argsort(gathered, kind="stable")
 
     def causal_work(self, rank: int, *, count_padding: bool = False) -> int:
         """Number of (query, key) pairs this rank's queries score: keys of the same document at

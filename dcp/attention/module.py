@@ -4,9 +4,10 @@ runtime swaps it per micro-step), takes the documents from ``packed_seq_params``
 (``ShardLayout.packed_seq_params``) and runs ``dcp.attention.cp.cp_attention``; without packed
 params it does plain causal attention (CP must then be 1).
 
-On GPU the model uses Transformer Engine's attention instead (``megatron_patches.te_attention``,
-selected by ``ModelConfig.core_attention``); this module stays the CPU path and the reference it
-is checked against.
+The same module runs on CPU and GPU; ``dcp.attention.local`` picks the local kernel from the
+device and dtype (the CPU reference, or torch's flash ``varlen_attn`` on a GPU). With Transformer
+Engine present the model uses TE's attention instead (``megatron_patches.te_attention``, selected
+by ``ModelConfig.core_attention``), and this module is the reference it is checked against.
 """
 
 from __future__ import annotations
@@ -205,6 +206,14 @@ class DCPCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).flatten(2).to(query.dtype)  # [s, b, hq * dv]
 
 
+@lru_cache(maxsize=1)
 def transformer_engine_usable() -> bool:
-    """True when TE is importable and a CUDA device is present."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    """True when a CUDA device is present and ``transformer_engine.pytorch`` imports (a TE
+    install that is found but broken, e.g. only the core wheel, counts as absent)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # noqa: BLE001 - TE raises FileNotFoundError, OSError, ImportError, ...
+        return False
+    return True

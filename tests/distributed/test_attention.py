@@ -43,10 +43,12 @@ def _random_cases(
     return cases
 
 
-def _check_case(doc_lens, hq, hkv, group, seed, *, scaled_tol: bool = False) -> None:
+def _check_case(
+    doc_lens, hq, hkv, group, seed, *, scaled_tol: bool = False, kernel: str | None = None
+) -> None:
     """Run one case on ``group`` (every member calls this) and assert parity with the reference;
     ``scaled_tol``: the absolute tolerance scales with the tensor (long documents, see
-    ``assert_close_to_reference``)."""
+    ``assert_close_to_reference``); ``kernel``: the local kernel (None: this device's)."""
     from dcp.attention import cp_attention
 
     cp_size, rank = group.size(), group.rank()
@@ -63,11 +65,16 @@ def _check_case(doc_lens, hq, hkv, group, seed, *, scaled_tol: bool = False) -> 
 
     local = [layout.shard(t, rank).requires_grad_() for t in (q, k, v)]
     out = cp_attention(
-        *local, layout=layout, cp_group=group, rank_in_group=rank, softmax_scale=scale
+        *local,
+        layout=layout,
+        cp_group=group,
+        rank_in_group=rank,
+        softmax_scale=scale,
+        kernel=kernel,
     )
     (out * layout.shard(w, rank)).sum().backward()  # the global loss is the sum over ranks
 
-    where = f"doc_lens={doc_lens} heads={hq}/{hkv} cp={cp_size} rank={rank}"
+    where = f"doc_lens={doc_lens} heads={hq}/{hkv} cp={cp_size} rank={rank} kernel={kernel}"
     src = torch.as_tensor(layout.source_indices(rank))
     real = src >= 0
     for name, got, want in [
@@ -80,9 +87,12 @@ def _check_case(doc_lens, hq, hkv, group, seed, *, scaled_tol: bool = False) -> 
 
 
 def _cp_attention_cases(cases, seed) -> int:
+    """Every case through the CPU reference kernel and through the per-block SDPA kernel, which
+    reads the packed inputs the GPU's flash kernel reads (``dcp.attention.varlen``)."""
     world = dist.group.WORLD
     for i, (doc_lens, hq, hkv) in enumerate(cases):
-        _check_case(doc_lens, hq, hkv, world, seed + i)
+        for kernel in ("reference", "sdpa_varlen"):
+            _check_case(doc_lens, hq, hkv, world, seed + i, kernel=kernel)
     return len(cases)
 
 
@@ -91,7 +101,8 @@ def _concurrent_pairs(seed) -> None:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = pairs[dist.get_rank() // 2]
     doc_lens = (5, 1, 12) if dist.get_rank() < 2 else (3, 3, 3, 1)
-    _check_case(doc_lens, 4, 2, mine, seed)
+    for kernel in ("reference", "sdpa_varlen"):
+        _check_case(doc_lens, 4, 2, mine, seed, kernel=kernel)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -108,19 +119,19 @@ def test_cp_attention_matches_dense_reference(world_size):
 _KERNEL_SETTINGS = {
     "default": {},
     # Every block with a key prefix through the split + log-sum-exp merge.
-    "lse_merge": {("cp", "_MASKED_MAX_PAIRS"): 0},
+    "lse_merge": {("kernels", "_MASKED_MAX_PAIRS"): 0},
     # Every block with a key prefix batched with an explicit mask.
-    "masked": {("cp", "_MASKED_MAX_PAIRS"): 1 << 62},
+    "masked": {("kernels", "_MASKED_MAX_PAIRS"): 1 << 62},
     # The merge's blocks as they run where the CPU flash ops are missing (explicit mask).
-    "no_flash_ops": {("cp", "_MASKED_MAX_PAIRS"): 0, ("kernels", "_FLASH_CPU"): False},
+    "no_flash_ops": {("kernels", "_MASKED_MAX_PAIRS"): 0, ("kernels", "_FLASH_CPU"): False},
 }
 
 
 def _kernel_parity(cases, seed) -> dict[str, set[str]]:
     """Every case under every kernel setting; returns the kernels each setting used on this rank."""
-    from dcp.attention import cp, kernels
+    from dcp.attention import kernels
 
-    modules = {"cp": cp, "kernels": kernels}
+    modules = {"kernels": kernels}
     world = dist.group.WORLD
     used: dict[str, set[str]] = {}
     for name, overrides in _KERNEL_SETTINGS.items():
@@ -128,16 +139,16 @@ def _kernel_parity(cases, seed) -> dict[str, set[str]]:
         try:
             for (module, attr), value in overrides.items():
                 setattr(modules[module], attr, value)
-            cp._rank_plan.cache_clear()  # plans depend on the settings
+            kernels._rank_plan.cache_clear()  # plans depend on the settings
             for i, (doc_lens, hq, hkv) in enumerate(cases):
                 _check_case(doc_lens, hq, hkv, world, seed + i, scaled_tol=True)
                 layout = ShardLayout(doc_lens=doc_lens, cp_size=world.size())
-                batches = cp._rank_plan(layout, world.rank()).batches
+                batches = kernels._rank_plan(layout, world.rank()).batches
                 used.setdefault(name, set()).update(b.kernel for b in batches)
         finally:
             for (module, attr), value in saved.items():
                 setattr(modules[module], attr, value)
-            cp._rank_plan.cache_clear()
+            kernels._rank_plan.cache_clear()
     return used
 
 

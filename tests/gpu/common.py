@@ -1,8 +1,9 @@
-"""What the GPU-only tests share: the marker that skips them without a GPU, and a small model."""
+"""What the GPU-only tests share: the markers that skip them without a GPU, and a small model."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dcp.attention import transformer_engine_usable
 
@@ -13,7 +14,16 @@ GPU_ONLY = [
         reason="GPU-only: needs CUDA and Transformer Engine (python -m tools.gpu_check)",
     ),
 ]
-"""``pytestmark`` of every module in ``tests/gpu``."""
+"""``pytestmark`` of the modules in ``tests/gpu`` that check Transformer Engine."""
+
+CUDA_ONLY = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="GPU-only: needs a CUDA device (python -m tools.gpu_check)",
+    ),
+]
+"""``pytestmark`` of the modules in ``tests/gpu`` that need CUDA but not Transformer Engine."""
 
 SMALL = dict(
     num_layers=2,

@@ -58,6 +58,32 @@ def test_auto_attention_is_the_torch_path_without_a_gpu():
     assert core is DCPCoreAttention
 
 
+@pytest.mark.parametrize("te_imports", [True, False])
+def test_auto_picks_te_only_when_it_imports(monkeypatch, te_imports):
+    """A Transformer Engine that is found but fails to import (e.g. the core wheel alone) counts
+    as absent, so ``auto`` builds DCP's torch attention. The device is stood in for: the rule
+    under test is the import check."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from dcp.attention import module
+
+    te = types.ModuleType("transformer_engine")
+    te.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
+    te.__path__ = []
+    pytorch = types.ModuleType("transformer_engine.pytorch") if te_imports else None
+    monkeypatch.setitem(sys.modules, "transformer_engine", te)
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", pytorch)  # None: ImportError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    module.transformer_engine_usable.cache_clear()
+    try:
+        assert module.transformer_engine_usable() is te_imports
+        assert resolved_attention(ModelConfig()) == ("te" if te_imports else "dcp")
+    finally:
+        module.transformer_engine_usable.cache_clear()
+
+
 @no_cuda
 def test_te_spec_without_te_or_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="core_attention=te needs Transformer Engine"):

@@ -19,7 +19,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dcp.attention import DCPCoreAttention, cp_attention
-from dcp.attention import cp as attention_cp
 from dcp.attention import kernels as attention_kernels
 from dcp.attention.layout import ShardLayout
 
@@ -219,7 +218,7 @@ def test_cp_attention_cp1_batches_mixed_lengths_exactly():
     q, k, v = (torch.randn(total, h, 8, generator=gen).requires_grad_() for h in (4, 2, 2))
     w = torch.randn(total, 4, 8, generator=gen)
     layout = ShardLayout(doc_lens=doc_lens, cp_size=1)
-    batches = attention_cp._rank_plan(layout, 0).batches
+    batches = attention_kernels._rank_plan(layout, 0).batches
     assert any(b.num_blocks > 1 for b in batches), "expected documents batched together"
     out = cp_attention(q, k, v, layout=layout, cp_group=None, rank_in_group=0, softmax_scale=0.4)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
