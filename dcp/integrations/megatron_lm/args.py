@@ -8,6 +8,7 @@ is built, the Megatron settings DCP cannot honour, each with the flag to change.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS
 from dcp.train.config import CALIBRATION_MODES, PlanningConfig
@@ -109,6 +110,17 @@ def planning_config(args: argparse.Namespace) -> PlanningConfig:
     )
 
 
+def _resumes(args: argparse.Namespace) -> bool:
+    """Whether ``--load`` names a directory holding a Megatron checkpoint."""
+    return bool(args.load) and (Path(args.load) / "latest_checkpointed_iteration.txt").exists()
+
+
+def _apex_or_te() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return bool(distrib_optimizer.HAVE_APEX_OR_TE)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` naming the flag for every Megatron setting DCP cannot run with."""
     problems = []
@@ -124,6 +136,14 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.dataloader_type != "external":
         problems.append("DCP feeds Megatron its own batch iterator: --dataloader-type external")
+    if args.use_distributed_optimizer and _resumes(args) and not _apex_or_te():
+        problems.append(
+            "megatron-core 0.19.2 cannot resume its distributed optimizer without apex or "
+            "Transformer Engine (distrib_optimizer.py: state_dict() asserts one Adam step count "
+            "on the fresh optimizer it loads into, and the parameter state load runs without "
+            "no_grad); resume without --use-distributed-optimizer, or where apex or TE is "
+            "installed"
+        )
     if args.dcp:
         if not args.calculate_per_token_loss:
             problems.append(

@@ -129,3 +129,16 @@ def test_dcp_attention_replaces_megatrons_local_core_attention_only():
     )
     with pytest.raises(ValueError, match="cannot run core attention"):
         dcp_mlm.with_dcp_attention(bogus)
+
+
+def test_a_distributed_optimizer_resume_without_apex_or_te_is_refused(tmp_path):
+    from megatron.core.optimizer import distrib_optimizer
+
+    args = megatron_args(*GOOD, "--dcp", "--use-distributed-optimizer", "--load", str(tmp_path))
+    dcp_mlm.check_args(args)  # no checkpoint there yet: a fresh start is fine
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        dcp_mlm.check_args(args)
+    else:
+        with pytest.raises(ValueError, match="cannot resume its distributed optimizer"):
+            dcp_mlm.check_args(args)
