@@ -1,7 +1,8 @@
 """The same run three ways in Megatron-LM's own loop: static, Megatron Hybrid-CP's schedule, DCP.
 
     python -m tools.bench_megatron_lm [--nproc 2] [--steps 6] [--warmup 1] [--rounds 2] \\
-        [--spec cpu-tiny+cpu-mem-demo] [--out runs/bench-megatron-lm] [-- MEGATRON ARGS ...]
+        [--spec cpu-tiny+cpu-mem-demo] [--out runs/bench-megatron-lm] [--wandb-project P] \\
+        [-- MEGATRON ARGS ...]
 
 Each run is ``pretrain/pretrain_gpt_megatron.py`` under torchrun with the arguments of
 ``pretrain/configs/megatron_lm_cpu.args`` (then any given after ``--``), the same data, seed and
@@ -17,6 +18,9 @@ global batches:
   baseline that runs, and it is labelled so;
 - ``dcp``: ``--dcp``.
 
+With ``--wandb-project`` every run also logs to Megatron's own W&B run (offline unless
+``WANDB_MODE`` says otherwise, in its run directory, named after it), DCP's step records
+included; the end of the report gives the ``tools.wandb_dashboard`` command for them.
 ``--rounds`` passes alternate the order (forward, reversed) and pool throughput. Rank 0's step
 records (``--dcp-metrics``) land in ``<out>/<run>/metrics.jsonl``. Prints a table and, as the
 last line of stdout, one JSON object: ``speedup_vs_static``, ``speedup_vs_megatron`` (DCP's
@@ -61,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--spec", default="cpu-tiny+cpu-mem-demo")
     parser.add_argument("--out", default="runs/bench-megatron-lm")
+    parser.add_argument("--wandb-project", default=None, help="log every run to this W&B project")
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.megatron_args[:1] == ["--"]:
@@ -71,20 +76,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def base_args(args: argparse.Namespace) -> list[str]:
+    """The args file, this benchmark's schedule (decay over the run, and past the warm-up),
+    then the user's Megatron arguments."""
     total = args.steps + args.warmup
+    given = [*shlex.split(ARGS_FILE.read_text()), *args.megatron_args]
+    warmup_iters = int(megatron_value(given, "--lr-warmup-iters", default="0"))
+    decay = str(max(total, warmup_iters + 1))
     return [
         *shlex.split(ARGS_FILE.read_text()),
-        "--train-iters",
-        str(total),
-        "--lr-decay-iters",
-        str(total),
+        *("--train-iters", str(total), "--lr-decay-iters", decay),
         *args.megatron_args,
     ]
 
 
-def megatron_value(argv: list[str], flag: str) -> str:
-    """The last value given to ``flag`` (argparse's rule)."""
-    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag][-1]
+def megatron_value(argv: list[str], flag: str, default: str | None = None) -> str:
+    """The last value given to ``flag`` (argparse's rule), else ``default``."""
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+    if values:
+        return values[-1]
+    if default is None:
+        raise ValueError(f"{flag} is not set")
+    return default
 
 
 def run_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -111,12 +123,22 @@ def run_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     ]
 
 
+def run_dir(args: argparse.Namespace, name: str, round_index: int) -> Path:
+    return Path(args.out) / f"{name}-r{round_index}"
+
+
 def run_one(name: str, extra: list[str], args: argparse.Namespace, round_index: int) -> list[dict]:
     """One torchrun of the Megatron-loop script; its step records."""
-    out = Path(args.out) / f"{name}-r{round_index}"
+    out = run_dir(args, name, round_index)
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
+    if args.wandb_project:
+        extra = [
+            *extra,
+            *("--wandb-project", args.wandb_project, "--wandb-exp-name", out.name),
+            *("--wandb-save-dir", str(out)),
+        ]
     cmd = [
         str(Path(sys.executable).with_name("torchrun")),
         "--standalone",
@@ -130,6 +152,7 @@ def run_one(name: str, extra: list[str], args: argparse.Namespace, round_index: 
         str(metrics),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.setdefault("WANDB_MODE", "offline")
     start = time.perf_counter()
     with (out / "log.txt").open("w") as log:
         code = subprocess.call(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -206,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         f"DCP speedup: static {summary['speedup_vs_static']:.3f}x, Megatron Hybrid-CP schedule "
         f"{summary['speedup_vs_megatron']:.3f}x; max |loss diff| vs static: {loss_diff:.2e}"
     )
+    if args.wandb_project:
+        dirs = " ".join(str(run_dir(args, n, 0)) for n in (best, "megatron", "dcp"))
+        print(
+            f"W&B dashboard of these runs: python -m tools.wandb_dashboard {dirs} "
+            f"--project {args.wandb_project}"
+        )
     print(json.dumps(summary))
     return 0
 

@@ -95,7 +95,7 @@ class MegatronLMRun:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.recorder = LoopRecorder(
-            args.dcp_metrics, planner=args.dcp_planner if args.dcp else "megatron-schedule"
+            args.dcp_metrics, planner=args.dcp_planner if args.dcp else "static"
         )
         self._dataset = None
         self._forward_backward: DCPForwardBackward | None = None

@@ -6,6 +6,9 @@ quantity exists in Megatron's loop: ``step``, ``loss``, ``tokens``, ``sequences`
 ``tokens_per_s``, ``lr``, ``grad_norm``, ``skipped``, ``planner`` and, for ``--dcp`` runs,
 ``compute_time_s``, ``predicted_step_time_s``, ``prediction_error``, ``plan_time_s``,
 ``padding_tokens`` and ``plan`` (``PlanStats``), so ``tools.compare_runs`` reads these files too.
+With Megatron's ``--wandb-project`` the same record goes into Megatron's own W&B run (on the rank
+that holds it), flattened as DCP's trainer logs it (``plan/cp_hist/2``, ...), so
+``tools.wandb_dashboard``'s panels work on Megatron-loop runs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dcp.integrations.megatron_lm.data import DocumentBatch
+from dcp.observability.metrics import flatten
 from dcp.observability.record import PlanStats
 
 
@@ -78,10 +82,12 @@ class LoopRecorder:
         return timed
 
     def _write(self, iteration: int | None, out, step_time_s: float, lr: float) -> None:
+        from megatron.training.global_vars import get_wandb_writer
+
         loss_reduced, skipped, grad_norm = out[0], out[1], out[5]
-        if self.path is None or self._batch is None or not loss_reduced:
-            return
-        if dist.is_initialized() and dist.get_rank() != 0:
+        wandb = get_wandb_writer()
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if self._batch is None or not loss_reduced or not ((self.path and rank0) or wandb):
             return
         batch = self._batch
         tokens = batch.num_loss_tokens
@@ -98,12 +104,18 @@ class LoopRecorder:
             "planner": self.planner,
             **self._plan,
         }
+        self._plan = {}
+        if wandb is not None:
+            # The step Megatron's own training_log uses for this iteration.
+            payload = flatten(record, expand_lists=True)
+            wandb.log({k: v for k, v in payload.items() if k != "step"}, step=record["step"])
+        if not (self.path and rank0):
+            return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        self._plan = {}
 
     def close(self) -> None:
         if self._file is not None:
