@@ -47,6 +47,7 @@ SINGLE = [
     "tests/gpu/test_native_attention.py",
     "tests/gpu/test_te_path.py",
     "tests/gpu/test_gpu_measurements.py",
+    "tests/gpu/test_megatron_lm_gpu.py",
 ]
 MULTI = ["tests/gpu/test_multi_gpu.py"]
 

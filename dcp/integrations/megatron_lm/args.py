@@ -144,6 +144,12 @@ def check_args(args: argparse.Namespace) -> None:
             "no_grad); resume without --use-distributed-optimizer, or where apex or TE is "
             "installed"
         )
+    if args.hybrid_context_parallel:
+        problems.append(
+            "megatron's --hybrid-context-parallel does not run end to end in megatron-core "
+            "0.19.2 (training.py replaces the RerunDataIterator that train_step requires; "
+            "docs/megatron_lm.md): drop it, or run its scheduler with --dcp --dcp-planner megatron"
+        )
     if args.dcp:
         if not args.calculate_per_token_loss:
             problems.append(
@@ -154,8 +160,6 @@ def check_args(args: argparse.Namespace) -> None:
             problems.append(
                 "DCP chooses the CP size of every micro-step itself: --context-parallel-size 1"
             )
-        if args.hybrid_context_parallel:
-            problems.append("--dcp and --hybrid-context-parallel exclude each other")
         if args.eval_iters and args.eval_interval:
             problems.append(
                 "evaluation inside Megatron's loop is not run through DCP plans yet: --eval-iters 0"

@@ -62,6 +62,12 @@ def test_unsupported_megatron_settings_are_refused_with_the_flag():
         assert flag in message, flag
 
 
+def test_megatrons_hybrid_cp_is_refused_with_the_way_to_its_scheduler():
+    args = megatron_args(*GOOD, "--hybrid-context-parallel")
+    with pytest.raises(ValueError, match="--dcp --dcp-planner megatron"):
+        dcp_mlm.check_args(args)
+
+
 def test_a_bad_dcp_value_is_refused_by_name():
     args = megatron_args(*GOOD, "--dcp", "--dcp-refit-interval", "0")
     with pytest.raises(ValueError, match="refit_interval_steps"):
