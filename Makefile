@@ -12,7 +12,7 @@ PYTHON312   := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/pyth
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo demo-tp data test unit test-compat lint format bench simulate extend-context \
+.PHONY: setup demo demo-tp data test unit test-compat lint format bench compare simulate extend-context \
         clean
 
 setup: $(STAMP)
@@ -105,6 +105,23 @@ simulate: setup
 
 bench: data
 	$(PY) -m tools.bench_e2e
+
+# Convergence on the demo corpus: DCP, static (one CP size and recompute level for the run) and
+# Megatron Hybrid-CP's scheduler train the same batches for COMPARE_STEPS steps each (fixed
+# calibration, so the three see the same cost model), then tools.compare_runs draws loss against
+# step, training time and tokens, with the time each run takes to reach a few loss levels.
+COMPARE_STEPS ?= 150
+compare: data
+	rm -rf runs/compare-dcp runs/compare-static runs/compare-megatron runs/compare-report
+	for planner in dcp static megatron; do \
+	  $(VENV)/bin/torchrun --nproc-per-node $(NPROC) -m pretrain.pretrain_gpt \
+	    --config pretrain/configs/tiny_cpu.yaml name=compare-$$planner \
+	    planning.planner=$$planner planning.calibration=fixed train.steps=$(COMPARE_STEPS) \
+	    optim.decay_steps=$(COMPARE_STEPS) checkpoint.interval_steps=$(COMPARE_STEPS) \
+	    metrics.wandb_group=compare $(ARGS) || exit 1; \
+	done
+	$(PY) -m tools.compare_runs runs/compare-dcp runs/compare-static runs/compare-megatron \
+	  --out runs/compare-report
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
