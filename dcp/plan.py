@@ -33,7 +33,8 @@ class Recompute(StrEnum):
     SELECTIVE = "selective"
     """Core attention and the MLP recomputed in the backward pass."""
     FULL = "full"
-    """Every transformer layer checkpointed: only its input kept."""
+    """Every transformer layer checkpointed: only its input kept. A micro-step may checkpoint
+    only its first N layers (``MicroStep.recompute_layers``)."""
 
     @property
     def megatron_granularity(self) -> str | None:
@@ -96,23 +97,66 @@ class MicroStep:
     seq_ids: tuple[int, ...]
     recompute: Recompute = Recompute.NONE
     """A ``Recompute`` level; its plain string (``"full"``) is accepted and converted."""
+    recompute_layers: int | None = None
+    """With ``recompute == "full"``: only the model's first N layers are checkpointed, the rest
+    keep every activation (megatron's ``recompute_method="block"``). ``None``: all layers. At
+    most the model's layer count, which the plan does not know: ``Plan.validate(num_layers=)``,
+    the cost model and the runtime check that bound."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "seq_ids", tuple(int(s) for s in self.seq_ids))
         check_choice(self.recompute, RECOMPUTE_LEVELS, "recompute")
         object.__setattr__(self, "recompute", Recompute(self.recompute))
+        if self.recompute_layers is not None:
+            if self.recompute != Recompute.FULL:
+                raise ValueError(
+                    f"recompute_layers applies to recompute='full' only, got "
+                    f"recompute={self.recompute.value!r} with recompute_layers="
+                    f"{self.recompute_layers!r}"
+                )
+            layers = check_int(self.recompute_layers, "recompute_layers", ge=1)
+            object.__setattr__(self, "recompute_layers", layers)
+
+    def recomputed_layers(self, num_layers: int) -> int:
+        """How many of a ``num_layers``-layer model's layers this step fully recomputes (0
+        unless ``full``); ``ValueError`` if ``recompute_layers`` exceeds ``num_layers``."""
+        return full_recompute_layers(self.recompute, self.recompute_layers, num_layers)
 
     @property
     def cp_size(self) -> int:
         return len(self.ranks)
 
     def to_dict(self) -> dict:
-        return {
+        """The JSON form; ``recompute_layers`` only when set (a partial full recompute)."""
+        out = {
             "ranks": list(self.ranks),
             "seq_ids": list(self.seq_ids),
             "recompute": self.recompute.value,
         }
+        if self.recompute_layers is not None:
+            out["recompute_layers"] = self.recompute_layers
+        return out
+
+
+def full_recompute_layers(recompute: str, recompute_layers: int | None, num_layers: int) -> int:
+    """Layers of a ``num_layers``-layer model a micro-step at (``recompute``,
+    ``recompute_layers``) fully recomputes: 0 unless ``full``, ``num_layers`` for ``None``.
+    The one place that checks ``1 <= recompute_layers <= num_layers``."""
+    if recompute != Recompute.FULL:
+        if recompute_layers is not None:
+            raise ValueError(
+                f"recompute_layers applies to recompute='full' only, got recompute={recompute!r}"
+            )
+        return 0
+    if recompute_layers is None:
+        return num_layers
+    layers = check_int(recompute_layers, "recompute_layers", ge=1)
+    if layers > num_layers:
+        raise ValueError(
+            f"recompute_layers must be between 1 and the model's {num_layers} layers, got {layers}"
+        )
+    return layers
 
 
 @dataclass(frozen=True)
@@ -179,12 +223,14 @@ class Plan:
         num_sequences: int,
         num_ranks: int,
         allowed_cp_sizes: Iterable[int] | None = None,
+        num_layers: int | None = None,
     ) -> None:
         """Raise ``ValueError`` unless the plan is structurally executable.
 
         Checks: every sequence id in ``range(num_sequences)`` other than the ``dropped`` ones
         appears in exactly one step; each step's ranks are valid, ascending and distinct; each
-        step's CP size is in ``allowed_cp_sizes`` (when given). Memory is checked by
+        step's CP size is in ``allowed_cp_sizes`` (when given); each step's ``recompute_layers``
+        is at most ``num_layers`` (when given). Memory is checked by
         ``dcp.costmodel.CostModel.check_plan_memory``, which knows the budget.
         """
         if self.dropped and self.dropped[-1] >= num_sequences:
@@ -208,6 +254,11 @@ class Plan:
                 raise ValueError(
                     f"step {i}: CP size {step.cp_size} not supported (allowed: {sorted(allowed)})"
                 )
+            if num_layers is not None:
+                try:
+                    step.recomputed_layers(num_layers)
+                except ValueError as exc:
+                    raise ValueError(f"step {i}: {exc}") from None
             for sid in step.seq_ids:
                 if sid in seen:
                     raise ValueError(f"sequence {sid} appears in steps {seen[sid]} and {i}")
@@ -255,6 +306,7 @@ class Plan:
                     ranks=tuple(s["ranks"]),
                     seq_ids=tuple(s["seq_ids"]),
                     recompute=s.get("recompute", "none"),
+                    recompute_layers=s.get("recompute_layers"),
                 )
                 for s in data["steps"]
             )

@@ -5,8 +5,19 @@ config at every forward, but selective recompute is cached on the modules at con
 ``use_recompute`` sets both and restores them afterwards; it must wrap the backward pass too,
 where checkpointed regions re-run their forward. The level is megatron's own
 ``recompute_granularity`` vocabulary: ``None`` (everything saved), ``"selective"`` (core
-attention and MLP recomputed) or ``"full"`` (every layer checkpointed). See docs/design.md,
-'megatron-core 0.19.2 facts the code depends on'.
+attention and MLP recomputed) or ``"full"`` (every layer checkpointed; with ``num_layers=N`` only
+the first N, megatron's ``recompute_method="block"``). See docs/design.md, 'megatron-core 0.19.2
+facts the code depends on'.
+
+What megatron-core 0.19.2 reads when: ``megatron/core/recompute.py`` ``checkpointed_forward``
+reads ``config.recompute_method`` and ``config.recompute_num_layers`` at every forward
+(``TransformerBlock.forward`` calls it while ``config.recompute_granularity == "full"``); under
+``"block"`` it checkpoints layers ``0 .. recompute_num_layers - 1`` of this pipeline stage and runs
+the rest plainly, counting against ``TransformerBlock.num_layers_per_pipeline_rank``, which is
+``len(self.layers)`` cached at construction (``transformer_block.py``). Under FP8/FP4 it shifts the
+window past layers whose input needs no grad. ``TransformerConfig.recompute_granularity`` is one
+value (``transformer_config.py``): megatron cannot run selective and full recompute in one pass,
+so a step has one or the other.
 """
 
 from __future__ import annotations
@@ -35,9 +46,16 @@ def _layers_and_attention(model):
     return layers, attentions
 
 
+def _transformer_block():
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    return TransformerBlock
+
+
 @contextlib.contextmanager
-def use_recompute(model, granularity: str | None) -> Iterator[None]:
-    """Within the block (forward and backward), ``model`` recomputes with ``granularity``."""
+def use_recompute(model, granularity: str | None, num_layers: int | None = None) -> Iterator[None]:
+    """Within the block (forward and backward), ``model`` recomputes with ``granularity``; with
+    ``"full"`` and ``num_layers=N``, only its first N layers (``None``: all)."""
     if granularity not in GRANULARITIES:
         raise ValueError(
             f"recompute granularity must be one of {GRANULARITIES}, got {granularity!r}"
@@ -45,6 +63,16 @@ def use_recompute(model, granularity: str | None) -> Iterator[None]:
     require_pinned_megatron("recompute")
     inner = unwrap(model)
     config = inner.config
+    if num_layers is not None:
+        if granularity != "full":
+            raise ValueError(f"num_layers applies to full recompute only, got {granularity!r}")
+        blocks = [m for m in inner.modules() if isinstance(m, _transformer_block())]
+        stage_layers = max((b.num_layers_per_pipeline_rank for b in blocks), default=0)
+        if not 1 <= num_layers <= stage_layers:
+            raise ValueError(
+                f"recompute_layers must be between 1 and the model's {stage_layers} layers, "
+                f"got {num_layers}"
+            )
     if granularity == "selective" and config.add_bias_linear:
         raise ValueError(
             "selective recompute of the MLP needs add_bias_linear=False in megatron-core 0.19.2"
@@ -55,7 +83,11 @@ def use_recompute(model, granularity: str | None) -> Iterator[None]:
     saved_attn = [attn.checkpoint_core_attention for attn in attentions]
     try:
         selective = granularity == "selective"
-        if granularity == "full":
+        if granularity == "full" and num_layers is not None:
+            config.recompute_granularity = "full"
+            config.recompute_method = "block"
+            config.recompute_num_layers = num_layers
+        elif granularity == "full":
             config.recompute_granularity = "full"
             config.recompute_method = "uniform"
             config.recompute_num_layers = 1

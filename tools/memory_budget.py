@@ -6,7 +6,8 @@ Prints the static bytes per GPU (weights, main grads, optimizer shard; split ove
 the recipe's longest training sequence, the activation and total bytes at every CP size (in
 planner ranks, one per TP group) and recompute level against the per-GPU budget of the recipe's
 cost-model spec (``planning.spec``), for the recipe's model, dtype, TP size and optimizer
-sharding laid over the spec as the trainer's planner does.
+sharding laid over the spec as the trainer's planner does; then, at each CP size, the least
+number of layers a partial full recompute must cover to fit (JSON ``partial``).
 The last stdout line is a JSON object: ``fits`` (the longest sequence has a placement within the
 budget), ``static_bytes_per_gpu``, ``budget_bytes_per_gpu``, the breakdown, every cell,
 ``tensor_parallel_size``, ``num_planner_ranks`` and ``model_matches_spec`` (the spec was written
@@ -81,6 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     for c in budget.cells:
         print(f"{c.cp_size:>4} {c.recompute:>10} {c.activation_bytes_per_gpu / GB:>15.1f} "
               f"{c.total_bytes_per_gpu / GB:>9.1f}  {'yes' if c.fits else 'no'}")  # fmt: skip
+    if budget.partial:
+        print(f"{'cp':>4} {'least full-recompute layers that fit':>37} {'total GB':>9}")
+    for p in budget.partial:
+        layers = (
+            "none fit"
+            if p.min_recompute_layers is None
+            else (f"{p.min_recompute_layers} of {p.num_layers}")
+        )
+        total = "" if p.total_bytes_per_gpu is None else f"{p.total_bytes_per_gpu / GB:.1f}"
+        print(f"{p.cp_size:>4} {layers:>37} {total:>9}")  # fmt: skip
     if not matches:
         print(f"note: spec {cost_model.name!r} was written for another model than the recipe's; "
               "these numbers are for the recipe's model, with any calibrated terms scaled to it "

@@ -45,7 +45,7 @@ def format_table(results: dict) -> str:
     head = (
         f"{'cluster':>9} {'workload':>10} {'seqs':>6} {'dcp s':>7} {'static s':>8} "
         f"{'(config)':>14} {'oracle s':>8} {'megatr s':>8} {'(rc)':>9} {'x stat':>6} "
-        f"{'x orcl':>6} {'x meg':>6} {'dcp/LB':>6} {'plan ms':>7}"
+        f"{'x orcl':>6} {'x meg':>6} {'x 3lv':>6} {'dcp/LB':>6} {'plan ms':>7}"
     )
     tp = results.get("tensor_parallel_size", 1)
     title = f"SIMULATED step times (dcp cost model, not measured on GPUs), {results['model']}"
@@ -70,6 +70,7 @@ def format_table(results: dict) -> str:
                 f"{row.get('speedup_vs_static', nan):6.2f} "
                 f"{row.get('speedup_vs_static-oracle', nan):6.2f} "
                 f"{row.get('speedup_vs_megatron', nan):6.2f} "
+                f"{row.get('speedup_vs_dcp-3level', nan):6.2f} "
                 f"{row.get('dcp_over_lower_bound', nan):6.3f} "
                 f"{max(row['dcp']['plan_ms']) if 'dcp' in row else nan:7.1f}"
             )
@@ -79,6 +80,7 @@ def format_table(results: dict) -> str:
             f"{'':>8} {'':>9} {g.get('geomean_speedup_vs_static', nan):6.2f} "
             f"{g.get('geomean_speedup_vs_static-oracle', nan):6.2f} "
             f"{g.get('geomean_speedup_vs_megatron', nan):6.2f} "
+            f"{g.get('geomean_speedup_vs_dcp-3level', nan):6.2f} "
             f"{g.get('geomean_dcp_over_lower_bound', nan):6.3f}"
         )
     lines.append("overall: " + ", ".join(f"{k} {v:.3f}" for k, v in results["overall"].items()))
@@ -102,6 +104,7 @@ def write_chart(results: dict, path: Path) -> None:
         "static": "vs best static",
         "static-oracle": "vs tuned static (oracle)",
         "megatron": "vs Megatron Hybrid-CP",
+        "dcp-3level": "vs DCP three-level recompute",
     }
     shown = [b for b in BASELINES if b in results["planners"]]
     width = 0.8 / max(1, len(shown))

@@ -2,7 +2,9 @@
 
 ``memory_budget`` breaks a cost model's memory down for the longest sequence a run trains:
 static bytes (weights, main grads, optimizer shard) and activation bytes at every CP size and
-recompute level, each total compared with the per-GPU budget. Every total is
+recompute level, each total compared with the per-GPU budget, and at every CP size the least
+number of layers a partial full recompute must cover to fit (``MicroStep.recompute_layers``).
+Every total is
 ``CostModel.solo_mem_bytes``, the function the planners call, so a cell that fits here is a
 placement the planner may choose and one that does not is one it never will.
 """
@@ -28,6 +30,19 @@ class BudgetCell:
 
 
 @dataclass(frozen=True)
+class PartialCell:
+    """The least partial full recompute that holds the longest sequence at one CP size."""
+
+    cp_size: int
+    min_recompute_layers: int | None
+    """Least N of the model's ``num_layers`` whose full recompute fits (``None``: not even all
+    layers fit); any larger N fits too."""
+    num_layers: int
+    total_bytes_per_gpu: float | None
+    """Bytes per GPU at that N (``None`` where nothing fits)."""
+
+
+@dataclass(frozen=True)
 class MemoryBudget:
     """Where a run's per-GPU memory goes and whether its longest sequence fits anywhere."""
 
@@ -41,6 +56,8 @@ class MemoryBudget:
     static_calibrated: bool
     """Whether the spec's calibration replaced the analytic static bytes."""
     cells: tuple[BudgetCell, ...]
+    partial: tuple[PartialCell, ...] = ()
+    """Per CP size, the least layers a full recompute must cover (empty without a model)."""
 
     @property
     def fits(self) -> bool:
@@ -82,6 +99,22 @@ def memory_budget(cost_model: CostModel, longest_seq_len: int) -> MemoryBudget:
                     fits=total <= cost_model.mem_budget_bytes,
                 )
             )
+    partial = []
+    layers = cost_model.num_layers
+    for cp_size in cp_sizes(cost_model.num_ranks) if layers is not None else ():
+        n = int(cost_model.min_recompute_layers([longest_seq_len], cp_size)[0])
+        fits = n <= layers
+        total = (
+            cost_model.solo_mem_bytes([longest_seq_len], cp_size, "full", n)[0] if fits else None
+        )
+        partial.append(
+            PartialCell(
+                cp_size=cp_size,
+                min_recompute_layers=n if fits else None,
+                num_layers=layers,
+                total_bytes_per_gpu=None if total is None else float(total),
+            )
+        )
     return MemoryBudget(
         longest_seq_len=int(longest_seq_len),
         budget_bytes_per_gpu=cost_model.mem_budget_bytes,
@@ -90,4 +123,5 @@ def memory_budget(cost_model: CostModel, longest_seq_len: int) -> MemoryBudget:
         static_calibrated=abs(sum(parts.values()) - cost_model.static_mem_bytes)
         > 1e-6 * cost_model.static_mem_bytes,
         cells=tuple(cells),
+        partial=tuple(partial),
     )

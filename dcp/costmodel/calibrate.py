@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp.costmodel.formula import TIME_FEATURES, CostModel, time_features
+from dcp.costmodel.features import TIME_FEATURES, time_features
+from dcp.costmodel.formula import CostModel
 from dcp.costmodel.nnls import nnls
 from dcp.plan import RECOMPUTE_LEVELS
 from dcp.schema import from_dict

@@ -11,8 +11,12 @@ a CP group of size ``c`` holding ``T = ΣL/c`` tokens::
     tp   = tp_comm·(1+ρ_tp[r])·T + tp_latency         # sequence-parallel collectives, TP > 1
 
 Memory per rank: ``static + (activation_bytes[r] + logits_bytes)·T``. A rank is a planner rank
-(one TP group). The formula is written once, in ``CostModel._time_terms``; its parts and its
-linear form derive from it. Pure Python, no torch. See docs/design.md, 'The cost model'.
+(one TP group). A partial full recompute of the first N of the model's L layers
+(``MicroStep.recompute_layers``) sits layer by layer between the two levels: every rate
+``x[r]`` above is ``x[none] + (N/L)·(x[full] - x[none])`` (recompute time scales with N),
+and so are the activation bytes. The formula is written once, in ``CostModel._time_terms``; its
+parts and its linear form (``dcp.costmodel.features``) derive from it. Pure Python, no torch.
+See docs/design.md, 'The cost model'.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,14 +35,26 @@ from dcp.costmodel.spec import (
     analytic_coefficients,
     parse_spec,
 )
-from dcp.plan import RECOMPUTE_LEVELS, Plan, check_choice
+from dcp.plan import RECOMPUTE_LEVELS, Plan, Recompute, check_choice, full_recompute_layers
 
-_LEVEL_INDEX = {level: i for i, level in enumerate(RECOMPUTE_LEVELS)}
+
+class _Rates(NamedTuple):
+    """The per-recompute rates of the formula (module docstring) for one recompute setting."""
+
+    linear: float
+    tp: float
+    attention: float
+    comm: float
+    mem_per_token: float
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Evaluates ``Coefficients`` for a cluster of ``num_ranks`` DP×CP ranks."""
+    """Evaluates ``Coefficients`` for a cluster of ``num_ranks`` DP×CP ranks.
+
+    Every method taking ``recompute`` also takes ``recompute_layers`` (``MicroStep``'s: with
+    ``full``, only the first N layers recomputed; ``None``: all). It needs ``model`` (the layer
+    count)."""
 
     coefficients: Coefficients
     num_ranks: int
@@ -52,23 +69,18 @@ class CostModel:
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         c = self.coefficients
-
-        # Per-level rates: the hot paths index these tuples instead of looking up dicts.
-        def per_level(base: float, extra: dict[str, float]) -> tuple[float, ...]:
-            return tuple(base * (1.0 + extra[lv]) for lv in RECOMPUTE_LEVELS)
-
-        rates = {
-            "_linear_rate": per_level(c.linear_s_per_token, c.recompute_linear_frac),
-            "_tp_rate": per_level(c.tp_comm_s_per_token, c.recompute_tp_frac),
-            "_attention_rate": per_level(c.attention_s_per_token2, c.recompute_attention_frac),
-            "_comm_rate": per_level(c.cp_bytes_per_token, c.recompute_comm_frac),
-            "_mem_per_token": tuple(
-                c.activation_bytes_per_token[lv] + c.logits_bytes_per_token
-                for lv in RECOMPUTE_LEVELS
-            ),
+        # Per-level rates: the hot paths look these up instead of multiplying dicts.
+        levels = {
+            lv: _Rates(
+                linear=c.linear_s_per_token * (1.0 + c.recompute_linear_frac[lv]),
+                tp=c.tp_comm_s_per_token * (1.0 + c.recompute_tp_frac[lv]),
+                attention=c.attention_s_per_token2 * (1.0 + c.recompute_attention_frac[lv]),
+                comm=c.cp_bytes_per_token * (1.0 + c.recompute_comm_frac[lv]),
+                mem_per_token=c.activation_bytes_per_token[lv] + c.logits_bytes_per_token,
+            )
+            for lv in RECOMPUTE_LEVELS
         }
-        for name, value in rates.items():
-            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_level_rates", levels)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -93,6 +105,55 @@ class CostModel:
             options=options,
         )
 
+    # -- recompute settings ----------------------------------------------------------------
+    @property
+    def num_layers(self) -> int | None:
+        """The model's transformer layers (``None`` without a model spec)."""
+        return self.model.num_layers if self.model is not None else None
+
+    def _rates(self, recompute: str, recompute_layers=None) -> _Rates:
+        """The formula's rates at ``recompute`` (with ``full``, N = ``recompute_layers``; an
+        array of N gives each rate as an array)."""
+        if recompute_layers is None:
+            rates = self._level_rates.get(recompute)
+            if rates is None:
+                check_choice(recompute, RECOMPUTE_LEVELS, "recompute")
+            return rates
+        layers = self.num_layers
+        if layers is None:
+            raise ValueError("recompute_layers needs a cost model built with a model spec")
+        if np.ndim(recompute_layers) == 0:
+            share = full_recompute_layers(recompute, recompute_layers, layers) / layers
+        else:
+            check_choice(recompute, (Recompute.FULL.value,), "recompute with recompute_layers")
+            share = np.asarray(recompute_layers, dtype=np.float64) / layers
+        none, full = self._level_rates[Recompute.NONE], self._level_rates[Recompute.FULL]
+        return _Rates(*(a + share * (b - a) for a, b in zip(none, full, strict=True)))
+
+    def min_recompute_layers(self, lengths: np.ndarray, cp_size: int | np.ndarray) -> np.ndarray:
+        """Per length: the least N (1..L) with which a full recompute of the first N layers fits
+        one sequence alone on ``cp_size`` ranks; L + 1 where not even all layers fit. Memory
+        falls as N grows, so every N above it fits too."""
+        layers = self.num_layers
+        if layers is None:
+            raise ValueError("min_recompute_layers needs a cost model built with a model spec")
+        lens = np.asarray(lengths, dtype=np.float64)
+        tokens = lens / cp_size
+        none = self._level_rates[Recompute.NONE].mem_per_token
+        saved = none - self._level_rates[Recompute.FULL].mem_per_token
+        free = self.mem_budget_bytes - self.static_mem_bytes
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.ceil(layers * (none - free / tokens) / saved) if saved > 0 else 1.0
+        need = np.clip(np.nan_to_num(need, nan=1.0, posinf=layers + 1.0), 1, layers + 1)
+        need = np.broadcast_to(need, lens.shape).astype(np.int64)
+        # ceil() on floats may land one off the exact answer; settle it with ``fits``' own sum.
+        share = need / layers
+        mem = self.static_mem_bytes + (none - share * saved) * tokens
+        need = need + ((mem > self.mem_budget_bytes) & (need <= layers))
+        share = (need - 1) / layers
+        lower = self.static_mem_bytes + (none - share * saved) * tokens
+        return need - ((need > 1) & (lower <= self.mem_budget_bytes))
+
     # -- memory ----------------------------------------------------------------------------
     @property
     def mem_budget_bytes(self) -> float:
@@ -103,13 +164,13 @@ class CostModel:
     def static_mem_bytes(self) -> float:
         return self.coefficients.static_mem_bytes
 
-    def mem_bytes_per_token(self, recompute: str) -> float:
+    def mem_bytes_per_token(self, recompute: str, recompute_layers: int | None = None) -> float:
         """Activation + logits bytes one token held on a rank costs at this recompute level."""
-        return self._mem_per_token[_level(recompute)]
+        return self._rates(recompute, recompute_layers).mem_per_token
 
-    def max_tokens_per_rank(self, recompute: str) -> int:
+    def max_tokens_per_rank(self, recompute: str, recompute_layers: int | None = None) -> int:
         """Most tokens one rank can hold in a micro-step at this recompute level (0 if none)."""
-        per_token = self.mem_bytes_per_token(recompute)
+        per_token = self.mem_bytes_per_token(recompute, recompute_layers)
         tokens = max(
             0, int(math.floor((self.mem_budget_bytes - self.static_mem_bytes) / per_token))
         )
@@ -118,24 +179,39 @@ class CostModel:
             tokens -= 1
         return tokens
 
-    def step_mem_bytes(self, lengths: Sequence[int], cp_size: int, recompute: str) -> float:
+    def step_mem_bytes(
+        self,
+        lengths: Sequence[int],
+        cp_size: int,
+        recompute: str,
+        recompute_layers: int | None = None,
+    ) -> float:
         """Peak bytes on each rank of a micro-step packing ``lengths`` over ``cp_size`` ranks."""
         tokens = float(sum(lengths)) / cp_size
-        return self.static_mem_bytes + self.mem_bytes_per_token(recompute) * tokens
+        per_token = self.mem_bytes_per_token(recompute, recompute_layers)
+        return self.static_mem_bytes + per_token * tokens
 
-    def fits(self, lengths: Sequence[int], cp_size: int, recompute: str) -> bool:
-        return self.step_mem_bytes(lengths, cp_size, recompute) <= self.mem_budget_bytes
+    def fits(
+        self,
+        lengths: Sequence[int],
+        cp_size: int,
+        recompute: str,
+        recompute_layers: int | None = None,
+    ) -> bool:
+        need = self.step_mem_bytes(lengths, cp_size, recompute, recompute_layers)
+        return need <= self.mem_budget_bytes
 
     def check_plan_memory(self, plan: Plan, lengths: Sequence[int]) -> None:
         """Raise ``ValueError`` naming the first micro-step whose memory exceeds the budget."""
         for i, step in enumerate(plan.steps):
             seq = [lengths[s] for s in step.seq_ids]
-            need = self.step_mem_bytes(seq, step.cp_size, step.recompute)
+            need = self.step_mem_bytes(seq, step.cp_size, step.recompute, step.recompute_layers)
             if need > self.mem_budget_bytes:
+                layers = "" if step.recompute_layers is None else f"/{step.recompute_layers}"
                 raise ValueError(
                     f"step {i} (ranks {step.ranks[0]}..{step.ranks[-1]}, {sum(seq)} tokens, "
-                    f"recompute={step.recompute}) needs {need / 1e9:.2f} GB per rank, budget "
-                    f"{self.mem_budget_bytes / 1e9:.2f} GB"
+                    f"recompute={step.recompute}{layers}) needs {need / 1e9:.2f} GB per rank, "
+                    f"budget {self.mem_budget_bytes / 1e9:.2f} GB"
                 )
 
     # -- time ------------------------------------------------------------------------------
@@ -152,24 +228,26 @@ class CostModel:
             return c.inter_node_bytes_per_s
         return c.intra_node_bytes_per_s
 
-    def _time_terms(self, lv: int, *, sum_len, sum_sq, num_seqs, cp_size: int, bandwidth: float):
+    def _time_terms(
+        self, rates: _Rates, *, sum_len, sum_sq, num_seqs, cp_size: int, bandwidth: float
+    ):
         """The step-time formula of the module docstring, per rank of a CP group of ``cp_size``:
         (seconds, exposed CP communication seconds). ``sum_len``/``sum_sq``/``num_seqs`` may be
         arrays (one micro-step per element)."""
         c = self.coefficients
         tokens = sum_len / cp_size
-        lin = self._linear_rate[lv] * (tokens + c.linear_half_tokens)
-        attn = self._attention_rate[lv] * (sum_sq / cp_size + c.attention_half_tokens * sum_len)
+        lin = rates.linear * (tokens + c.linear_half_tokens)
+        attn = rates.attention * (sum_sq / cp_size + c.attention_half_tokens * sum_len)
         base = (
             c.step_overhead_s
             + c.tp_latency_s
             + c.sequence_overhead_s * num_seqs
             + lin
-            + (c.logits_s_per_token + self._tp_rate[lv]) * tokens
+            + (c.logits_s_per_token + rates.tp) * tokens
         )
         if cp_size == 1:
             return base + attn, 0.0 * base
-        comm = (cp_size - 1) * (self._comm_rate[lv] * tokens / bandwidth + c.cp_hop_latency_s)
+        comm = (cp_size - 1) * (rates.comm * tokens / bandwidth + c.cp_hop_latency_s)
         attn_comm = np.maximum(attn + (1.0 - c.comm_overlap) * comm, comm)
         return base + attn_comm, attn_comm - attn
 
@@ -179,12 +257,14 @@ class CostModel:
         cp_size: int,
         recompute: str,
         ranks: tuple[int, ...] | None = None,
+        *,
+        recompute_layers: int | None = None,
     ) -> tuple[float, float]:
         """(time in seconds, exposed CP communication in seconds) of one micro-step, per rank."""
         if cp_size < 1:
             raise ValueError(f"cp_size must be >= 1, got {cp_size}")
         time_s, comm_s = self._time_terms(
-            _level(recompute),
+            self._rates(recompute, recompute_layers),
             sum_len=float(sum(lengths)),
             sum_sq=float(sum(x * x for x in lengths)),
             num_seqs=len(lengths),
@@ -199,23 +279,40 @@ class CostModel:
         cp_size: int,
         recompute: str,
         ranks: tuple[int, ...] | None = None,
+        *,
+        recompute_layers: int | None = None,
     ) -> float:
         """Predicted seconds of one micro-step (forward + backward) on each rank of its group."""
-        return self.step_terms(lengths, cp_size, recompute, ranks)[0]
+        return self.step_terms(
+            lengths, cp_size, recompute, ranks, recompute_layers=recompute_layers
+        )[0]
 
     # -- vectorised helpers for planners ---------------------------------------------------
     def solo_mem_bytes(
-        self, lengths: np.ndarray, cp_size: int | np.ndarray, recompute: str
+        self,
+        lengths: np.ndarray,
+        cp_size: int | np.ndarray,
+        recompute: str,
+        recompute_layers: int | np.ndarray | None = None,
     ) -> np.ndarray:
-        """``step_mem_bytes([L], cp_size, recompute)`` for each L (``cp_size`` may be per L)."""
+        """``step_mem_bytes([L], cp_size, recompute)`` for each L (``cp_size`` and
+        ``recompute_layers`` may be per L)."""
         lens = np.asarray(lengths, dtype=np.float64)
-        return self.static_mem_bytes + self.mem_bytes_per_token(recompute) * (lens / cp_size)
+        per_token = self._rates(recompute, recompute_layers).mem_per_token
+        return self.static_mem_bytes + per_token * (lens / cp_size)
 
-    def solo_step_time_s(self, lengths: np.ndarray, cp_size: int, recompute: str) -> np.ndarray:
-        """``step_time_s([L], cp_size, recompute)`` for each L, on an aligned block (vectorised)."""
+    def solo_step_time_s(
+        self,
+        lengths: np.ndarray,
+        cp_size: int,
+        recompute: str,
+        recompute_layers: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """``step_time_s([L], cp_size, recompute)`` for each L, on an aligned block (vectorised;
+        ``recompute_layers`` may be per L)."""
         lens = np.asarray(lengths, dtype=np.float64)
         return self._time_terms(
-            _level(recompute),
+            self._rates(recompute, recompute_layers),
             sum_len=lens,
             sum_sq=lens * lens,
             num_seqs=1,
@@ -224,48 +321,53 @@ class CostModel:
         )[0]
 
     def sequence_rank_s(
-        self, lengths: np.ndarray, cp_size, recompute: str, *, bandwidth=None
+        self, lengths: np.ndarray, cp_size, recompute: str, *, bandwidth=None, recompute_layers=None
     ) -> np.ndarray:
         """Rank-seconds of each sequence on ``cp_size`` ranks: the part of ``_time_terms`` that
         adds up over sequences, without per-step or per-sequence constants. With ``bandwidth``,
-        plus the CP traffic no overlap can hide (the lower bound's relaxation). ``cp_size`` and
-        ``bandwidth`` may be per sequence."""
+        plus the CP traffic no overlap can hide (the lower bound's relaxation). ``cp_size``,
+        ``bandwidth`` and ``recompute_layers`` may be per sequence."""
         c = self.coefficients
-        lv = _level(recompute)
+        rates = self._rates(recompute, recompute_layers)
         lens = np.asarray(lengths, dtype=np.float64)
-        rate = self._linear_rate[lv] + c.logits_s_per_token + self._tp_rate[lv]
-        work = rate * lens + self._attention_rate[lv] * (
+        rate = rates.linear + c.logits_s_per_token + rates.tp
+        work = rate * lens + rates.attention * (
             lens * lens + c.attention_half_tokens * cp_size * lens
         )
         if bandwidth is None:
             return work
-        exposed = (1 - c.comm_overlap) * (cp_size - 1) * self._comm_rate[lv] * lens / bandwidth
+        exposed = (1 - c.comm_overlap) * (cp_size - 1) * rates.comm * lens / bandwidth
         return work + exposed
 
     def packed_marginal_s(self, lengths: np.ndarray, recompute: str = "none") -> np.ndarray:
         """Seconds each sequence adds to a CP=1 micro-step (exact: CP=1 time is additive)."""
         return self.coefficients.sequence_overhead_s + self.sequence_rank_s(lengths, 1, recompute)
 
-    def step_constant_s(self, recompute: str = "none") -> float:
+    def step_constant_s(
+        self, recompute: str = "none", recompute_layers: int | None = None
+    ) -> float:
         """Seconds a micro-step costs on each rank whatever it holds (overhead + kernel ramp)."""
         c = self.coefficients
-        return (
-            c.step_overhead_s
-            + c.tp_latency_s
-            + self._linear_rate[_level(recompute)] * c.linear_half_tokens
-        )
+        linear = self._rates(recompute, recompute_layers).linear
+        return c.step_overhead_s + c.tp_latency_s + linear * c.linear_half_tokens
 
     @property
     def tensor_parallel_size(self) -> int:
         """GPUs per planner rank (the spec's ``options.tensor_parallel_size``)."""
         return self.options.tensor_parallel_size if self.options is not None else 1
 
-    def tp_time_s(self, lengths: Sequence[int], cp_size: int, recompute: str) -> float:
+    def tp_time_s(
+        self,
+        lengths: Sequence[int],
+        cp_size: int,
+        recompute: str,
+        recompute_layers: int | None = None,
+    ) -> float:
         """The TP-collective part of ``step_time_s`` (0 at TP = 1). Calibration keeps it fixed
         (measured on its own by ``tools.profile``) and fits the rest of the time to what is
-        left (``time_features``)."""
+        left (``dcp.costmodel.features.time_features``)."""
         tokens = float(sum(lengths)) / cp_size
-        return self.coefficients.tp_latency_s + self._tp_rate[_level(recompute)] * tokens
+        return self.coefficients.tp_latency_s + self._rates(recompute, recompute_layers).tp * tokens
 
     def describe(self) -> str:
         caps = ", ".join(f"{lv}={self.max_tokens_per_rank(lv)}" for lv in RECOMPUTE_LEVELS)
@@ -274,60 +376,6 @@ class CostModel:
             f"{self.mem_budget_bytes / 1e9:.1f} GB/rank, static {self.static_mem_bytes / 1e9:.1f} "
             f"GB, max tokens/rank {caps}"
         )
-
-
-# The step-time formula once more, as a row that is linear in the coefficients (with the two
-# half-efficiency terms fixed and no overlap, as on the blocking gloo runtime, and the TP
-# collectives, ``CostModel.tp_time_s``, held fixed): what ``dcp.costmodel.calibrate`` fits. A
-# unit test checks that row · coefficients + tp_time_s equals ``CostModel.step_time_s``, so the
-# two cannot drift apart.
-TIME_FEATURES = (
-    "overhead",
-    "sequence",
-    "linear",
-    "linear_sel",
-    "linear_full_extra",
-    "attention",
-    "attention_sel",
-    "attention_full_extra",
-    "comm",
-    "comm_sel",
-    "comm_full_extra",
-    "hop",
-)
-
-
-def time_features(
-    lengths: Sequence[int],
-    cp_size: int,
-    recompute: str,
-    *,
-    linear_half_tokens: float,
-    attention_half_tokens: float,
-    logits_per_linear: float,
-) -> list[float]:
-    """One row of ``TIME_FEATURES`` for a micro-step; recompute fractions are parametrised as
-    ``selective = s``, ``full = s + d`` (full redoes a superset of selective)."""
-    lv = _level(recompute)
-    sum_len = float(sum(lengths))
-    tokens = sum_len / cp_size
-    work = float(sum(x * x for x in lengths)) / cp_size + attention_half_tokens * sum_len
-    lin = tokens + linear_half_tokens
-    sel = 1.0 if lv >= _LEVEL_INDEX["selective"] else 0.0
-    full = 1.0 if lv == _LEVEL_INDEX["full"] else 0.0
-    comm = (cp_size - 1) * tokens
-    return (
-        [1.0, float(len(lengths)), lin + logits_per_linear * tokens, lin * sel, lin * full]
-        + [work, work * sel, work * full]
-        + [comm, comm * sel, comm * full, float(cp_size - 1)]
-    )
-
-
-def _level(recompute: str) -> int:
-    index = _LEVEL_INDEX.get(recompute)
-    if index is None:
-        check_choice(recompute, RECOMPUTE_LEVELS, "recompute")
-    return index
 
 
 def _apply_calibration(coeffs: Coefficients, calibration: dict) -> Coefficients:

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from dcp.costmodel.calibrate import FREE_LINK_BYTES_PER_S
-from dcp.costmodel.formula import TIME_FEATURES, CostModel, time_features
+from dcp.costmodel.features import TIME_FEATURES, time_features
+from dcp.costmodel.formula import CostModel
 from dcp.costmodel.load import load_spec
 from dcp.costmodel.nnls import nnls
 from dcp.costmodel.records import MicroStepRecord

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from dcp.costmodel import CostModel
-from dcp.plan import RECOMPUTE_LEVELS
+from dcp.plan import RECOMPUTE_LEVELS, Recompute
 
 
 def _min_feasible_cp(
@@ -37,8 +37,11 @@ def lower_bound_s(
     cost_model: CostModel,
     *,
     cp_sizes: Iterable[int] | None = None,
+    partial_recompute: bool = True,
 ) -> float:
-    """A makespan no plan can beat on ``cost_model`` (``cp_sizes=None``: any group size 1..W).
+    """A makespan no plan can beat on ``cost_model`` (``cp_sizes=None``: any group size 1..W),
+    with the recompute options the DCP planner has (``partial_recompute``: a full recompute of
+    the first N layers too; it needs the cost model's model spec).
 
     max(area bound, critical path). Area: each sequence at its cheapest feasible (CP, recompute)
     rank-seconds without per-step costs and with only non-overlappable communication, plus the
@@ -71,6 +74,8 @@ def lower_bound_s(
         )
         area = cost_model.sequence_rank_s(lens, c, level, bandwidth=bandwidth)
         best_area = np.where(ok, np.minimum(best_area, area), best_area)
+    if partial_recompute and cost_model.num_layers is not None:
+        best_area = np.minimum(best_area, _partial_area(lens, cost_model, sizes))
     placeable = np.isfinite(best_area)
     if not placeable.any():
         return 0.0
@@ -89,4 +94,44 @@ def lower_bound_s(
             # Best case for links: a group no larger than a node may sit inside one.
             ranks = tuple(range(cp)) if cp <= cost_model.ranks_per_node else None
             critical = min(critical, cost_model.step_time_s([longest], cp, level, ranks))
+        if partial_recompute and cost_model.num_layers is not None:
+            n = int(cost_model.min_recompute_layers(np.array([longest]), cp)[0])
+            if n <= cost_model.num_layers:
+                ranks = tuple(range(cp)) if cp <= cost_model.ranks_per_node else None
+                time_s = cost_model.step_time_s([longest], cp, "full", ranks, recompute_layers=n)
+                critical = min(critical, time_s)
     return float(max(area_bound, critical))
+
+
+def _partial_area(lengths: np.ndarray, cost_model: CostModel, sizes: np.ndarray | None):
+    """Per sequence, the least rank-seconds (as in ``lower_bound_s``'s area) of a full recompute
+    of the first N layers, the least N that fits, over the CP sizes at which it is needed: from
+    the smallest that fits full recompute to the last one below the smallest that fits without
+    recompute (from there on, no recompute at the same size is cheaper). Fewer layers to
+    recompute at a larger size can outweigh its longer communication, so every size counts."""
+    best = np.full(lengths.shape, np.inf)
+    low = _min_feasible_cp(lengths, cost_model, Recompute.FULL, sizes)
+    high = _min_feasible_cp(lengths, cost_model, Recompute.NONE, sizes)
+    high = np.where(high > 0, high, cost_model.num_ranks + 1)
+    candidates = range(1, cost_model.num_ranks + 1) if sizes is None else sizes.tolist()
+    coeff = cost_model.coefficients
+    for cp in candidates:
+        rows = np.flatnonzero((low > 0) & (low <= cp) & (cp < high))
+        if rows.size == 0:
+            continue
+        lens = lengths[rows]
+        n = cost_model.min_recompute_layers(lens, cp)
+        bandwidth = (
+            coeff.intra_node_bytes_per_s
+            if cp <= cost_model.ranks_per_node
+            else coeff.inter_node_bytes_per_s
+        )
+        area = cost_model.sequence_rank_s(
+            lens,
+            cp,
+            "full",
+            bandwidth=bandwidth,
+            recompute_layers=np.minimum(n, cost_model.num_layers),
+        )
+        best[rows] = np.minimum(best[rows], area)
+    return best

@@ -1,7 +1,8 @@
 """The DCP planner: one global batch's lengths -> a Plan that minimises the predicted step time.
 
 Per batch it chooses every sequence's CP degree and recompute level (jointly, from the cost
-model), packs short sequences into shared micro-steps and places every micro-step on an aligned
+model; a full recompute of only the first N layers, the least N that fits, is one more option),
+packs short sequences into shared micro-steps and places every micro-step on an aligned
 power-of-two rank block, so ranks may run different numbers of micro-steps and finish together.
 Deterministic: ties break on indices; no RNG, no unordered iteration. How it decides:
 docs/planner.md, 'How it decides'.
@@ -11,14 +12,23 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from dcp.costmodel import CostModel
-from dcp.plan import ON_OVERSIZE, RECOMPUTE_LEVELS, MicroStep, Plan, check_choice, check_int
+from dcp.plan import (
+    ON_OVERSIZE,
+    RECOMPUTE_LEVELS,
+    MicroStep,
+    Plan,
+    Recompute,
+    check_choice,
+    check_int,
+)
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import check_lengths, find_oversize, pow2_sizes
+from dcp.planning.simulator import simulate
 
 _TARGET_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35)
 # A packable sequence longer than this share of the target makespan is placed before the
@@ -37,6 +47,10 @@ class DCPOptions:
     """Cap on the CP group size (>= 1; None: the whole cluster)."""
     recompute_levels: tuple[str, ...] = RECOMPUTE_LEVELS
     """Levels the planner may use (``full`` is always allowed for sequences nothing else fits)."""
+    partial_recompute: bool = True
+    """Whether a ``full`` step may recompute only its first N layers (the least N that fits;
+    ``MicroStep.recompute_layers``); ``False``: every full step recomputes all layers (the
+    three-level planner, for side-by-side comparisons). Needs a cost model with a model spec."""
     pinned: Mapping[int, tuple[int, str]] | None = None
     """``{sequence index: (cp_size, recompute)}``: those sequences run alone in a group of that
     size at that level (online calibration's exploration) and the rest is planned around them.
@@ -59,6 +73,10 @@ class DCPOptions:
         object.__setattr__(self, "recompute_levels", levels)
         if self.pinned is not None:
             object.__setattr__(self, "pinned", _checked_pins(self.pinned))
+        if not isinstance(self.partial_recompute, bool):
+            raise ValueError(
+                f"partial_recompute must be true or false, got {self.partial_recompute!r}"
+            )
 
 
 def _checked_pins(pinned: Mapping[int, tuple[int, str]]) -> dict[int, tuple[int, str]]:
@@ -80,7 +98,8 @@ class _Schedule:
     def __init__(self, num_ranks: int, num_levels: int) -> None:
         # maxes[k][j]: latest finish over the ranks of block j of size 2**k.
         self.maxes = [np.zeros(num_ranks >> k) for k in range(num_levels)]
-        self.solo: list[tuple[int, int, int, int]] = []  # (level, block, seq id, recompute idx)
+        # (level, block, seq id, recompute index, recompute layers: 0 for all)
+        self.solo: list[tuple[int, int, int, int, int]] = []
 
     def place(self, level: int, block: int, duration: float) -> None:
         maxes = self.maxes
@@ -98,7 +117,24 @@ class _Schedule:
 def plan_dcp(
     lengths: Sequence[int], *, cost_model: CostModel, options: DCPOptions = DCPOptions()
 ) -> Plan:
-    """Plan one global batch with DCP (see module docstring and ``DCPOptions``)."""
+    """Plan one global batch with DCP (see module docstring and ``DCPOptions``). With partial
+    recompute, the plan is never slower on the cost model than the three-level one: placement is
+    greedy, so a cheaper per-sequence option can still place worse; both are planned and the
+    faster kept (ties: the partial one)."""
+    plan = _plan(lengths, cost_model, options)
+    if not any(step.recompute_layers for step in plan.steps):
+        return plan
+    three_level = _plan(lengths, cost_model, replace(options, partial_recompute=False))
+    lens = [int(x) for x in lengths]
+    if (
+        simulate(three_level, lens, cost_model).makespan_s
+        < simulate(plan, lens, cost_model).makespan_s
+    ):
+        return three_level
+    return plan
+
+
+def _plan(lengths: Sequence[int], cost_model: CostModel, options: DCPOptions) -> Plan:
     lens = check_lengths(lengths)
     num_ranks = cost_model.num_ranks
     sizes = pow2_sizes(num_ranks, options.max_cp_size)
@@ -116,14 +152,25 @@ def plan_dcp(
     num_levels = len(sizes)
     dur = np.full((keep.size, num_levels), np.inf)
     rec = np.zeros((keep.size, num_levels), dtype=np.int64)
+    layers = np.zeros((keep.size, num_levels), dtype=np.int64)  # full's N; 0: all layers
+    partial = options.partial_recompute and cost_model.num_layers is not None
+    full_index = RECOMPUTE_LEVELS.index(Recompute.FULL)
     for k, cp in enumerate(sizes):
         for lv in levels_allowed:
             fits = cost_model.solo_mem_bytes(kept, cp, lv) <= cost_model.mem_budget_bytes
-            t = np.where(fits, cost_model.solo_step_time_s(kept, cp, lv), np.inf)
+            n = None
+            if lv == Recompute.FULL and partial:
+                # The least N that fits is the fastest full recompute: time grows with N.
+                n = np.minimum(cost_model.min_recompute_layers(kept, cp), cost_model.num_layers)
+            t = np.where(fits, cost_model.solo_step_time_s(kept, cp, lv, n), np.inf)
             better = t < dur[:, k]
             dur[:, k] = np.where(better, t, dur[:, k])
             rec[:, k] = np.where(better, RECOMPUTE_LEVELS.index(lv), rec[:, k])
+            if n is not None:
+                layers[:, k] = np.where(better & (n < cost_model.num_layers), n, layers[:, k])
     pinned_rows = _apply_pins(options.pinned or {}, keep, kept, sizes, cost_model, dur, rec)
+    layers[pinned_rows, :] = 0
+    assert not (layers[rec != full_index]).any()
     area = dur * np.asarray(sizes, dtype=np.float64)
 
     # 2. Short sequences pack at CP=1 without recompute when that is their cheapest option.
@@ -158,7 +205,7 @@ def plan_dcp(
                     best = (finish, k, block)
             _, k, block = best
             sched.place(int(k), block, float(dur[i, k]))
-            sched.solo.append((int(k), block, int(i), int(rec[i, k])))
+            sched.solo.append((int(k), block, int(i), int(rec[i, k]), int(layers[i, k])))
         # Deal short sequences longest first to the least-loaded rank, packing up to cap_none.
         loads = sched.maxes[0].tolist()
         heap = [(load, r) for r, load in enumerate(loads)]
@@ -181,7 +228,7 @@ def plan_dcp(
 
     best = run(np.inf)
     if not packable.all() or solo_time.max() > _SOLO_SHARE * best[0]:
-        bound = lower_bound_s(kept, cost_model, cp_sizes=sizes)
+        bound = lower_bound_s(kept, cost_model, cp_sizes=sizes, partial_recompute=partial)
         for factor in _TARGET_FACTORS:
             if bound * factor >= best[0]:
                 break
@@ -193,12 +240,12 @@ def plan_dcp(
     if sched.solo and not pinned_rows:
         # Few-sequence batches: when one long job sets the makespan, the short ones are better
         # off riding in its CP group than queueing behind it. Try that uniform plan too.
-        level, _, _, r = max(sched.solo, key=lambda s: (s[0], -s[2]))
+        level, _, _, r, _ = max(sched.solo, key=lambda s: (s[0], -s[2]))
         cp = sizes[level]
         # The top job's recompute, raised until the longest sequence fits alongside.
         fitting = [lv for lv in RECOMPUTE_LEVELS[r:] if cost_model.fits([kept.max()], cp, lv)]
         if level > 0 and fitting:
-            uniform = _uniform_plan(kept, keep, cost_model, cp, fitting[0])
+            uniform = _uniform_plan(kept, keep, cost_model, cp, fitting[0], partial=partial)
             if uniform[0] < makespan:
                 makespan, steps = uniform
     return Plan(
@@ -245,10 +292,17 @@ def _apply_pins(
 
 
 def _uniform_plan(
-    kept: np.ndarray, keep: np.ndarray, cost_model: CostModel, cp: int, level: str
+    kept: np.ndarray,
+    keep: np.ndarray,
+    cost_model: CostModel,
+    cp: int,
+    level: str,
+    *,
+    partial: bool,
 ) -> tuple[float, list[MicroStep]]:
     """Every sequence at one (CP size, recompute): cost-balanced over the aligned blocks, packed
-    up to the memory capacity. Returns (makespan, steps)."""
+    up to the memory capacity; with ``partial``, each full step then recomputes only the least
+    number of layers its tokens need. Returns (makespan, steps)."""
     num_blocks = cost_model.num_ranks // cp
     capacity = cp * cost_model.max_tokens_per_rank(level)
     marginal = cost_model.solo_step_time_s(kept, cp, level) - cost_model.step_constant_s(level)
@@ -270,9 +324,18 @@ def _uniform_plan(
         ranks = tuple(range(j * cp, (j + 1) * cp))
         load = 0.0
         for pack in block_packs:
-            load += cost_model.step_time_s([int(kept[i]) for i in pack], cp, level, ranks)
+            seq = [int(kept[i]) for i in pack]
+            n = None
+            if partial and level == Recompute.FULL:
+                # Memory is linear in a step's tokens: the pack needs what one sequence of its
+                # total length would.
+                n = int(cost_model.min_recompute_layers(np.array([sum(seq)]), cp)[0])
+                n = n if n < cost_model.num_layers else None
+            load += cost_model.step_time_s(seq, cp, level, ranks, recompute_layers=n)
             seq_ids = tuple(sorted(int(keep[i]) for i in pack))
-            steps.append(MicroStep(ranks=ranks, seq_ids=seq_ids, recompute=level))
+            steps.append(
+                MicroStep(ranks=ranks, seq_ids=seq_ids, recompute=level, recompute_layers=n)
+            )
         makespan = max(makespan, load)
     return makespan, steps
 
@@ -282,13 +345,14 @@ def _to_steps(
 ) -> list[MicroStep]:
     """Largest groups first, so every rank reaches each block when its members do."""
     steps = []
-    for level, block, i, r in sorted(sched.solo, key=lambda s: (-s[0], s[1])):
+    for level, block, i, r, n in sorted(sched.solo, key=lambda s: (-s[0], s[1])):
         cp = sizes[level]
         steps.append(
             MicroStep(
                 ranks=tuple(range(block * cp, (block + 1) * cp)),
                 seq_ids=(int(keep[i]),),
                 recompute=RECOMPUTE_LEVELS[r],
+                recompute_layers=n or None,
             )
         )
     for rank, rank_packs in enumerate(packs):

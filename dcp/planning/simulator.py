@@ -64,7 +64,9 @@ def simulate(plan: Plan, lengths: Sequence[int], cost_model: CostModel) -> SimRe
         if ranks[0] < 0 or ranks[-1] >= num_ranks:
             raise ValueError(f"step {index} uses ranks {ranks} outside [0, {num_ranks})")
         seq = [lengths[s] for s in step.seq_ids]
-        time_s, comm_s = cost_model.step_terms(seq, step.cp_size, step.recompute, ranks)
+        time_s, comm_s = cost_model.step_terms(
+            seq, step.cp_size, step.recompute, ranks, recompute_layers=step.recompute_layers
+        )
         contiguous = ranks[-1] - ranks[0] + 1 == len(ranks)
         sel = slice(ranks[0], ranks[-1] + 1) if contiguous else list(ranks)
         start = free[sel].max()
@@ -72,7 +74,8 @@ def simulate(plan: Plan, lengths: Sequence[int], cost_model: CostModel) -> SimRe
         busy[sel] += time_s
         busy_total += time_s * len(ranks)
         comm_total += comm_s * len(ranks)
-        peak_mem = max(peak_mem, cost_model.step_mem_bytes(seq, step.cp_size, step.recompute))
+        mem = cost_model.step_mem_bytes(seq, step.cp_size, step.recompute, step.recompute_layers)
+        peak_mem = max(peak_mem, mem)
     makespan = float(free.max()) if plan.steps else 0.0
     return SimResult(
         makespan_s=makespan,

@@ -21,7 +21,7 @@ from dcp.costmodel import CostModel, load_cost_model
 from dcp.plan import PLANNERS, RECOMPUTE_LEVELS, STATIC_PER_BATCH, Plan
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
-from dcp.planning.dcp_planner import plan_dcp
+from dcp.planning.dcp_planner import DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.simulator import simulate
 from dcp.planning.static import StaticOptions, plan_static, static_configs
@@ -38,7 +38,14 @@ ORACLE = "static-oracle"
 """``plan_static(tuned=True)``: stronger than any static Megatron run (see dcp.planning.static)."""
 # The sweep's static row is already each cell's best fixed configuration; the per-batch variant
 # is no run anyone launches, so the sweep leaves it out.
-SWEEP_PLANNERS: tuple[str, ...] = (*(p for p in PLANNERS if p != STATIC_PER_BATCH), ORACLE)
+THREE_LEVEL = "dcp-3level"
+"""DCP's planner with ``partial_recompute=False`` (none / selective / full of all layers): the
+planner before partial full recompute, for the side-by-side comparison."""
+SWEEP_PLANNERS: tuple[str, ...] = (
+    *(p for p in PLANNERS if p != STATIC_PER_BATCH),
+    ORACLE,
+    THREE_LEVEL,
+)
 BASELINES: tuple[str, ...] = tuple(p for p in SWEEP_PLANNERS if p != "dcp")
 SPEEDUPS = tuple(f"speedup_vs_{b}" for b in BASELINES)
 
@@ -80,16 +87,22 @@ def evaluate(
     # what other group shapes could gain.
     pow2 = pow2_sizes(cost_model.num_ranks)
     row["lower_bound_pow2_s"] = [lower_bound_s(b, cost_model, cp_sizes=pow2) for b in batches]
-    if "dcp" in planners:
+    for name, options in (
+        ("dcp", DCPOptions()),
+        (THREE_LEVEL, DCPOptions(partial_recompute=False)),
+    ):
+        if name not in planners:
+            continue
         times, plan_ms, mix = [], [], Counter()
         for b in batches:
             start = time.perf_counter()
-            plan = plan_dcp(b, cost_model=cost_model)
+            plan = plan_dcp(b, cost_model=cost_model, options=options)
             plan_ms.append((time.perf_counter() - start) * 1e3)
             times.append(_checked_time(plan, b, cost_model))
             for step in plan.steps:
-                mix[f"cp{len(step.ranks)}/{step.recompute}"] += len(step.seq_ids)
-        row["dcp"] = {"step_time_s": times, "plan_ms": plan_ms, "mix": dict(sorted(mix.items()))}
+                partial = "" if step.recompute_layers is None else f"/{step.recompute_layers}"
+                mix[f"cp{len(step.ranks)}/{step.recompute}{partial}"] += len(step.seq_ids)
+        row[name] = {"step_time_s": times, "plan_ms": plan_ms, "mix": dict(sorted(mix.items()))}
     for planner, tuned in (("static", False), (ORACLE, True)):
         if planner not in planners:
             continue

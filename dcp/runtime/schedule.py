@@ -144,7 +144,7 @@ def run_plan(
                     ranks=registry.cp_global_ranks(step.ranks),
                     tp_cp_group=registry.tp_cp(step.ranks),
                 ),
-                use_recompute(model, step.recompute.megatron_granularity),
+                use_recompute(model, step.recompute.megatron_granularity, step.recompute_layers),
             ):
                 token_loss = model(
                     batch.input_ids,

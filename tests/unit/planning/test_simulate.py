@@ -96,18 +96,27 @@ def _best_plan_bruteforce(lengths, cm) -> float:
         options = []
         for group in part:
             seqs = [lengths[i] for i in group]
-            # Per block only the lightest recompute that fits: more recompute is never faster.
-            opts = [
-                (cp, start, lvs[0])
-                for cp, start in blocks
-                if (lvs := [lv for lv in ("none", "selective", "full") if cm.fits(seqs, cp, lv)])
-            ]
+            # Per block every recompute option that fits; full with the least layers that fit
+            # (more layers recompute more and are never faster).
+            opts = []
+            for cp, start in blocks:
+                for lv in ("none", "selective"):
+                    if cm.fits(seqs, cp, lv):
+                        opts.append((cp, start, lv, None))
+                n = int(cm.min_recompute_layers([sum(seqs)], cp)[0])
+                if n <= cm.num_layers:
+                    opts.append((cp, start, "full", n if n < cm.num_layers else None))
             options.append(opts)
         for choice in itertools.product(*options):
             steps = sorted(
                 (
-                    MicroStep(ranks=tuple(range(s, s + cp)), seq_ids=tuple(g), recompute=lv)
-                    for g, (cp, s, lv) in zip(part, choice, strict=True)
+                    MicroStep(
+                        ranks=tuple(range(s, s + cp)),
+                        seq_ids=tuple(g),
+                        recompute=lv,
+                        recompute_layers=n,
+                    )
+                    for g, (cp, s, lv, n) in zip(part, choice, strict=True)
                 ),
                 key=lambda st: -st.cp_size,
             )

@@ -53,7 +53,8 @@ def test_plan_cli_round_trip(tmp_path, lengths_file, planner, spec_kind):
     if planner == "dcp":
         assert set(data) == expected_keys  # no meta when there is nothing to report
     for step in data["steps"]:
-        assert set(step) == {"ranks", "seq_ids", "recompute"}
+        assert set(step) - {"recompute_layers"} == {"ranks", "seq_ids", "recompute"}
+        assert "recompute_layers" not in step or step["recompute"] == "full"
     plan = Plan.from_dict(data)
     assert plan.planner == planner
     cm = load_cost_model(preset)

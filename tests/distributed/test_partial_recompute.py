@@ -1,0 +1,108 @@
+"""Partial full recompute (``MicroStep.recompute_layers``): parity and megatron's settings.
+
+A 4-layer tiny model, so a full step may recompute 1, 2 or 3 of its layers (4 is all). Plans mix
+several N with the other levels and give ranks uneven micro-step counts; loss and every gradient
+must equal the single-process reference (relative error <= 1e-5) at TP = 1 and TP = 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp.model import ModelConfig
+from dcp.runtime.runtime import Runtime
+from megatron_patches.recompute import use_recompute
+from tests.distributed.harness import run_on_ranks
+from tests.distributed.test_runtime_parity import (
+    DOCS,
+    assert_parity,
+    dcp_run,
+    plan,
+    reference_run,
+)
+from tests.distributed.tiny import OPTIM, SEED, TINY, cleanup
+
+MODEL = {"num_layers": 4, "vocab_size": 61, "make_vocab_size_divisible_by": 4}
+
+
+def step(ranks, seq_ids, recompute="none", layers=None) -> dict:
+    out = {"ranks": list(ranks), "seq_ids": list(seq_ids), "recompute": recompute}
+    if layers is not None:
+        out["recompute_layers"] = layers
+    return out
+
+
+PLANS = {
+    "several_n_mixed_uneven": plan(
+        step([0, 1], [3, 1], "full", 1),
+        step([0], [0], "full", 3),
+        step([1], [2, 4], "selective"),
+        step([1], [5], "full", 2),
+        step([0, 1], [6, 7], "full"),
+    ),
+    "partial_cp2_then_cp1": plan(
+        step([0, 1], [0, 5], "full", 2),
+        step([0], [1, 2, 3], "none"),
+        step([1], [4], "full", 1),
+        step([1], [6, 7], "full", 3),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_on_ranks(1, reference_run, DOCS, model=MODEL)[0]
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_partial_recompute_parity_tp1(reference, name):
+    got = run_on_ranks(2, dcp_run, DOCS, [PLANS[name]], model=MODEL)[0]
+    assert_parity(reference, got, what=f"{name} at TP 1")
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_partial_recompute_parity_tp2(reference, name):
+    got = run_on_ranks(
+        4, dcp_run, DOCS, [PLANS[name]], model=MODEL, tensor_parallel_size=2, timeout_s=300
+    )[0]
+    assert_parity(reference, got, what=f"{name} at TP 2")
+
+
+def test_use_recompute_sets_block_method_and_restores():
+    seen = run_on_ranks(1, recompute_settings)[0]
+    assert seen["inside"] == ("full", "block", 3), seen
+    assert seen["whole"] == ("full", "uniform", 1), seen
+    assert seen["after"] == seen["before"], seen
+    assert "between 1 and the model's 4 layers" in seen["too_many"], seen
+
+
+def recompute_settings() -> dict:
+    """Rank body: megatron's config fields inside ``use_recompute`` with and without N."""
+    try:
+        runtime = Runtime.from_config(
+            ModelConfig(**{**TINY, **MODEL}, core_attention="dcp"), OPTIM, seed=SEED
+        )
+        model = runtime.model
+        config = model.config
+
+        def fields():
+            return (
+                config.recompute_granularity,
+                config.recompute_method,
+                config.recompute_num_layers,
+            )
+
+        out = {"before": fields()}
+        with use_recompute(model, "full", 3):
+            out["inside"] = fields()
+        with use_recompute(model, "full"):
+            out["whole"] = fields()
+        out["after"] = fields()
+        try:
+            with use_recompute(model, "full", 5):
+                pass
+        except ValueError as exc:
+            out["too_many"] = str(exc)
+        return out
+    finally:
+        cleanup()
