@@ -10,39 +10,21 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
-from tests.e2e.test_megatron_lm import readme_commands, run
+from tests.e2e import test_megatron_lm as e2e
 from tests.gpu.common import CUDA_ONLY
 
 pytestmark = CUDA_ONLY
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    import subprocess
-    import sys
-
-    from tests.e2e.test_megatron_lm import REPO
-
-    out = tmp_path_factory.mktemp("corpus") / "stdlib"
-    subprocess.run(
-        [sys.executable, "-m", "tools.prepare_data", "--stdlib", "--out", str(out)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-    return out
+corpus = e2e.corpus  # the same prepared corpus fixture
 
 
 def test_dcp_in_megatrons_loop_matches_megatrons_schedule_on_cuda(corpus, tmp_path):
-    commands = readme_commands()
+    commands = e2e.readme_commands()
     losses = {}
     for mode in ("static", "dcp"):
         argv = list(commands[mode])
         # One process on the one GPU: torchrun's --nproc-per-node comes first in the command.
         argv[argv.index("--nproc-per-node") + 1] = "1"
-        records = run(
+        records = e2e.run(
             argv, data=corpus, out=tmp_path / mode, extra=["--distributed-backend", "nccl"]
         )
         losses[mode] = [r["loss"] for r in records]
