@@ -2,6 +2,7 @@
 
     python -m tools.gpu_check                # one GPU (H100/H200), about 5 minutes
     python -m tools.gpu_check --multi        # also the checks that need a node's GPUs
+    python -m tools.gpu_check --bare         # stock PyTorch, no TE/apex (``tools.gpu_bare``)
 
 What each check needs:
 
@@ -153,10 +154,20 @@ def _number(text: str | None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--bare" in argv:
+        # Before anything imports megatron-core or Transformer Engine: the bare check decides
+        # first whether there is a CUDA device, and never imports TE.
+        from tools import gpu_bare
+
+        return gpu_bare.main([a for a in argv if a != "--bare"])
     console.setup()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--multi", action="store_true", help="also run the multi-GPU checks")
     parser.add_argument("--timeout-s", type=float, default=1500.0, help="limit for the tests")
+    parser.add_argument(
+        "--bare", action="store_true", help="the stock-PyTorch check (tools.gpu_bare; no TE)"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     info = versions()

@@ -11,21 +11,15 @@ import time
 import numpy as np
 import torch
 
+from dcp.train.bare_check.perf import bf16_peak_tflops, llama3_8b_layers
 from tests.distributed.harness import run_on_ranks
 from tests.gpu.common import GPU_ONLY
 
 pytestmark = GPU_ONLY
 
-LLAMA3_8B_LAYER = dict(
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_query_groups=8,
-    ffn_hidden_size=14336,
-    vocab_size=128256,
-    rotary_base=500000,
-)
+LLAMA3_8B_LAYER = {k: v for k, v in llama3_8b_layers().items() if k != "num_layers"}
 MFU_TOKENS = 16384
-H200_BF16_PEAK_TFLOPS = 989.0
+H200_BF16_PEAK_TFLOPS = bf16_peak_tflops("H200")
 """Dense bf16 peak of an H200 (the h200 presets' ``cluster.peak_tflops``); FP8 MFU is also
 reported against it, so the two numbers compare directly."""
 
