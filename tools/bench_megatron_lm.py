@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dcp import console
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS_FILE = REPO / "pretrain/configs/megatron_lm_cpu.args"
@@ -184,6 +187,7 @@ def summarize(rounds: list[list[dict]], warmup: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup(level=logging.WARNING)  # the benchmark's own lines are its report
     args = parse_args(argv)
     try:
         variants = run_variants(args)

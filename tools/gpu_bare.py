@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from dcp import console
+
 SMALL = dict(
     num_layers=2,
     hidden_size=256,
@@ -260,6 +262,7 @@ def _init_world_of_one(device: str, store: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    console.setup()
     parser = argparse.ArgumentParser(
         prog="python -m tools.gpu_check --bare", description=__doc__.split("\n\n")[0]
     )

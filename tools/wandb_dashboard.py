@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dcp import console
 from dcp.observability.metrics import MetricsConfig
 
 
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    console.setup()
     args = parse_args(argv)
     try:
         return run(args)
