@@ -21,9 +21,9 @@ from dcp.costmodel.calibrate import FREE_LINK_BYTES_PER_S
 from dcp.costmodel.features import TIME_FEATURES, time_features
 from dcp.costmodel.formula import CostModel
 from dcp.costmodel.load import load_spec
-from dcp.costmodel.nnls import nnls
 from dcp.costmodel.records import MicroStepRecord
-from dcp.plan import RECOMPUTE_LEVELS
+from dcp.costmodel.shrinkage import shrunk_fit
+from dcp.plan import RECOMPUTE_LEVELS, full_recompute_layers
 
 _COL = {name: j for j, name in enumerate(TIME_FEATURES)}
 _COMM_COLS = [_COL["comm"], _COL["comm_sel"], _COL["comm_full_extra"]]
@@ -66,12 +66,17 @@ def _sort_key(r: MicroStepRecord) -> tuple:
         r.recompute,
         r.time_s,
         -1 if r.mem_bytes is None else r.mem_bytes,
+        0 if r.recompute_layers is None else r.recompute_layers,
     )
 
 
 def _rms(model: CostModel, records: Sequence[MicroStepRecord]) -> float:
     errors = [
-        model.step_time_s(r.seq_lens, r.cp_size, r.recompute, r.ranks) / r.time_s - 1.0
+        model.step_time_s(
+            r.seq_lens, r.cp_size, r.recompute, r.ranks, recompute_layers=r.recompute_layers
+        )
+        / r.time_s
+        - 1.0
         for r in records
     ]
     return math.sqrt(sum(e * e for e in errors) / len(errors))
@@ -90,6 +95,8 @@ def _design(records: Sequence[MicroStepRecord], prior: CostModel, kappa: float) 
             linear_half_tokens=c.linear_half_tokens,
             attention_half_tokens=c.attention_half_tokens,
             logits_per_linear=kappa,
+            recompute_layers=r.recompute_layers,
+            num_layers=prior.num_layers,
         )
         if r.cp_size > 1:
             ratio = c.intra_node_bytes_per_s / prior.bandwidth_bytes_per_s(r.cp_size, r.ranks)
@@ -121,17 +128,17 @@ def _prior_vector(prior: CostModel) -> np.ndarray:
     return x
 
 
-def _solve(rel: np.ndarray, target: np.ndarray, prior_x: np.ndarray, prior_weight: float):
-    """Regularised NNLS on the rows ``rel`` (design / measured time) toward ``target`` (1 minus
-    the fixed TP share of each measured time): (x, live)."""
-    norms = np.linalg.norm(rel, axis=0)
-    live = norms > 0
-    reg = math.sqrt(prior_weight) * norms[live]
-    a = np.vstack([rel[:, live], np.diag(reg)])
-    b = np.concatenate([target, reg * np.maximum(prior_x[live], 0.0)])
-    x = prior_x.copy()
-    x[live] = nnls(a, b)
-    return x, live
+def _solve(
+    rel: np.ndarray,
+    target: np.ndarray,
+    prior_x: np.ndarray,
+    prior_weight: float,
+    min_confidence: float,
+):
+    """The shrunk fit (``dcp.costmodel.shrinkage``) of the rows ``rel`` (design / measured
+    time) toward ``target`` (1 minus the fixed TP share of each measured time): (x, fitted)."""
+    fit = shrunk_fit(rel, target, prior_x, prior_weight=prior_weight, min_confidence=min_confidence)
+    return fit.x, fit.identified
 
 
 _GROUP_COLS = [*_COMM_COLS, _COL["hop"]]
@@ -143,6 +150,7 @@ def _solve_tied_comm(
     multi: np.ndarray,
     prior_x: np.ndarray,
     prior_weight: float,
+    min_confidence: float,
 ):
     """``_solve`` for records with too few CP > 1 micro-steps to separate the four
     communication columns (bandwidth, its selective and full-recompute extras, hop latency).
@@ -153,7 +161,7 @@ def _solve_tied_comm(
     term, and the recompute extras take the *fitted* attention's recompute fractions (CP
     communication runs inside core attention, so recomputing attention recomputes it). One or
     two CP = 2 records then give a finite link rate, never a free link plus a huge latency."""
-    x, live = _solve(rel[~multi], target[~multi], prior_x, prior_weight)
+    x, live = _solve(rel[~multi], target[~multi], prior_x, prior_weight, min_confidence)
     base = prior_x[_COL["comm"]]
     if base <= 0:  # a prior without CP cost: nothing to scale
         return x, live
@@ -168,8 +176,9 @@ def _solve_tied_comm(
     others = [j for j in range(len(TIME_FEATURES)) if j not in _GROUP_COLS]
     left = target[multi] - rows[:, others] @ x[others]
     feature = rows @ shape
-    # Regularised scalar least squares toward the prior's rate, as _solve does per column.
-    reg = prior_weight * float(feature @ feature)
+    # Scalar least squares shrunk toward the prior's rate by _solve's rule (the penalty is on
+    # scale / base - 1).
+    reg = prior_weight / base**2
     scale = max(0.0, float(feature @ left + reg * base) / (float(feature @ feature) + reg))
     x[_GROUP_COLS] = scale * shape[_GROUP_COLS]
     live = live.copy()
@@ -183,13 +192,14 @@ def _solve_records(
     multi: np.ndarray,
     prior_x: np.ndarray,
     prior_weight: float,
+    min_confidence: float,
     tie_comm_below: int,
 ):
     """The regularised fit, with the communication columns tied while fewer than
     ``tie_comm_below`` CP > 1 records exist (``_solve_tied_comm``)."""
     if 0 < multi.sum() < tie_comm_below and (~multi).any():
-        return _solve_tied_comm(rel, target, multi, prior_x, prior_weight)
-    return _solve(rel, target, prior_x, prior_weight)
+        return _solve_tied_comm(rel, target, multi, prior_x, prior_weight, min_confidence)
+    return _solve(rel, target, prior_x, prior_weight, min_confidence)
 
 
 def _inliers(residuals: np.ndarray, k: float, floor: float) -> np.ndarray:
@@ -236,7 +246,11 @@ def _memory_calibration(records: Sequence[MicroStepRecord], prior: CostModel):
     per_token = {lv: prior.mem_bytes_per_token(lv) for lv in RECOMPUTE_LEVELS}
     for lv in RECOMPUTE_LEVELS:
         points = [(sum(r.seq_lens) / r.cp_size, float(r.mem_bytes)) for r in measured]
-        points = [p for p, r in zip(points, measured, strict=True) if r.recompute == lv]
+        points = [
+            p
+            for p, r in zip(points, measured, strict=True)
+            if r.recompute == lv and r.recompute_layers is None
+        ]
         if len({t for t, _ in points}) >= 2:
             a = np.array([[1.0, t] for t, _ in points])
             slope = float(np.linalg.lstsq(a, np.array([m for _, m in points]), rcond=None)[0][1])
@@ -247,7 +261,12 @@ def _memory_calibration(records: Sequence[MicroStepRecord], prior: CostModel):
     static = c.static_mem_bytes
     for r in measured:
         tokens = sum(r.seq_lens) / r.cp_size
-        static = max(static, r.mem_bytes - per_token[r.recompute] * tokens)
+        level_bytes = per_token[r.recompute]
+        if r.recompute_layers is not None:  # a partial recompute: between none and full
+            share = full_recompute_layers(r.recompute, r.recompute_layers, prior.num_layers)
+            share /= prior.num_layers
+            level_bytes = per_token["none"] + share * (per_token["full"] - per_token["none"])
+        static = max(static, r.mem_bytes - level_bytes * tokens)
     out: dict = {}
     raised = [
         f"activation_bytes_per_token.{lv}"
@@ -271,7 +290,8 @@ def fit_records(
     records: Sequence[MicroStepRecord],
     *,
     prior: str | Path | dict,
-    prior_weight: float = 1e-4,
+    prior_weight: float = 2.5e-4,
+    min_confidence: float = 0.3,
     outlier_k: float = 4.0,
     outlier_floor: float = 0.25,
     max_rounds: int = 3,
@@ -306,12 +326,16 @@ def fit_records(
     rel = _design(ordered, model, kappa) / times[:, None]
     # The TP collectives are not refitted (tools.profile measures them on their own): what the
     # columns fit is the rest of each measured time.
-    fixed = np.array([model.tp_time_s(r.seq_lens, r.cp_size, r.recompute) for r in ordered])
+    fixed = np.array(
+        [model.tp_time_s(r.seq_lens, r.cp_size, r.recompute, r.recompute_layers) for r in ordered]
+    )
     target = 1.0 - fixed / times
     prior_x = _prior_vector(model)
     keep = np.ones(len(ordered), dtype=bool)
     multi = np.array([r.cp_size > 1 for r in ordered])
-    x, live = _solve_records(rel, target, multi, prior_x, prior_weight, tie_comm_below)
+    x, live = _solve_records(
+        rel, target, multi, prior_x, prior_weight, min_confidence, tie_comm_below
+    )
     for _ in range(max_rounds):
         inliers = _inliers(rel @ x - target, outlier_k, outlier_floor)
         if np.array_equal(inliers, keep):
@@ -323,7 +347,13 @@ def fit_records(
                 f"{int(keep.sum())} of {len(ordered)} are left after rejecting outliers"
             )
         x, live = _solve_records(
-            rel[keep], target[keep], multi[keep], prior_x, prior_weight, tie_comm_below
+            rel[keep],
+            target[keep],
+            multi[keep],
+            prior_x,
+            prior_weight,
+            min_confidence,
+            tie_comm_below,
         )
     used = [r for r, k in zip(ordered, keep, strict=True) if k]
     memory, raised = _memory_calibration(ordered, model)

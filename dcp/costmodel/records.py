@@ -8,7 +8,9 @@ contract (extended only compatibly; readers ignore keys they do not know)::
      "seq_lens": [int],       # training lengths of the sequences packed in it
      "recompute": str,        # one of dcp.plan.RECOMPUTE_LEVELS
      "time_s": float,         # forward + backward wall seconds (slowest rank of the group)
-     "mem_bytes": int | null} # peak bytes on its ranks; optional (absent or null: not measured)
+     "mem_bytes": int | null, # peak bytes on its ranks; optional (absent or null: not measured)
+     "recompute_layers": int | null}  # with "full": layers recomputed; optional (absent or
+                                      # null: all of them, as before the key existed)
 
 ``dcp.costmodel.online`` refits a cost model from these records. Pure Python, no torch.
 """
@@ -22,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcp.plan import RECOMPUTE_LEVELS, check_choice
+from dcp.plan import RECOMPUTE_LEVELS, Recompute, check_choice
 
 _REQUIRED = ("step", "ranks", "seq_lens", "recompute", "time_s")
 
@@ -49,6 +51,10 @@ class MicroStepRecord:
     """Forward + backward wall seconds on the slowest rank of the group, > 0 and finite."""
     mem_bytes: int | None = None
     """Peak bytes on the group's ranks; ``None`` when not measured."""
+    recompute_layers: int | None = None
+    """With ``full``: the first N layers recomputed (``MicroStep.recompute_layers``); ``None``:
+    all of them. A partial recompute timed as a full one would teach the refit that full
+    recompute is cheap."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.step) or self.step < 0:
@@ -69,6 +75,15 @@ class MicroStepRecord:
             raise ValueError(f"time_s must be a finite number > 0, got {self.time_s!r}")
         if self.mem_bytes is not None and (not _is_int(self.mem_bytes) or self.mem_bytes < 0):
             raise ValueError(f"mem_bytes must be null or an int >= 0, got {self.mem_bytes!r}")
+        if self.recompute_layers is not None and (
+            self.recompute != Recompute.FULL
+            or not _is_int(self.recompute_layers)
+            or self.recompute_layers < 1
+        ):
+            raise ValueError(
+                "recompute_layers must be null or an int >= 1 with recompute 'full', got "
+                f"{self.recompute_layers!r} with {self.recompute!r}"
+            )
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "seq_lens", lens)
         object.__setattr__(self, "time_s", time_s)
@@ -79,8 +94,9 @@ class MicroStepRecord:
         return len(self.ranks)
 
     def to_dict(self) -> dict:
-        """The JSON object of the contract (``mem_bytes`` is always present, null if unknown)."""
-        return {
+        """The JSON object of the contract (``mem_bytes`` is always present, null if unknown;
+        ``recompute_layers`` only when set, so full-model records read as before)."""
+        out = {
             "step": self.step,
             "ranks": list(self.ranks),
             "seq_lens": list(self.seq_lens),
@@ -88,6 +104,9 @@ class MicroStepRecord:
             "time_s": self.time_s,
             "mem_bytes": self.mem_bytes,
         }
+        if self.recompute_layers is not None:
+            out["recompute_layers"] = self.recompute_layers
+        return out
 
     @classmethod
     def from_dict(cls, data: object) -> MicroStepRecord:
@@ -110,6 +129,7 @@ class MicroStepRecord:
             recompute=data["recompute"],
             time_s=data["time_s"],
             mem_bytes=data.get("mem_bytes"),
+            recompute_layers=data.get("recompute_layers"),
         )
 
 

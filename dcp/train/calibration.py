@@ -175,6 +175,7 @@ class OnlineCalibrator:
                 seq_lens=tuple(lengths[i] for i in s.seq_ids),
                 recompute=s.recompute,
                 time_s=slowest[index],
+                recompute_layers=s.recompute_layers,
             )
             for index, s in enumerate(plan.steps)
             if slowest.get(index, 0.0) > 0
