@@ -156,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def simulate_data(args: argparse.Namespace) -> int:
     """``--data``: the planners on global batches drawn from the user's corpus."""
+    from tqdm import tqdm
+
     from dcp.costmodel import load_cost_model, load_spec
     from dcp.data.lengths import corpus_doc_lengths
     from dcp.data.sampler import sample_batches
@@ -190,14 +192,20 @@ def simulate_data(args: argparse.Namespace) -> int:
             )
         ]
         longest = args.max_seq_len or max(train_len(int(doc_lengths.max())), 1)
-        results = simulate_batches(
-            cost_model,
-            batches,
-            label=Path(args.data).name,
-            max_seq_len=longest,
-            planners=[p for p in args.planners.split(",") if p],
-            log=_log,
-        )
+        # Every planner (and each fixed static/Megatron configuration) plans every batch: a
+        # count of plans made, on a terminal only.
+        with tqdm(
+            desc="plans simulated", unit=" plans", file=sys.stderr, disable=not sys.stderr.isatty()
+        ) as bar:
+            results = simulate_batches(
+                cost_model,
+                batches,
+                label=Path(args.data).name,
+                max_seq_len=longest,
+                planners=[p for p in args.planners.split(",") if p],
+                log=_log,
+                on_plan=bar.update,
+            )
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -70,10 +70,13 @@ def evaluate(
     planners: tuple[str, ...],
     *,
     max_seq_len: int | None = None,
+    on_plan: Callable[[], None] | None = None,
 ) -> dict:
     """Every planner of ``planners`` on ``batches``, simulated on ``cost_model``. The static
     baselines are sized for ``max_seq_len`` (default: the named workload's longest sequence),
-    as a static run must be for its data's longest sequence."""
+    as a static run must be for its data's longest sequence. ``on_plan`` is called after every
+    plan made (a progress display)."""
+    on_plan = on_plan or (lambda: None)
     if max_seq_len is None:
         max_seq_len = get_workload(workload_name).max_seq_len
     row: dict = {
@@ -98,6 +101,7 @@ def evaluate(
             start = time.perf_counter()
             plan = plan_dcp(b, cost_model=cost_model, options=options)
             plan_ms.append((time.perf_counter() - start) * 1e3)
+            on_plan()
             times.append(_checked_time(plan, b, cost_model))
             for step in plan.steps:
                 partial = "" if step.recompute_layers is None else f"/{step.recompute_layers}"
@@ -117,6 +121,7 @@ def evaluate(
                 start = time.perf_counter()
                 plan = plan_static(b, cost_model=cost_model, options=options)
                 plan_ms.append((time.perf_counter() - start) * 1e3)
+                on_plan()
                 runs[key].append(_checked_time(plan, b, cost_model))
         config, times = _best_fixed(runs)
         row[planner] = {"step_time_s": times, "config": config, "plan_ms": plan_ms}
@@ -131,6 +136,7 @@ def evaluate(
                     start = time.perf_counter()
                     plan = plan_megatron(b, cost_model=cost_model, options=options)
                     plan_ms.append((time.perf_counter() - start) * 1e3)
+                    on_plan()
                     per_batch.append(_checked_time(plan, b, cost_model))
                     unaligned[level] += plan.unaligned_steps
                 runs[level] = per_batch
@@ -176,6 +182,7 @@ def simulate_batches(
     max_seq_len: int,
     planners: Sequence[str] = SWEEP_PLANNERS,
     log: Log = _quiet,
+    on_plan: Callable[[], None] | None = None,
 ) -> dict:
     """Every planner of ``planners`` on the given global batches (training lengths, e.g.
     sampled from a user's corpus), simulated on ``cost_model``: per batch and overall step
@@ -192,7 +199,9 @@ def simulate_batches(
         f"({sum(map(len, batches))} sequences) with {', '.join(planners)}"
     )
     started = time.perf_counter()
-    row = evaluate(cost_model, label, batches, planners, max_seq_len=max_seq_len)
+    row = evaluate(
+        cost_model, label, batches, planners, max_seq_len=max_seq_len, on_plan=on_plan
+    )
     log(f"simulated in {time.perf_counter() - started:.1f} s")
     return {
         "simulated": True,

@@ -76,3 +76,21 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, content, extra, message):
     assert simulate_cli.main(args) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: ") and message.replace("\\", "") in last, last
+
+
+def test_every_plan_made_is_reported_to_the_progress_display():
+    from dcp.costmodel import load_cost_model
+    from dcp.planning.sweep import simulate_batches
+
+    rng = np.random.default_rng(5)
+    batches = [rng.integers(50, 1500, size=20).tolist() for _ in range(3)]
+    made = []
+    row = simulate_batches(
+        load_cost_model("cpu-tiny"),
+        batches,
+        label="progress",
+        max_seq_len=1500,
+        on_plan=lambda: made.append(1),
+    )
+    plans = sum(len(v["plan_ms"]) for v in row.values() if isinstance(v, dict) and "plan_ms" in v)
+    assert len(made) == plans >= 4 * len(batches)  # dcp, three-level, static, oracle, megatron
