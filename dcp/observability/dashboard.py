@@ -95,7 +95,10 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
     (
         "Memory",
         (
-            PanelSpec("peak memory per step (bytes, max over ranks)", ("peak_mem_bytes",)),
+            PanelSpec(
+                "peak memory per step (max over ranks) and the plan's budget per rank (bytes)",
+                ("peak_mem_bytes", "mem_budget_bytes"),
+            ),
             PanelSpec("optimizer state bytes per rank", ("optimizer_state_bytes/*",)),
         ),
     ),
@@ -109,9 +112,7 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
 )
 """The dashboard's sections and panels, over keys ``dcp.observability.record.StepRecord``
 writes."""
-NOT_LOGGED: tuple[str, ...] = (
-    "memory budget per rank: runs log peak_mem_bytes but not the cost model's budget",
-)
+NOT_LOGGED: tuple[str, ...] = ()
 """Quantities the dashboard would show but DCP runs do not log."""
 
 

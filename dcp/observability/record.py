@@ -107,13 +107,16 @@ class StepRecord:
     """Optimizer state bytes held by each rank, by rank (``Runtime.optimizer_state_bytes``)."""
     exploration: str | None = None
     """The configuration online calibration tried on this step's longest sequence, if any."""
+    mem_budget_bytes: float | None = None
+    """The per-rank memory budget the plan was made against (the cost model's
+    ``mem_budget_bytes``; emulated on the CPU presets)."""
     padding_tokens: int = 0
     """Padding tokens the step ran (zig-zag layout, TE and sequence-parallel alignment), masked
     out of the loss; each planner rank's counted once."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        for key in ("mfu", "optimizer_state_bytes", "exploration"):
+        for key in ("mfu", "optimizer_state_bytes", "exploration", "mem_budget_bytes"):
             if out[key] is None:
                 del out[key]
         return out

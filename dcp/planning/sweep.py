@@ -199,9 +199,7 @@ def simulate_batches(
         f"({sum(map(len, batches))} sequences) with {', '.join(planners)}"
     )
     started = time.perf_counter()
-    row = evaluate(
-        cost_model, label, batches, planners, max_seq_len=max_seq_len, on_plan=on_plan
-    )
+    row = evaluate(cost_model, label, batches, planners, max_seq_len=max_seq_len, on_plan=on_plan)
     log(f"simulated in {time.perf_counter() - started:.1f} s")
     return {
         "simulated": True,

@@ -53,6 +53,7 @@ class StepRecorder:
             skipped=stats.skipped,
             dropped_sequences=len(planned.dropped),
             peak_mem_bytes=max_peak_memory_bytes(),
+            mem_budget_bytes=float(self.planner.cost_model.mem_budget_bytes),
             optimizer_state_bytes=self._optimizer_state_bytes(),
             exploration=planned.exploration,
             padding_tokens=stats.padding_tokens,
