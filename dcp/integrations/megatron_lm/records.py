@@ -5,7 +5,8 @@ quantity exists in Megatron's loop: ``step``, ``loss``, ``tokens``, ``sequences`
 ``step_time_s`` (Megatron's whole ``train_step``: forward, backward and optimizer),
 ``tokens_per_s``, ``lr``, ``grad_norm``, ``skipped``, ``planner`` and, for ``--dcp`` runs,
 ``compute_time_s``, ``predicted_step_time_s``, ``prediction_error``, ``plan_time_s``,
-``padding_tokens`` and ``plan`` (``PlanStats``), so ``tools.compare_runs`` reads these files too.
+``mem_budget_bytes``, ``local_padding_tokens`` (the writing rank's) and ``plan``
+(``PlanStats``), so ``tools.compare_runs`` reads these files too.
 With Megatron's ``--wandb-project`` the same record goes into Megatron's own W&B run (on the rank
 that holds it), flattened as DCP's trainer logs it (``plan/cp_hist/2``, ...), so
 ``tools.wandb_dashboard``'s panels work on Megatron-loop runs.
@@ -27,8 +28,11 @@ from dcp.observability.metrics import flatten
 from dcp.observability.record import PlanStats
 
 
-def plan_fields(planned, result, *, plan_time_s: float, num_ranks: int) -> dict:
-    """What a ``--dcp`` step adds to its record: the plan and this rank's execution of it."""
+def plan_fields(
+    planned, result, *, plan_time_s: float, num_ranks: int, mem_budget_bytes: float
+) -> dict:
+    """What a ``--dcp`` step adds to its record: the plan, the memory budget it was made
+    against, and this rank's execution of it."""
     compute_s = result.compute_time_s
     predicted = planned.predicted_step_time_s
     return {
@@ -39,6 +43,7 @@ def plan_fields(planned, result, *, plan_time_s: float, num_ranks: int) -> dict:
         "calibration_version": planned.calibration_version,
         "plan_time_s": plan_time_s,
         "dropped_sequences": len(planned.dropped),
+        "mem_budget_bytes": float(mem_budget_bytes),
         "local_padding_tokens": result.padding_tokens,
         "plan": asdict(
             PlanStats.of(

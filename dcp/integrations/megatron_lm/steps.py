@@ -156,6 +156,7 @@ class DCPForwardBackward:
                 result,
                 plan_time_s=plan_time_s,
                 num_ranks=self.planner.num_planner_ranks,
+                mem_budget_bytes=self.planner.cost_model.mem_budget_bytes,
             )
         )
         device = compute_device()
