@@ -185,6 +185,17 @@ class OnlineCalibrator:
             append_records(self.path, new)
         return new
 
+    def calibrate(self, step: int, planned, step_times_s: list[tuple[int, float]], planner) -> bool:
+        """Record ``step``'s micro-steps (``observe``, a collective) and, when a refit is due
+        and accepted, make ``planner`` (a ``BatchPlanner``) plan with it from the next step.
+        Returns whether the planner's cost model changed."""
+        self.observe(step, planned.plan, planned.lengths, step_times_s)
+        refit = self.maybe_refit(step, planner.cost_model)
+        if refit is None or not refit.accepted:
+            return False
+        planner.set_spec(self.spec, version=refit.version)
+        return True
+
     def maybe_refit(self, step: int, current: CostModel) -> RefitOutcome | None:
         """Refit after ``step`` when it is due; the same decision on every rank."""
         cfg = self.cfg

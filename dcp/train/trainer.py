@@ -331,7 +331,7 @@ class Trainer:
                 with phase(f"the metrics reduction of step {step}"):
                     record = self.recorder.record(step, stats, planned, plan_time_s)
                 skips.count(step, stats, planned)
-                if self._calibrate(step, planned, stats):
+                if self.calibrator.calibrate(step, planned, stats.micro_step_times_s, self.planner):
                     plans.replan()
                 self.metrics.log(step, record.to_dict())
                 self.metrics.note(f"step {step}: {record.plan.summary()}")
@@ -363,16 +363,6 @@ class Trainer:
             stop.restore()
             plans.close()
         return records
-
-    def _calibrate(self, step: int, planned: PlannedBatch, stats: StepStats) -> bool:
-        """Feed the step's micro-step times to online calibration; returns whether a refit was
-        accepted (the planner then plans with the refitted cost model)."""
-        self.calibrator.observe(step, planned.plan, planned.lengths, stats.micro_step_times_s)
-        refit = self.calibrator.maybe_refit(step, self.planner.cost_model)
-        if refit is None or not refit.accepted:
-            return False
-        self.planner.set_spec(self.calibrator.spec, version=refit.version)
-        return True
 
     def _where_things_went(self) -> None:
         """The end of the console output: where everything went, and what to run next."""

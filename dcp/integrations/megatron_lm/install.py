@@ -191,7 +191,7 @@ class MegatronLMRun:
             from dcp.train.calibration import OnlineCalibrator
 
             calibrator = OnlineCalibrator(
-                planning_config(args),
+                planner.cfg,
                 spec=planner.spec,
                 run_dir=self.records_dir,
                 records=[],  # a resumed run refits from the spec again

@@ -145,10 +145,7 @@ class DCPForwardBackward:
             local_token_multiple=_local_token_multiple(model[0]),
         )
         if self.calibrator is not None:
-            self.calibrator.observe(self.step, planned.plan, planned.lengths, result.step_times_s)
-            refit = self.calibrator.maybe_refit(self.step, self.planner.cost_model)
-            if refit is not None and refit.accepted:
-                self.planner.set_spec(self.calibrator.spec, version=refit.version)
+            self.calibrator.calibrate(self.step, planned, result.step_times_s, self.planner)
         self.step += 1
         self.on_step(
             plan_fields(
