@@ -163,7 +163,9 @@ def run_one(name: str, extra: list[str], args: argparse.Namespace, round_index: 
     print(f"  {name} (round {round_index + 1}): exit {code}, {wall:.0f} s", file=sys.stderr)
     if code != 0:
         raise RuntimeError(f"{name}: exit {code}; see {out / 'log.txt'}")
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    from dcp.observability.metrics import read_metrics
+
+    return read_metrics(metrics)
 
 
 def summarize(rounds: list[list[dict]], warmup: int) -> dict:
@@ -172,15 +174,17 @@ def summarize(rounds: list[list[dict]], warmup: int) -> dict:
     timed = [r for records in rounds for r in records[warmup:]]
     tokens = sum(r["tokens"] for r in timed)
     seconds = sum(r["step_time_s"] for r in timed)
-    plans = [r["plan"] for r in timed if "plan" in r]
+    plans = [r for r in timed if "plan/num_micro_steps" in r]  # --dcp runs
     errors = [r["prediction_error"] for r in timed if "prediction_error" in r]
     return {
         "tokens_per_s": tokens / seconds,
         "step_time_s": seconds / len(timed),
         "losses": [r["loss"] for r in rounds[0]],
-        "micro_steps": (sum(p["num_micro_steps"] for p in plans) / len(plans) if plans else None),
+        "micro_steps": (
+            sum(p["plan/num_micro_steps"] for p in plans) / len(plans) if plans else None
+        ),
         "recompute_fraction": (
-            sum(p["recompute_fraction"] for p in plans) / len(plans) if plans else None
+            sum(p["plan/recompute_fraction"] for p in plans) / len(plans) if plans else None
         ),
         "step_time_prediction_error": sorted(errors)[len(errors) // 2] if errors else None,
     }

@@ -1,21 +1,21 @@
 """One JSON line per training step of a Megatron-loop run (``--dcp-metrics``).
 
-Keys follow ``runs/<name>/metrics.jsonl`` (``dcp.observability.record.StepRecord``) where the
-quantity exists in Megatron's loop: ``step``, ``loss``, ``tokens``, ``sequences``,
-``step_time_s`` (Megatron's whole ``train_step``: forward, backward and optimizer),
-``tokens_per_s``, ``lr``, ``grad_norm``, ``skipped``, ``planner`` and, for ``--dcp`` runs,
-``compute_time_s``, ``predicted_step_time_s``, ``prediction_error``, ``plan_time_s``,
-``mem_budget_bytes``, ``local_padding_tokens`` (the writing rank's) and ``plan``
-(``PlanStats``), so ``tools.compare_runs`` reads these files too.
-With Megatron's ``--wandb-project`` the same record goes into Megatron's own W&B run (on the rank
-that holds it), flattened as DCP's trainer logs it (``plan/cp_hist/2``, ...), so
+Lines are encoded as ``runs/<name>/metrics.jsonl``'s (``dcp.observability.metrics.encode_record``:
+flat ``plan/...`` keys, non-finite values marked; ``read_metrics`` reads them), with the keys of
+``dcp.observability.record.StepRecord`` where the quantity exists in Megatron's loop: ``step``,
+``loss``, ``tokens``, ``sequences``, ``step_time_s`` (Megatron's whole ``train_step``: forward,
+backward and optimizer), ``tokens_per_s``, ``lr``, ``grad_norm``, ``skipped``, ``planner`` and,
+for ``--dcp`` runs, ``compute_time_s``, ``predicted_step_time_s``, ``prediction_error``,
+``plan_time_s``, ``mem_budget_bytes``, ``local_padding_tokens`` (the writing rank's) and the
+plan (``PlanStats`` under ``plan/``), so ``tools.compare_runs`` reads these files too. With
+Megatron's ``--wandb-project`` the same record goes into Megatron's own W&B run (on the rank that
+holds it), flattened as DCP's trainer logs it (``plan/cp_hist/2``, ...), so
 ``tools.wandb_dashboard``'s panels work on Megatron-loop runs.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import time
 from dataclasses import asdict
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dcp.integrations.megatron_lm.data import DocumentBatch
-from dcp.observability.metrics import flatten
+from dcp.observability.metrics import encode_record, flatten
 from dcp.observability.record import PlanStats
 
 
@@ -119,7 +119,8 @@ class LoopRecorder:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(record) + "\n")
+        line, _ = encode_record(record["step"], record)
+        self._file.write(line + "\n")
         self._file.flush()
 
     def close(self) -> None:
