@@ -179,7 +179,8 @@ class Trainer:
             cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len
         )
         self.sampler = GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
-        planner_args = dict(
+        self.planner = BatchPlanner(
+            cfg.planning,
             world_size=self.world_size,
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             max_seq_len=longest_seq_len(self.dataset),
@@ -193,15 +194,14 @@ class Trainer:
             ranks_per_node=_ranks_per_node(),
             model=cfg.model.shape,
         )
-        self.planner = BatchPlanner(cfg.planning, **planner_args)
         # planner=static fixes its configuration once, before the run, over the run's first
         # batches (a fresh sampler: a resumed run chooses the same); config.yaml records it.
         planning = with_fixed_static_config(
             self.planner, GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
         )
-        if planning != cfg.planning:
+        if planning != cfg.planning:  # the cost model does not depend on it: no rebuild
             self.cfg = dataclasses.replace(cfg, planning=planning)
-            self.planner = BatchPlanner(planning, **planner_args)
+            self.planner.cfg = planning
 
     def close(self) -> None:
         """Finish metrics and release the directories (idempotent)."""
