@@ -1,7 +1,9 @@
-"""End-to-end benchmark: the same run planned three ways (static, Megatron Hybrid-CP, DCP).
+"""End-to-end benchmark: the same run planned by static CP, Megatron Hybrid-CP and DCP (with and
+without its finer options).
 
     python -m tools.bench_e2e [--config pretrain/configs/bench_cpu.yaml] [--steps 8] \\
-        [--warmup 1] [--rounds 2] [--nproc 2] [--planners static,megatron,dcp] [key.sub=value ...]
+        [--warmup 1] [--rounds 2] [--nproc 2] [--planners static,megatron,dcp-3level,dcp] \\
+        [key.sub=value ...]
 
 Started without torchrun it re-launches itself under ``torchrun --standalone`` with ``--nproc``
 ranks (default: the spec's ``cluster.num_gpus``). Tensor parallelism comes from the spec
@@ -17,6 +19,9 @@ overlay). Rank 0 prints a table, the ``tools.wandb_dashboard`` command that buil
 workspace over these runs, and, as the last line of stdout, one JSON object:
 
     speedup_vs_static, speedup_vs_megatron   DCP tokens/s over each baseline's (after warm-up)
+    speedup_vs_dcp_3level                     ... over DCP's planner with partial recompute and
+                                              shared CP groups off (planning.partial_recompute,
+                                              planning.share_cp_groups = false)
     max_abs_loss_diff                         max |loss_dcp - loss_static| over the same steps
     step_time_prediction_error                median |predicted - measured| / measured, DCP steps
                                               (measured = slowest rank's micro-step phase)
@@ -103,7 +108,9 @@ def report(results: dict[str, dict], args) -> dict:
         f"{'pred err':>8} {'µsteps':>7} {'recomp':>7} {'peak GB':>8} {'final loss':>10}"
     )
     print(header)
-    order = ["dcp", "static", "megatron"] + sorted(n for n in results if n.startswith("static-"))
+    order = ["dcp", "dcp-3level", "static", "megatron"] + sorted(
+        n for n in results if n.startswith("static-")
+    )
     for name in [n for n in order if n in results]:
         row = results[name]
         if "error" in row:
@@ -117,7 +124,9 @@ def report(results: dict[str, dict], args) -> dict:
             f"{'' if err is None else f'{err:7.1%}':>8} {row['micro_steps']:7.1f} "
             f"{row['recompute_fraction']:7.2f} {row['peak_mem_gb']:8.2f} {row['losses'][-1]:10.4f}"
         )
-    speedups = {k: summary[k] for k in ("speedup_vs_static", "speedup_vs_megatron")}
+    speedups = {
+        k: summary[k] for k in ("speedup_vs_static", "speedup_vs_megatron", "speedup_vs_dcp_3level")
+    }
     print(
         "DCP speedup: "
         + ", ".join(f"{k[8:]} {v:.3f}x" if v else f"{k[8:]} n/a" for k, v in speedups.items())

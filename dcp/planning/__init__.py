@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from dcp.costmodel import CostModel
 from dcp.plan import PLANNERS, STATIC_PER_BATCH, Plan, check_choice
 from dcp.planning.bounds import lower_bound_s
-from dcp.planning.dcp_planner import DCPOptions, plan_dcp
+from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.simulator import SimResult, simulate
 from dcp.planning.static import (
@@ -52,6 +52,7 @@ __all__ = [
     "MegatronOptions",
     "PlannerOptions",
     "SimResult",
+    "THREE_LEVEL_OPTIONS",
     "StaticOptions",
     "fixed_static_config",
     "lower_bound_s",

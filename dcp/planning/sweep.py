@@ -21,7 +21,7 @@ from dcp.costmodel import CostModel, load_cost_model
 from dcp.plan import PLANNERS, RECOMPUTE_LEVELS, STATIC_PER_BATCH, Plan
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
-from dcp.planning.dcp_planner import DCPOptions, plan_dcp
+from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.simulator import simulate
 from dcp.planning.static import StaticOptions, plan_static, static_configs
@@ -39,8 +39,9 @@ ORACLE = "static-oracle"
 # The sweep's static row is already each cell's best fixed configuration; the per-batch variant
 # is no run anyone launches, so the sweep leaves it out.
 THREE_LEVEL = "dcp-3level"
-"""DCP's planner with ``partial_recompute=False`` (none / selective / full of all layers): the
-planner before partial full recompute, for the side-by-side comparison."""
+"""DCP's planner with its finer options off (``dcp.planning.dcp_planner.THREE_LEVEL``: none /
+selective / full of all layers, one non-short sequence per micro-step), for the side-by-side
+comparison."""
 SWEEP_PLANNERS: tuple[str, ...] = (
     *(p for p in PLANNERS if p != STATIC_PER_BATCH),
     ORACLE,
@@ -92,7 +93,7 @@ def evaluate(
     row["lower_bound_pow2_s"] = [lower_bound_s(b, cost_model, cp_sizes=pow2) for b in batches]
     for name, options in (
         ("dcp", DCPOptions()),
-        (THREE_LEVEL, DCPOptions(partial_recompute=False)),
+        (THREE_LEVEL, DCPOptions(**THREE_LEVEL_OPTIONS)),
     ):
         if name not in planners:
             continue

@@ -184,7 +184,12 @@ class BatchPlanner:
         if pinned and cfg.planner != "dcp":
             raise ValueError(f"pinned sequences are a dcp planner option, not {cfg.planner!r}'s")
         if cfg.planner == "dcp":
-            return DCPOptions(on_oversize=cfg.on_oversize, pinned=pinned or None)
+            return DCPOptions(
+                on_oversize=cfg.on_oversize,
+                pinned=pinned or None,
+                partial_recompute=cfg.partial_recompute,
+                share_cp_groups=cfg.share_cp_groups,
+            )
         if cfg.planner in ("static", STATIC_PER_BATCH):
             # Sized for the run's longest sequence, as a static Megatron run must be.
             longest = None if self.max_seq_len is None else max(self.max_seq_len, max(lengths))

@@ -1,5 +1,6 @@
 """The end-to-end comparison behind ``python -m tools.bench_e2e``: the same run trained by
-static CP, Megatron Hybrid-CP and DCP, through the real trainer, on the same batches and seeds.
+static CP, Megatron Hybrid-CP and DCP (and DCP's three-level planner), through the real trainer,
+on the same batches and seeds.
 
 Static runs every fixed (CP size, recompute) configuration that holds the run's longest
 sequence (as a static Megatron setup must be sized) and the fastest is the baseline. Rounds run
@@ -23,13 +24,18 @@ import torch.distributed as dist
 
 from dcp.costmodel import load_cost_model
 from dcp.observability.record import StepRecord
-from dcp.planning import static_configs
+from dcp.planning import THREE_LEVEL_OPTIONS, static_configs
+from dcp.planning.sweep import THREE_LEVEL
 from dcp.train.batches import build_dataset, longest_seq_len
 from dcp.train.config import PretrainConfig
 from dcp.train.trainer import Trainer
 
-BENCH_PLANNERS = ("static", "megatron", "dcp")
-"""The order planners run in (dcp.plan.PLANNERS, baselines first)."""
+BENCH_PLANNERS = ("static", "megatron", THREE_LEVEL, "dcp")
+"""The order planners run in (dcp.plan.PLANNERS, baselines first). ``dcp-3level`` is DCP's
+planner with its finer options off (``THREE_LEVEL_OPTIONS``: the planner before partial
+recompute and shared CP groups), on the same batches."""
+_VARIANTS = {THREE_LEVEL: ("dcp", THREE_LEVEL_OPTIONS)}
+"""Bench names that run a planner with other options: name -> (planner, planning.* values)."""
 
 
 def static_variants(base_cfg: PretrainConfig) -> list[tuple[str, dict]]:
@@ -138,11 +144,13 @@ def run_benchmark(
 ) -> dict[str, dict]:
     """Per planner (and per static variant) its ``summarize`` row, or ``{"error": ...}`` when
     the runtime could not execute its plans; ``"static"`` is the fastest static variant."""
-    runs = [
-        (planner, name, options)
-        for planner in planners
-        for name, options in (static_variants(base_cfg) if planner == "static" else [(planner, {})])
-    ]
+    runs = []
+    for name in planners:
+        if name == "static":
+            runs += [("static", variant, opts) for variant, opts in static_variants(base_cfg)]
+        else:
+            planner, options = _VARIANTS.get(name, (name, {}))
+            runs.append((planner, name, options))
     results: dict[str, dict] = {}
     records: dict[str, list[list[StepRecord]]] = {name: [] for _, name, _ in runs}
     for round_index in range(rounds):
@@ -186,6 +194,7 @@ def bench_summary(results: dict[str, dict], *, steps: int, warmup: int, rounds: 
     return {
         "speedup_vs_static": ratio(dcp, static),
         "speedup_vs_megatron": ratio(dcp, results.get("megatron")),
+        "speedup_vs_dcp_3level": ratio(dcp, results.get(THREE_LEVEL)),
         "max_abs_loss_diff": loss_diff,
         "step_time_prediction_error": dcp.get("prediction_error") if dcp else None,
         "step_time_prediction_error_last10": dcp.get("prediction_error_last10") if dcp else None,

@@ -83,6 +83,13 @@ class PlanningConfig:
     """Online calibration with planner=dcp: on the first step after each refit, run the longest
     sequence in a configuration no micro-step has measured yet (see
     ``dcp.train.calibration``), so the fit learns about choices the planner never made."""
+    partial_recompute: bool = True
+    """planner=dcp: a full-recompute micro-step may recompute only its first N layers, the
+    least N that fits (``DCPOptions.partial_recompute``)."""
+    share_cp_groups: bool = True
+    """planner=dcp: sequences too long to pack at CP = 1 may share a micro-step when the cost
+    model says that is cheaper (``DCPOptions.share_cp_groups``). Both false: the three-level
+    planner (none / selective / full of all layers, one such sequence per micro-step)."""
 
     def __post_init__(self) -> None:
         check_choice(self.planner, PLANNERS, "planning.planner")

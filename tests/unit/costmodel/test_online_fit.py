@@ -14,7 +14,7 @@ from dcp.costmodel import CostModel, load_cost_model, load_preset
 from dcp.costmodel.online import fit_records
 from dcp.costmodel.records import MicroStepRecord, append_records, read_records
 from dcp.plan import RECOMPUTE_LEVELS
-from dcp.planning import DCPOptions, lower_bound_s, plan_dcp, simulate
+from dcp.planning import THREE_LEVEL_OPTIONS, DCPOptions, lower_bound_s, plan_dcp, simulate
 
 PRIOR = "cpu-tiny-uncalibrated+cpu-wrong"
 SHAPES = [[64], [256], [1024], [4096], [8192], [32] * 16, [128] * 8, [512] * 4, [100, 700, 3000]]
@@ -340,7 +340,7 @@ def test_refit_plans_near_optimal_under_the_true_costs():
         # much of the prior's gap, which is not what this test measures.
         bound = lower_bound_s(lengths, truth, partial_recompute=False)
         for model, ratios in ((fitted, fitted_ratio), (prior, prior_ratio)):
-            plan = plan_dcp(lengths, cost_model=model, options=DCPOptions(partial_recompute=False))
+            plan = plan_dcp(lengths, cost_model=model, options=DCPOptions(**THREE_LEVEL_OPTIONS))
             ratios.append(simulate(plan, lengths, truth).makespan_s / bound)
     report = f"fitted/bound {np.round(fitted_ratio, 4)}, prior/bound {np.round(prior_ratio, 4)}"
     assert max(fitted_ratio) <= 1.05, report

@@ -7,7 +7,7 @@ import pytest
 
 from dcp.costmodel import load_cost_model
 from dcp.plan import MicroStep, Plan
-from dcp.planning import DCPOptions, lower_bound_s, plan_dcp, simulate
+from dcp.planning import THREE_LEVEL_OPTIONS, DCPOptions, lower_bound_s, plan_dcp, simulate
 from dcp.planning.common import pow2_sizes
 from dcp.planning.workloads import make_batch
 
@@ -72,7 +72,7 @@ def test_min_recompute_layers_is_the_least_that_fits(cm):
 def test_planner_uses_partial_recompute_and_is_never_slower(cm, workload):
     b = make_batch(workload, num_ranks=cm.num_ranks, seed=0)
     new = plan_dcp(b, cost_model=cm)
-    old = plan_dcp(b, cost_model=cm, options=DCPOptions(partial_recompute=False))
+    old = plan_dcp(b, cost_model=cm, options=DCPOptions(**THREE_LEVEL_OPTIONS))
     new.validate(num_sequences=len(b), num_ranks=cm.num_ranks, num_layers=cm.num_layers)
     cm.check_plan_memory(new, b)
     assert any(s.recompute_layers for s in new.steps)
