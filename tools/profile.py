@@ -9,7 +9,10 @@ Runs micro-steps of ``--config``'s model on 2 gloo ranks through the real runtim
 (``dcp.train.measure``: the grid, the memory probes) and fits the cost model to them
 (``dcp.costmodel.calibrate``). With a spec whose ``options.tensor_parallel_size`` is TP > 1
 (``--spec cpu-tiny+cpu-tp2``) it runs 2 planner ranks of TP ranks each and also times the TP
-collectives on their own, which the fit keeps as the cost model's TP term. The default grid
+collectives on their own, which the fit keeps as the cost model's TP term. Besides the three
+recompute levels it times a full recompute of only the first ``--partial-layers`` layers (half
+the model's by default); the fit reads those points in the full-recompute columns scaled by N/L,
+as the cost model evaluates a partial recompute. The default grid
 takes about 4 minutes on 2 cores; it reaches 8K-token documents because attention's L² term
 dominates long ones and should not be extrapolated. The fit report (measured vs predicted per
 point) goes to stderr.
@@ -70,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--packs", default=DEFAULT_PACKS, help="packs, NxL: N documents of L tokens")
     p.add_argument("--cp", default="1,2", help="CP sizes to measure (1 and/or 2)")
     p.add_argument("--recompute", default=",".join(RECOMPUTE_LEVELS), help="levels to measure")
+    p.add_argument(
+        "--partial-layers",
+        type=int,
+        default=None,
+        help="also time full recompute of only the first N layers (default: half the model's "
+        "layers when it has 2 or more; 0: not measured)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per point")
     p.add_argument("--samples", type=int, default=6, help="timed micro-steps per point")
     p.add_argument("--budget-s", type=float, default=330.0, help="seconds for the timing grid")
@@ -78,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--measurements-out", default=None, help="save the raw measurements (JSON)")
     p.add_argument("--from-measurements", default=None, help="re-fit saved measurements only")
     return p
+
+
+def _partial_layers(requested: int | None, num_layers: int) -> int | None:
+    """``--partial-layers``: the N to time (None: none); by default half the layers."""
+    if requested is None:
+        return num_layers // 2 if num_layers >= 2 else None
+    return requested or None
 
 
 def _measure(args) -> dict:
@@ -101,6 +118,7 @@ def _measure(args) -> dict:
         budget_s=args.budget_s,
         memory_ref_len=args.memory_ref_len or ModelConfig(**model).max_seq_len,
         seed=args.seed,
+        partial_layers=_partial_layers(args.partial_layers, ModelConfig(**model).num_layers),
     )
     result.update(spec=spec_name, config=str(args.config))
     if result["attention_changed_during_run"]:

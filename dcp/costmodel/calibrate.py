@@ -21,7 +21,7 @@ import numpy as np
 from dcp.costmodel.features import TIME_FEATURES, time_features
 from dcp.costmodel.formula import CostModel
 from dcp.costmodel.nnls import nnls
-from dcp.plan import RECOMPUTE_LEVELS
+from dcp.plan import RECOMPUTE_LEVELS, Recompute, check_int
 from dcp.schema import from_dict
 
 LINEAR_HALF_GRID = (0.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
@@ -63,11 +63,24 @@ class TimePoint:
     """Representative (median) seconds of one forward+backward on each rank."""
     samples_s: tuple[float, ...] = ()
     """Every timed repeat (warm-up excluded), for the report."""
+    recompute_layers: int | None = None
+    """With ``full``: only the first N layers recomputed (``MicroStep.recompute_layers``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", _check_lengths(self.lengths))
         object.__setattr__(self, "samples_s", tuple(float(s) for s in self.samples_s))
         _check_level(self.recompute)
+        if self.recompute_layers is not None:
+            # The model's layer count bounds it where the point is fitted (time_features).
+            if self.recompute != Recompute.FULL:
+                raise ValueError("recompute_layers applies to recompute='full' only")
+            check_int(self.recompute_layers, "recompute_layers", ge=1)
+
+    @property
+    def label(self) -> str:
+        """The recompute setting as reports print it: ``full/2`` for 2 layers."""
+        layers = "" if self.recompute_layers is None else f"/{self.recompute_layers}"
+        return f"{self.recompute}{layers}"
         if self.cp_size < 1:
             raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
         if not self.time_s > 0:
@@ -99,8 +112,10 @@ def time_design(
     linear_half_tokens: float,
     attention_half_tokens: float,
     logits_per_linear: float,
+    num_layers: int | None = None,
 ) -> np.ndarray:
-    """The [points, ``TIME_FEATURES``] matrix of the linearised time formula."""
+    """The [points, ``TIME_FEATURES``] matrix of the linearised time formula (``num_layers``:
+    the model's, needed by points with ``recompute_layers``)."""
     rows = [
         time_features(
             p.lengths,
@@ -109,6 +124,8 @@ def time_design(
             linear_half_tokens=linear_half_tokens,
             attention_half_tokens=attention_half_tokens,
             logits_per_linear=logits_per_linear,
+            recompute_layers=p.recompute_layers,
+            num_layers=num_layers,
         )
         for p in points
     ]
@@ -186,10 +203,13 @@ def fit_time(
     linear_half_grid: Sequence[float] = LINEAR_HALF_GRID,
     attention_half_grid: Sequence[float] = ATTENTION_HALF_GRID,
     fixed_s: Sequence[float] | None = None,
+    num_layers: int | None = None,
 ) -> TimeFit:
     """Non-negative least squares on relative error, best grid point for the two half terms.
     ``fixed_s``: seconds of each point's time the fit does not explain (its TP collectives,
-    ``CostModel.tp_time_s``, measured on their own); the columns fit the rest."""
+    ``CostModel.tp_time_s``, measured on their own); the columns fit the rest. Points of a
+    partial full recompute (``recompute_layers``; they need ``num_layers``) enter the full
+    columns scaled by N/L, as the cost model evaluates them."""
     if len(points) < 3:
         raise ValueError(f"need at least 3 measured points to fit, got {len(points)}")
     if logits_per_linear < 0:
@@ -204,6 +224,7 @@ def fit_time(
                 linear_half_tokens=lh,
                 attention_half_tokens=ah,
                 logits_per_linear=logits_per_linear,
+                num_layers=num_layers,
             )
             # Relative error: a 10 ms step and a 10 s step weigh the same.
             x = nnls(a / times[:, None], target)
@@ -353,7 +374,12 @@ class ReportRow:
 def fit_report(cost_model, points: Sequence[TimePoint]) -> list[ReportRow]:
     """Measured vs predicted (``cost_model.step_time_s``) for every point."""
     return [
-        ReportRow(p, cost_model.step_time_s(list(p.lengths), p.cp_size, p.recompute))
+        ReportRow(
+            p,
+            cost_model.step_time_s(
+                list(p.lengths), p.cp_size, p.recompute, recompute_layers=p.recompute_layers
+            ),
+        )
         for p in points
     ]
 
@@ -398,11 +424,14 @@ def calibrated_spec(base: dict, measurements: dict) -> Calibration:
     if measurements.get("tp_points"):
         tp_block = fit_tp_comm(_points(TPCommPoint, measurements["tp_points"], "tp_points"))
         with_tp = CostModel.from_spec({**analytic_spec, "calibration": tp_block})
-        fixed_s = [with_tp.tp_time_s(p.lengths, p.cp_size, p.recompute) for p in points]
+        fixed_s = [
+            with_tp.tp_time_s(p.lengths, p.cp_size, p.recompute, p.recompute_layers) for p in points
+        ]
     time_fit = fit_time(
         points,
         logits_per_linear=analytic.logits_s_per_token / analytic.linear_s_per_token,
         fixed_s=fixed_s,
+        num_layers=CostModel.from_spec(analytic_spec).num_layers,
     )
     block = calibration_block(
         time_fit,

@@ -14,7 +14,7 @@ def format_report(rows: Sequence[ReportRow]) -> str:
     for r in rows:
         p = r.point
         lines.append(
-            f"{shape_label(p.lengths):>16} {p.cp_size:>2} {p.recompute:>9} {p.time_s:>10.4f} "
+            f"{shape_label(p.lengths):>16} {p.cp_size:>2} {p.label:>9} {p.time_s:>10.4f} "
             f"{r.predicted_s:>11.4f} {r.rel_error:+6.1%}"
         )
     median, worst = error_summary(rows)

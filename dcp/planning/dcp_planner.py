@@ -58,10 +58,11 @@ class DCPOptions:
     """Whether sequences too long to pack at CP = 1 may share one micro-step (at any CP size)
     when the cost model says that is cheaper than running them apart: the step's fixed costs
     are paid once; memory counts their sum. ``False``: every such sequence runs alone."""
-    pinned: Mapping[int, tuple[int, str]] | None = None
-    """``{sequence index: (cp_size, recompute)}``: those sequences run alone in a group of that
-    size at that level (online calibration's exploration) and the rest is planned around them.
-    The configuration must fit the cost model's memory budget."""
+    pinned: Mapping[int, tuple] | None = None
+    """``{sequence index: (cp_size, recompute)}`` or ``(cp_size, "full", N)`` (a full recompute
+    of the first N layers): those sequences run alone in a group of that size at that level
+    (online calibration's exploration) and the rest is planned around them. The configuration
+    must fit the cost model's memory budget."""
 
     def __post_init__(self) -> None:
         check_choice(self.on_oversize, ON_OVERSIZE, "on_oversize")
@@ -91,17 +92,35 @@ full of all layers, and one non-short sequence per micro-step (the planner these
 measured against)."""
 
 
-def _checked_pins(pinned: Mapping[int, tuple[int, str]]) -> dict[int, tuple[int, str]]:
-    """A copy of ``pinned`` with int indices and CP sizes, each level checked."""
+def _checked_pins(pinned: Mapping[int, tuple]) -> dict[int, tuple]:
+    """A copy of ``pinned`` with int indices, CP sizes and layer counts, each level checked:
+    ``(cp_size, recompute)``, or ``(cp_size, "full", N)`` for a full recompute of the first N
+    layers."""
     out = {}
     for index, config in pinned.items():
-        if not isinstance(config, tuple | list) or len(config) != 2:
-            raise ValueError(f"pinned[{index!r}] must be (cp_size, recompute), got {config!r}")
-        cp, level = config
+        if not isinstance(config, tuple | list) or len(config) not in (2, 3):
+            raise ValueError(
+                f"pinned[{index!r}] must be (cp_size, recompute) or (cp_size, 'full', layers), "
+                f"got {config!r}"
+            )
+        cp, level, *layers = config
         check_choice(level, RECOMPUTE_LEVELS, f"pinned[{index!r}] recompute")
         key = check_int(index, "pinned sequence index", ge=0)
-        out[key] = (check_int(cp, f"pinned[{index!r}] cp_size", ge=1), level)
+        cp = check_int(cp, f"pinned[{index!r}] cp_size", ge=1)
+        if layers:
+            if level != Recompute.FULL:
+                raise ValueError(f"pinned[{index!r}]: a layer count needs recompute 'full'")
+            out[key] = (cp, level, check_int(layers[0], f"pinned[{index!r}] layers", ge=1))
+        else:
+            out[key] = (cp, level)
     return out
+
+
+def pin_label(config: tuple) -> str:
+    """``"cp<c>/<recompute>"``, or ``"cp<c>/full<N>"`` for a full recompute of N layers: a
+    ``DCPOptions.pinned`` configuration as records and logs name it."""
+    cp, level, *layers = config
+    return f"cp{cp}/{level}{layers[0] if layers else ''}"
 
 
 class _Schedule:
@@ -186,8 +205,9 @@ def _plan(
             rec[:, k] = np.where(better, RECOMPUTE_LEVELS.index(lv), rec[:, k])
             if n is not None:
                 layers[:, k] = np.where(better & (n < cost_model.num_layers), n, layers[:, k])
-    pinned_rows = _apply_pins(options.pinned or {}, keep, kept, sizes, cost_model, dur, rec)
-    layers[pinned_rows, :] = 0
+    pinned_rows = _apply_pins(
+        options.pinned or {}, keep, kept, sizes, cost_model, (dur, rec, layers)
+    )
     assert not (layers[rec != full_index]).any()
     area = dur * np.asarray(sizes, dtype=np.float64)
 
@@ -308,18 +328,19 @@ def _plan(
 
 
 def _apply_pins(
-    pinned: Mapping[int, tuple[int, str]],
+    pinned: Mapping[int, tuple],
     keep: np.ndarray,
     kept: np.ndarray,
     sizes: list[int],
     cost_model: CostModel,
-    dur: np.ndarray,
-    rec: np.ndarray,
+    tables: tuple[np.ndarray, np.ndarray, np.ndarray],
 ) -> list[int]:
-    """Restrict each pinned sequence's row of ``dur``/``rec`` to its one configuration; returns
-    the rows (positions in ``keep``)."""
+    """Restrict each pinned sequence's row of the (duration, recompute, layers) ``tables`` to
+    its one configuration; returns the rows (positions in ``keep``)."""
+    dur, rec, layers = tables
     rows = []
-    for index, (cp, level) in sorted(pinned.items()):
+    for index, (cp, level, *n) in sorted(pinned.items()):
+        n = n[0] if n else None
         hits = np.flatnonzero(keep == index)
         if hits.size == 0:
             raise ValueError(f"pinned sequence {index} is not in the batch (or was dropped)")
@@ -330,14 +351,22 @@ def _apply_pins(
             )
         row, k = int(hits[0]), sizes.index(cp)
         length = kept[row : row + 1]
-        if not cost_model.fits(length, cp, level):
+        what = level if n is None else f"{level} of {n} layers"
+        try:
+            fits = cost_model.fits(length, cp, level, n)
+        except ValueError as exc:  # more layers than the model has, or no model spec
+            raise ValueError(f"pinned sequence {index}: {exc}") from None
+        if not fits:
             raise ValueError(
                 f"pinned sequence {index} ({int(length[0])} tokens) does not fit CP={cp} with "
-                f"recompute {level} in the cost model's memory budget"
+                f"recompute {what} in the cost model's memory budget"
             )
         dur[row, :] = np.inf
-        dur[row, k] = float(cost_model.solo_step_time_s(length, cp, level)[0])
+        dur[row, k] = float(cost_model.solo_step_time_s(length, cp, level, n)[0])
         rec[row, k] = RECOMPUTE_LEVELS.index(level)
+        layers[row, :] = 0
+        if n is not None and n < cost_model.num_layers:
+            layers[row, k] = n
         rows.append(row)
     return rows
 

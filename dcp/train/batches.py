@@ -35,6 +35,7 @@ from dcp.planning import (
     plan_batch,
     simulate,
 )
+from dcp.planning.dcp_planner import pin_label
 from dcp.runtime.dispatch import train_len
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ class PlannedBatch:
     calibration_version: int
     """The cost-model version that made the plan."""
     exploration: str | None = None
-    """``"cp<c>/<recompute>"`` when online calibration pinned the longest sequence."""
+    """``"cp<c>/<recompute>"`` (``"cp<c>/full<N>"``: N layers) when online calibration pinned
+    the longest sequence (``dcp.train.calibration.pin_label``)."""
 
 
 class BatchPlanner:
@@ -177,7 +179,7 @@ class BatchPlanner:
         self.version = version
 
     def planner_options(
-        self, lengths: list[int], *, pinned: dict[int, tuple[int, str]] | None = None
+        self, lengths: list[int], *, pinned: dict[int, tuple] | None = None
     ) -> PlannerOptions:
         """The configured planner's options for a batch of ``lengths``."""
         cfg = self.cfg
@@ -220,9 +222,7 @@ class BatchPlanner:
             )
         return self._static_config
 
-    def plan(
-        self, batch: GlobalBatch, *, pinned: dict[int, tuple[int, str]] | None = None
-    ) -> PlannedBatch:
+    def plan(self, batch: GlobalBatch, *, pinned: dict[int, tuple] | None = None) -> PlannedBatch:
         """Plan ``batch``; ``pinned`` (the dcp planner's option) fixes some sequences'
         configuration."""
         lengths = seq_lengths(batch)
@@ -241,7 +241,7 @@ class BatchPlanner:
             dropped=plan.dropped,
             calibration_version=version,
             exploration=(
-                ", ".join(f"cp{cp}/{level}" for cp, level in pinned.values()) if pinned else None
+                ", ".join(pin_label(config) for config in pinned.values()) if pinned else None
             ),
         )
 

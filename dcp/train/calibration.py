@@ -14,7 +14,8 @@ wrong prior that calls recompute free makes every long sequence run at CP = 1 wi
 and then CP = 2 without recompute is never measured, so the fit can never learn it was faster
 (recompute's cost and attention's are confounded when every long sequence recomputes). So on
 the first step after each refit the batch's longest sequence is pinned to one configuration no
-record has measured for a sequence of at least half its length, among those the current model
+record has measured for a sequence of at least half its length (a full recompute of only the
+least N layers that fit counts as a configuration of its own), among those the current model
 rates within ``EXPLORE_MARGIN`` of its best (in rank-seconds) and that fit in memory; the
 planner places the rest of the batch around it. It is useful work, not an extra micro-step;
 its cost is at most one sequence run in a possibly slower configuration, counted in the step's
@@ -32,8 +33,9 @@ import numpy as np
 import torch.distributed as dist
 
 from dcp.costmodel import CostModel, MicroStepRecord, append_records, fit_records, read_records
-from dcp.plan import RECOMPUTE_LEVELS, Plan
+from dcp.plan import RECOMPUTE_LEVELS, Plan, Recompute
 from dcp.planning.common import pow2_sizes
+from dcp.planning.dcp_planner import pin_label
 from dcp.runtime.collectives import phase
 
 logger = logging.getLogger(__name__)
@@ -59,38 +61,60 @@ class RefitOutcome:
 def median_error(model: CostModel, records: list[MicroStepRecord]) -> float:
     """Median |predicted - measured| / measured over ``records``."""
     return statistics.median(
-        abs(model.step_time_s(list(r.seq_lens), r.cp_size, r.recompute, r.ranks) / r.time_s - 1)
+        abs(
+            model.step_time_s(
+                list(r.seq_lens),
+                r.cp_size,
+                r.recompute,
+                r.ranks,
+                recompute_layers=r.recompute_layers,
+            )
+            / r.time_s
+            - 1
+        )
         for r in records
     )
 
 
 def choose_exploration(
     records: list[MicroStepRecord], lengths: list[int], cost_model: CostModel
-) -> dict[int, tuple[int, str]] | None:
+) -> dict[int, tuple] | None:
     """The configuration to try for the batch's longest sequence (module docstring), as
-    ``{index: (cp_size, recompute)}``, or ``None`` when every configuration worth trying has
-    been measured for a sequence at least half as long."""
+    ``{index: (cp_size, recompute)}`` or, for a full recompute of only the least N layers that
+    fit, ``{index: (cp_size, "full", N)}`` (``DCPOptions.pinned``); ``None`` when every
+    configuration worth trying has been measured for a sequence at least half as long. A partial
+    full recompute is its own configuration: a record of all layers does not count for it, nor
+    the reverse."""
     index = max(range(len(lengths)), key=lambda i: (lengths[i], -i))
     length = lengths[index]
     arms = []
     for cp in pow2_sizes(cost_model.num_ranks, None):
-        for level in RECOMPUTE_LEVELS:
-            if not cost_model.fits([length], cp, level):
+        configs: list[tuple] = [(level,) for level in RECOMPUTE_LEVELS]
+        # Where no recompute fits, the least N of layers that fits is an option of its own.
+        if cost_model.num_layers is not None and not cost_model.fits([length], cp, "none"):
+            n = int(cost_model.min_recompute_layers(np.array([length]), cp)[0])
+            if n < cost_model.num_layers:
+                configs.append((Recompute.FULL.value, n))
+        for level, *n in configs:
+            layers = n[0] if n else None
+            if not cost_model.fits([length], cp, level, layers):
                 continue
-            area = cp * float(cost_model.solo_step_time_s(np.array([length]), cp, level)[0])
+            time_s = cost_model.solo_step_time_s(np.array([length]), cp, level, layers)[0]
             seen = sum(
-                r.cp_size == cp and r.recompute == level and 2 * max(r.seq_lens) >= length
+                r.cp_size == cp
+                and r.recompute == level
+                and (r.recompute_layers is None) == (layers is None)
+                and 2 * max(r.seq_lens) >= length
                 for r in records
             )
-            arms.append((seen, area, cp, level))
+            arms.append((seen, cp * float(time_s), cp, level, *n))
     if not arms:
         return None
-    best = min(area for _, area, _, _ in arms)
+    best = min(arm[1] for arm in arms)
     unseen = [a for a in arms if a[0] == 0 and a[1] <= (1 + EXPLORE_MARGIN) * best]
     if not unseen:
         return None
-    _, _, cp, level = min(unseen)
-    return {index: (cp, level)}
+    return {index: min(unseen)[2:]}
 
 
 def restore_records(run_dir: Path, start_step: int) -> list[MicroStepRecord]:
@@ -138,21 +162,20 @@ class OnlineCalibrator:
 
     def exploration(
         self, step: int, lengths: list[int], cost_model: CostModel
-    ) -> dict[int, tuple[int, str]] | None:
-        """``{sequence index: (cp_size, recompute)}`` to pin for (1-based) ``step``, or ``None``
-        (module docstring: exploration)."""
+    ) -> dict[int, tuple] | None:
+        """``choose_exploration``'s pin for (1-based) ``step``, or ``None`` (module docstring:
+        exploration)."""
         explores = self.online and self.cfg.explore and self.cfg.planner == "dcp"
         if not explores or (step - 1) % self.cfg.refit_interval_steps:
             return None
         pinned = choose_exploration(self.records, lengths, cost_model)
         if pinned:
-            ((index, (cp, level)),) = pinned.items()
+            ((index, config),) = pinned.items()
             logger.info(
-                "step %d: exploring CP=%d, recompute %s for the longest sequence (%d tokens): "
-                "no micro-step of that configuration measured yet",
+                "step %d: exploring %s for the longest sequence (%d tokens): no micro-step of "
+                "that configuration measured yet",
                 step,
-                cp,
-                level,
+                pin_label(config),
                 lengths[index],
             )
         return pinned

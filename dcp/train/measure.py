@@ -61,6 +61,16 @@ class Job:
     result_path: str
     store_path: str
     tensor_parallel_size: int = 1
+    partial_layers: int | None = None
+    """Also time ``full`` recompute of only the first N layers (``MicroStep.recompute_layers``)
+    at every shape and CP size; ``None``: not measured."""
+
+    def settings(self) -> list[tuple[str, int | None]]:
+        """The (recompute level, layers) settings the grid times, cheapest memory last."""
+        out = [(lv, None) for lv in RECOMPUTE_LEVELS if lv in self.levels]
+        if self.partial_layers is not None:
+            out.insert(len(out) - ("full" in self.levels), ("full", self.partial_layers))
+        return out
 
     def steps_per_rank(self, cp_size: int) -> int:
         """Timed steps each rank runs for a point: CP=1 points pool both ranks' samples."""
@@ -176,7 +186,8 @@ class _RankSession:
         self.rss_after_build = peak_memory_bytes()
 
     # Each micro-step gets fresh documents of the given lengths; both ranks build the same ones.
-    def _run(self, steps: list[tuple[tuple[int, ...], tuple[int, ...], str]], seed: int):
+    def _run(self, steps: list[tuple], seed: int):
+        """Run micro-steps ``(ranks, shape, level)`` or ``(ranks, shape, level, layers)``."""
         import numpy as np
 
         from dcp.plan import MicroStep, Plan
@@ -184,10 +195,17 @@ class _RankSession:
 
         rng = np.random.default_rng(seed)
         docs, plan_steps = [], []
-        for ranks, shape, level in steps:
+        for ranks, shape, level, *layers in steps:
             ids = tuple(range(len(docs), len(docs) + len(shape)))
             docs.extend(rng.integers(0, self.vocab, size=n + 1) for n in shape)
-            plan_steps.append(MicroStep(ranks=ranks, seq_ids=ids, recompute=level))
+            plan_steps.append(
+                MicroStep(
+                    ranks=ranks,
+                    seq_ids=ids,
+                    recompute=level,
+                    recompute_layers=layers[0] if layers else None,
+                )
+            )
         plan = Plan(steps=tuple(plan_steps), planner="profile")
         return self.runtime.forward_backward(plan, InMemorySource(docs))
 
@@ -205,11 +223,13 @@ class _RankSession:
         groups = [everyone[p * tp : (p + 1) * tp] for p in range(len(everyone) // tp)]
         return [[max(ts) for ts in zip(*group, strict=True)] for group in groups]
 
-    def time_point(self, shape: tuple[int, ...], cp: int, level: str, seed: int) -> list[float]:
+    def time_point(
+        self, shape: tuple[int, ...], cp: int, level: str, seed: int, layers: int | None = None
+    ) -> list[float]:
         """Timed samples of one point (warm-up dropped); CP=1 pools both ranks' steps."""
         n = self.job.warmup + self.job.steps_per_rank(cp)
         groups = [(0,), (1,)] if cp == 1 else [(0, 1)]
-        result = self._run([(g, shape, level) for _ in range(n) for g in groups], seed)
+        result = self._run([(g, shape, level, layers) for _ in range(n) for g in groups], seed)
         everyone = self._planner_times([t for _, t in result.step_times_s])
         w = self.job.warmup
         if cp == 1:
@@ -298,10 +318,10 @@ class _RankSession:
     def run(self) -> dict:
         job, rank = self.job, self.rank
         start = time.perf_counter()
-        levels = [lv for lv in RECOMPUTE_LEVELS if lv in job.levels]
+        settings = job.settings()
         # First calls pay lazy initialisation (groups, caches, allocator): untimed.
         groups = [g for cp in job.cp_sizes for g in ([(0,), (1,)] if cp == 1 else [(0, 1)])]
-        self._run([(g, (128,), lv) for lv in levels for g in groups], seed=job.seed)
+        self._run([(g, (128,), *setting) for setting in settings for g in groups], seed=job.seed)
         memory = [
             self.memory_point(shape, level, seed=job.seed)
             for shape in MEMORY_SHAPES
@@ -316,28 +336,32 @@ class _RankSession:
                 _log(rank, f"TP collectives, {tokens} tokens: {point.time_s:.4f} s")
         base = CostModel.from_spec(job.spec)
         grid = sorted(
-            ((shape, cp, lv) for shape in job.shapes for cp in job.cp_sizes for lv in levels),
-            key=lambda p: (base.step_time_s(p[0], 1, "none"), p[1], levels.index(p[2])),
+            ((shape, cp, *s) for shape in job.shapes for cp in job.cp_sizes for s in settings),
+            key=lambda p: (base.step_time_s(p[0], 1, "none"), p[1], settings.index(p[2:])),
         )
         grid_start = time.perf_counter()
         points, skipped = [], []
-        for i, (shape, cp, level) in enumerate(grid):
-            predicted = base.step_time_s(shape, cp, level) * _scale(points, base, cp, level)
-            cost = predicted * (job.warmup + job.steps_per_rank(cp))
+        for i, (shape, cp, level, layers) in enumerate(grid):
+            predicted = base.step_time_s(shape, cp, level, recompute_layers=layers)
+            cost = (
+                predicted * _scale(points, base, cp, level) * (job.warmup + job.steps_per_rank(cp))
+            )
             left = job.budget_s - (time.perf_counter() - grid_start)
-            label = f"cp={cp} {level:<9} {shape_label(shape):>8}"
+            setting = level if layers is None else f"{level}/{layers}"
+            label = f"cp={cp} {setting:<9} {shape_label(shape):>8}"
             if not self._decide(cost <= left):
-                skipped.append({"shape": shape_label(shape), "cp_size": cp, "recompute": level})
+                skipped.append({"shape": shape_label(shape), "cp_size": cp, "recompute": setting})
                 _log(
                     rank,
                     f"[{i + 1:>3}/{len(grid)}] {label}: skipped (~{cost:.0f} s, {left:.0f} s left)",
                 )
                 continue
-            samples = self.time_point(shape, cp, level, seed=job.seed + i + 1)
+            samples = self.time_point(shape, cp, level, seed=job.seed + i + 1, layers=layers)
             point = TimePoint(
                 lengths=shape,
                 cp_size=cp,
                 recompute=level,
+                recompute_layers=layers,
                 time_s=statistics.median(samples),
                 samples_s=tuple(samples),
             )
@@ -370,7 +394,11 @@ def _scale(points: list[TimePoint], base: CostModel, cp: int, level: str) -> flo
     if not same:
         return 1.0
     return statistics.median(
-        p.time_s / base.step_time_s(list(p.lengths), p.cp_size, p.recompute) for p in same
+        p.time_s
+        / base.step_time_s(
+            list(p.lengths), p.cp_size, p.recompute, recompute_layers=p.recompute_layers
+        )
+        for p in same
     )
 
 
@@ -387,13 +415,15 @@ def measure(
     budget_s: float = 330.0,
     memory_ref_len: int,
     seed: int = 0,
+    partial_layers: int | None = None,
 ) -> dict:
     """Spawn the ranks, run the grid, return the measurements as a JSON-able dict.
 
     ``model``/``optim``: the config sections of the model being measured (must match
     ``spec["model"]``). The spec's ``options.tensor_parallel_size`` sets TP (``PLANNER_RANKS`` x
-    TP ranks are spawned). Raises ``ValueError`` for a bad grid and ``RuntimeError`` if a rank
-    fails.
+    TP ranks are spawned). ``partial_layers``: also time a full recompute of only that many
+    first layers (1 <= N < the model's layers). Raises ``ValueError`` for a bad grid and
+    ``RuntimeError`` if a rank fails.
     """
     import torch.multiprocessing as mp
 
@@ -408,6 +438,12 @@ def measure(
         raise ValueError(f"recompute levels must come from {RECOMPUTE_LEVELS}, got {levels}")
     if warmup < 0 or samples < 1 or budget_s <= 0:
         raise ValueError("warmup must be >= 0, samples >= 1 and budget_s > 0")
+    num_layers = int(model.get("num_layers", 0))
+    if partial_layers is not None and not 1 <= partial_layers < num_layers:
+        raise ValueError(
+            f"partial_layers must be between 1 and the model's {num_layers} layers - 1, got "
+            f"{partial_layers}"
+        )
     if not shapes:
         raise ValueError("the grid has no shapes to measure")
     attention_hash = _attention_sha256()
@@ -426,6 +462,7 @@ def measure(
             result_path=os.path.join(tmp, "result.json"),
             store_path=os.path.join(tmp, "store"),
             tensor_parallel_size=tp,
+            partial_layers=partial_layers,
         )
         os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank; inherited by the ranks
         try:

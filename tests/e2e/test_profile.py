@@ -2,7 +2,8 @@
 
 At TP = 2 (``cpu-tiny+cpu-tp2``: 4 gloo ranks, 2 planner ranks of 2) the profile also times the
 sequence-parallel collectives on the TP group and the fitted spec carries them as the cost
-model's TP term; a small grid keeps it under a minute."""
+model's TP term; the grid includes a full recompute of half the layers. A small grid keeps it
+around a minute."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_profile_at_tp2_measures_the_tp_collectives_and_fits_them(tmp_path):
     cmd = [
         sys.executable, "-m", "tools.profile", "--spec", "cpu-tiny+cpu-tp2",
         "--singles", "64,256,1024", "--packs", "4x32", "--cp", "1,2",
-        "--recompute", "none,full", "--samples", "2", "--warmup", "0", "--budget-s", "60",
+        "--recompute", "none,full", "--samples", "2", "--warmup", "0", "--budget-s", "90",
         "--out", str(spec_out), "--measurements-out", str(measurements_out),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -34,7 +35,11 @@ def test_profile_at_tp2_measures_the_tp_collectives_and_fits_them(tmp_path):
     assert all(p["time_s"] > 0 for p in measured["tp_points"])
     # Parameters, gradient buffers and the optimizer shard of one rank (its TP slice).
     assert measured["static_mem_bytes"] > 4 * 806_016 / 2
-    assert len(measured["time_points"]) == 4 * 2 * 2
+    # none, full, and full recompute of half the 4 layers (the default --partial-layers).
+    points = measured["time_points"]
+    assert len(points) == 4 * 2 * 3
+    assert sum(p["recompute_layers"] == 2 for p in points) == 4 * 2
+    assert all(p["recompute"] == "full" for p in points if p["recompute_layers"] is not None)
     fitted = load_cost_model(spec_out, world_size=4, tensor_parallel_size=2)
     c = fitted.coefficients
     assert c.tp_comm_s_per_token > 0 and c.tp_latency_s >= 0

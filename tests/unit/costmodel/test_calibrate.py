@@ -307,3 +307,39 @@ def test_profile_cli_refits_saved_measurements(tmp_path, capsys):
     bad.write_text(json.dumps(other))
     assert profile.main(["--from-measurements", str(bad)]) == 2
     assert "hidden_size" in capsys.readouterr().err
+
+
+def test_partial_recompute_points_are_fitted_in_the_full_columns():
+    """tools.profile also times a full recompute of only N of the L layers: the fit reads those
+    points as the cost model evaluates them (full's extra columns scaled by N/L). Fitted
+    without the whole-model full points, the partial ones alone pin full recompute's cost."""
+    spec, kappa = _known_spec()
+    cm = CostModel.from_spec(spec)
+    layers = cm.num_layers
+    partial = [
+        TimePoint(
+            lengths=tuple(shape),
+            cp_size=cp,
+            recompute="full",
+            recompute_layers=layers // 2,
+            time_s=cm.step_time_s(shape, cp, "full", recompute_layers=layers // 2),
+        )
+        for shape in SHAPES
+        for cp in (1, 2)
+    ]
+    others = [p for p in _synthetic_points(cm) if p.recompute != "full"]
+    fit = fit_time(others + partial, logits_per_linear=kappa, num_layers=layers)
+    assert fit.rms_rel_error < 1e-9
+    fitted = CostModel.from_spec(
+        {**spec, "calibration": fit.calibration(cp_bytes_per_token=6144.0)}
+    )
+    for shape in SHAPES:
+        assert fitted.step_time_s(shape, 2, "full") == pytest.approx(
+            cm.step_time_s(shape, 2, "full"), rel=1e-6
+        )
+    assert max(abs(r.rel_error) for r in fit_report(fitted, partial)) < 1e-6
+    assert "full/2" in format_report(fit_report(fitted, partial))
+    with pytest.raises(ValueError, match="recompute_layers needs the model's num_layers"):
+        fit_time(others + partial, logits_per_linear=kappa)
+    with pytest.raises(ValueError, match="applies to recompute='full' only"):
+        TimePoint(lengths=(8,), cp_size=1, recompute="selective", recompute_layers=1, time_s=1.0)

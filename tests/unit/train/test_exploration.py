@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dcp.costmodel import MicroStepRecord, load_cost_model
+from dcp.planning import DCPOptions, plan_dcp
 from dcp.train.calibration import EXPLORE_MARGIN, choose_exploration
 
 MODEL = load_cost_model("cpu-tiny+cpu-mem-tight")
 LENGTHS = [300, 6000, 2000, 45]
 
 
-def _record(cp: int, level: str, length: int) -> MicroStepRecord:
+def _record(cp: int, level: str, length: int, layers: int | None = None) -> MicroStepRecord:
     return MicroStepRecord(
-        step=1, ranks=tuple(range(cp)), seq_lens=(length,), recompute=level, time_s=1.0
+        step=1,
+        ranks=tuple(range(cp)),
+        seq_lens=(length,),
+        recompute=level,
+        recompute_layers=layers,
+        time_s=1.0,
     )
 
 
@@ -19,13 +27,42 @@ def test_tries_each_unmeasured_configuration_then_stops():
     records: list[MicroStepRecord] = []
     tried = []
     while (pin := choose_exploration(records, LENGTHS, MODEL)) is not None:
-        ((index, (cp, level)),) = pin.items()
+        ((index, config),) = pin.items()
         assert index == 1  # the longest sequence
-        assert MODEL.fits([6000], cp, level)  # never a configuration the memory model refuses
-        tried.append((cp, level))
-        records.append(_record(cp, level, 6000))
+        # Never a configuration the memory model refuses.
+        assert MODEL.fits([6000], *config[:2], *config[2:])
+        tried.append(config)
+        records.append(_record(*config[:2], 6000, *config[2:]))
     assert len(tried) == len(set(tried)) >= 2
     assert (1, "none") not in tried  # 6000 tokens do not fit one rank without recompute
+    # A full recompute of only the least layers that fit is tried as a configuration of its own.
+    n = int(MODEL.min_recompute_layers([6000], 1)[0])
+    assert n < MODEL.num_layers and (1, "full", n) in tried
+
+
+def test_partial_and_all_layer_full_records_do_not_stand_in_for_each_other():
+    n = int(MODEL.min_recompute_layers([6000], 1)[0])
+    all_measured = [_record(cp, lv, 6000) for cp in (1, 2) for lv in ("none", "selective", "full")]
+    assert choose_exploration(all_measured, LENGTHS, MODEL) == {1: (1, "full", n)}
+    partial_instead = [r for r in all_measured if (r.cp_size, r.recompute) != (1, "full")]
+    partial_instead.append(_record(1, "full", 6000, n))
+    assert choose_exploration(partial_instead, LENGTHS, MODEL) == {1: (1, "full")}
+
+
+def test_planner_runs_a_pinned_partial_recompute():
+    n = int(MODEL.min_recompute_layers([6000], 1)[0])
+    plan = plan_dcp(LENGTHS, cost_model=MODEL, options=DCPOptions(pinned={1: (1, "full", n)}))
+    (step,) = [s for s in plan.steps if 1 in s.seq_ids]
+    assert (step.cp_size, step.recompute, step.recompute_layers, step.seq_ids) == (
+        1,
+        "full",
+        n,
+        (1,),
+    )
+    with pytest.raises(ValueError, match="does not fit CP=1 with recompute full of 1 layers"):
+        plan_dcp(LENGTHS, cost_model=MODEL, options=DCPOptions(pinned={1: (1, "full", n - 1)}))
+    with pytest.raises(ValueError, match="a layer count needs recompute 'full'"):
+        DCPOptions(pinned={1: (1, "selective", 2)})
 
 
 def test_measured_configurations_and_much_slower_ones_are_not_tried():
@@ -36,8 +73,9 @@ def test_measured_configurations_and_much_slower_ones_are_not_tried():
         if MODEL.fits([6000], cp, lv)
     )
     pin = choose_exploration([], LENGTHS, MODEL)
-    ((_, (cp, level)),) = pin.items()
-    assert cp * float(MODEL.solo_step_time_s([6000], cp, level)[0]) <= (1 + EXPLORE_MARGIN) * best
+    ((_, (cp, level, *layers)),) = pin.items()
+    area = cp * float(MODEL.solo_step_time_s([6000], cp, level, *layers)[0])
+    assert area <= (1 + EXPLORE_MARGIN) * best
     # A record of a sequence at least half as long counts as measured; a shorter one does not.
-    assert choose_exploration([_record(cp, level, 3000)], LENGTHS, MODEL) != pin
-    assert choose_exploration([_record(cp, level, 2999)], LENGTHS, MODEL) == pin
+    assert choose_exploration([_record(cp, level, 3000, *layers)], LENGTHS, MODEL) != pin
+    assert choose_exploration([_record(cp, level, 2999, *layers)], LENGTHS, MODEL) == pin
