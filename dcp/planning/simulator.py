@@ -48,8 +48,18 @@ class SimResult:
         }
 
 
-def simulate(plan: Plan, lengths: Sequence[int], cost_model: CostModel) -> SimResult:
-    """Execute ``plan`` on ``cost_model``; raises ``ValueError`` for ranks outside the cluster."""
+def simulate(
+    plan: Plan,
+    lengths: Sequence[int],
+    cost_model: CostModel,
+    *,
+    times_s: Sequence[float] | None = None,
+) -> SimResult:
+    """Execute ``plan`` on ``cost_model``; raises ``ValueError`` for ranks outside the cluster.
+    ``times_s``: each step's seconds instead of the cost model's (a what-if; its exposed
+    communication is then counted as none)."""
+    if times_s is not None and len(times_s) != len(plan.steps):
+        raise ValueError(f"times_s has {len(times_s)} entries for {len(plan.steps)} steps")
     num_ranks = cost_model.num_ranks
     free = np.zeros(num_ranks)
     busy = np.zeros(num_ranks)
@@ -64,9 +74,12 @@ def simulate(plan: Plan, lengths: Sequence[int], cost_model: CostModel) -> SimRe
         if ranks[0] < 0 or ranks[-1] >= num_ranks:
             raise ValueError(f"step {index} uses ranks {ranks} outside [0, {num_ranks})")
         seq = [lengths[s] for s in step.seq_ids]
-        time_s, comm_s = cost_model.step_terms(
-            seq, step.cp_size, step.recompute, ranks, recompute_layers=step.recompute_layers
-        )
+        if times_s is None:
+            time_s, comm_s = cost_model.step_terms(
+                seq, step.cp_size, step.recompute, ranks, recompute_layers=step.recompute_layers
+            )
+        else:
+            time_s, comm_s = float(times_s[index]), 0.0
         contiguous = ranks[-1] - ranks[0] + 1 == len(ranks)
         sel = slice(ranks[0], ranks[-1] + 1) if contiguous else list(ranks)
         start = free[sel].max()

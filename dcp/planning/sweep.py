@@ -23,6 +23,7 @@ from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
 from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
+from dcp.planning.offload import offload_what_if
 from dcp.planning.simulator import simulate
 from dcp.planning.static import StaticOptions, plan_static, static_configs
 from dcp.planning.workloads import WORKLOADS, get_workload, make_batch
@@ -97,7 +98,7 @@ def evaluate(
     ):
         if name not in planners:
             continue
-        times, plan_ms, mix = [], [], Counter()
+        times, plan_ms, mix, offload = [], [], Counter(), []
         for b in batches:
             start = time.perf_counter()
             plan = plan_dcp(b, cost_model=cost_model, options=options)
@@ -107,7 +108,12 @@ def evaluate(
             for step in plan.steps:
                 partial = "" if step.recompute_layers is None else f"/{step.recompute_layers}"
                 mix[f"cp{len(step.ranks)}/{step.recompute}{partial}"] += len(step.seq_ids)
+            offload.append(offload_what_if(plan, b, cost_model)[0])
         row[name] = {"step_time_s": times, "plan_ms": plan_ms, "mix": dict(sorted(mix.items()))}
+        if name == "dcp":
+            # GPU-only what-if (dcp.planning.offload): not a planner, never executed.
+            row[name]["offload_what_if_s"] = offload
+            row["offload_what_if_gain"] = sum(times) / sum(offload)
     for planner, tuned in (("static", False), (ORACLE, True)):
         if planner not in planners:
             continue
@@ -253,7 +259,8 @@ def _geomean(values: list[float]) -> float:
 
 def _summary(rows: list[dict]) -> dict:
     out = {}
-    for key in (*SPEEDUPS, "dcp_over_lower_bound", "pow2_bound_over_any_shape_bound"):
+    keys = (*SPEEDUPS, "dcp_over_lower_bound", "pow2_bound_over_any_shape_bound")
+    for key in (*keys, "offload_what_if_gain"):
         values = [r[key] for r in rows if key in r]
         if values:
             out[f"geomean_{key}"] = _geomean(values)
