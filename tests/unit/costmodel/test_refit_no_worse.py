@@ -1,4 +1,4 @@
-"""Calibration never makes plans worse than its prior (issue #25): records of the planner's own
+"""Calibration never makes plans worse than its prior: records of the planner's own
 plans, timed by a 'truth' cost model with other coefficients than the spec's, refit the spec;
 re-planning with the refit must be no slower under the truth than planning with the spec."""
 
@@ -80,7 +80,7 @@ def _own_plan_records(prior: CostModel, truth: CostModel, workload: str) -> list
         pytest.param(
             "mixed",
             marks=pytest.mark.xfail(
-                strict=True, reason="known gap: bimodal re-plans 3.7% slower (issue #25)"
+                strict=True, reason="known gap: bimodal re-plans 3.7% slower (docs/design.md)"
             ),
         ),
     ],
