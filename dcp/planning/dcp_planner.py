@@ -14,6 +14,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import numpy as np
 
@@ -86,7 +87,7 @@ class DCPOptions:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
-THREE_LEVEL_OPTIONS = {"partial_recompute": False, "share_cp_groups": False}
+THREE_LEVEL_OPTIONS = MappingProxyType({"partial_recompute": False, "share_cp_groups": False})
 """``DCPOptions`` fields that turn the planner's finer options off: recompute none / selective /
 full of all layers, and one non-short sequence per micro-step (the planner these options were
 measured against)."""
