@@ -75,16 +75,16 @@ class TimePoint:
             if self.recompute != Recompute.FULL:
                 raise ValueError("recompute_layers applies to recompute='full' only")
             check_int(self.recompute_layers, "recompute_layers", ge=1)
+        if self.cp_size < 1:
+            raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
+        if not self.time_s > 0:
+            raise ValueError(f"time_s must be > 0, got {self.time_s}")
 
     @property
     def label(self) -> str:
         """The recompute setting as reports print it: ``full/2`` for 2 layers."""
         layers = "" if self.recompute_layers is None else f"/{self.recompute_layers}"
         return f"{self.recompute}{layers}"
-        if self.cp_size < 1:
-            raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
-        if not self.time_s > 0:
-            raise ValueError(f"time_s must be > 0, got {self.time_s}")
 
 
 @dataclass(frozen=True, kw_only=True)

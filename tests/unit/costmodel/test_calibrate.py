@@ -343,3 +343,10 @@ def test_partial_recompute_points_are_fitted_in_the_full_columns():
         fit_time(others + partial, logits_per_linear=kappa)
     with pytest.raises(ValueError, match="applies to recompute='full' only"):
         TimePoint(lengths=(8,), cp_size=1, recompute="selective", recompute_layers=1, time_s=1.0)
+
+
+def test_time_point_refuses_bad_cp_size_and_time():
+    with pytest.raises(ValueError, match="cp_size must be >= 1"):
+        TimePoint(lengths=(8,), cp_size=0, recompute="none", time_s=1.0)
+    with pytest.raises(ValueError, match="time_s must be > 0"):
+        TimePoint(lengths=(8,), cp_size=1, recompute="full", recompute_layers=1, time_s=0.0)
