@@ -40,7 +40,7 @@ ORACLE = "static-oracle"
 # The sweep's static row is already each cell's best fixed configuration; the per-batch variant
 # is no run anyone launches, so the sweep leaves it out.
 THREE_LEVEL = "dcp-3level"
-"""DCP's planner with its finer options off (``dcp.planning.dcp_planner.THREE_LEVEL``: none /
+"""DCP's planner with its finer options off (``dcp.planning.THREE_LEVEL_OPTIONS``: none /
 selective / full of all layers, one non-short sequence per micro-step), for the side-by-side
 comparison."""
 SWEEP_PLANNERS: tuple[str, ...] = (
@@ -98,7 +98,7 @@ def evaluate(
     ):
         if name not in planners:
             continue
-        times, plan_ms, mix, offload = [], [], Counter(), []
+        times, plan_ms, mix, offload_s = [], [], Counter(), []
         for b in batches:
             start = time.perf_counter()
             plan = plan_dcp(b, cost_model=cost_model, options=options)
@@ -108,12 +108,13 @@ def evaluate(
             for step in plan.steps:
                 partial = "" if step.recompute_layers is None else f"/{step.recompute_layers}"
                 mix[f"cp{len(step.ranks)}/{step.recompute}{partial}"] += len(step.seq_ids)
-            offload.append(offload_what_if(plan, b, cost_model)[0])
+            if name == "dcp":
+                # GPU-only what-if (dcp.planning.offload): not a planner, never executed.
+                offload_s.append(offload_what_if(plan, b, cost_model)[0])
         row[name] = {"step_time_s": times, "plan_ms": plan_ms, "mix": dict(sorted(mix.items()))}
-        if name == "dcp":
-            # GPU-only what-if (dcp.planning.offload): not a planner, never executed.
-            row[name]["offload_what_if_s"] = offload
-            row["offload_what_if_gain"] = sum(times) / sum(offload)
+        if offload_s:
+            row[name]["offload_what_if_s"] = offload_s
+            row["offload_what_if_gain"] = sum(times) / sum(offload_s)
     for planner, tuned in (("static", False), (ORACLE, True)):
         if planner not in planners:
             continue

@@ -100,7 +100,7 @@ class PlannedBatch:
     """The cost-model version that made the plan."""
     exploration: str | None = None
     """``"cp<c>/<recompute>"`` (``"cp<c>/full<N>"``: N layers) when online calibration pinned
-    the longest sequence (``dcp.train.calibration.pin_label``)."""
+    the longest sequence (``dcp.planning.dcp_planner.pin_label``)."""
 
 
 class BatchPlanner:

@@ -120,3 +120,18 @@ def test_training_config_switches_reach_the_planner():
     default = BatchPlanner(PlanningConfig(spec="cpu-tiny+cpu-mem-tight"), world_size=2)
     options = default.planner_options([5000] * 4)
     assert (options.partial_recompute, options.share_cp_groups) == (True, True)
+
+
+@pytest.mark.parametrize("spec", ["cpu-tiny+cpu-mem-tight", "h200x32+llama3-8b"])
+def test_pack_configs_least_layers_equals_the_cost_models(spec):
+    """The planner's plain-float ``least_layers`` is the cost model's ``min_recompute_layers``."""
+    from dcp.planning.dcp_planner import _PackConfigs
+
+    cm = load_cost_model(spec, world_size=2) if spec.startswith("cpu") else load_cost_model(spec)
+    pack = _PackConfigs(cm, [1, 2, 4], ["none", "selective", "full"], partial=True)
+    cap = cm.max_tokens_per_rank("full")
+    for cp in (1, 2, 4):
+        tokens = np.unique(np.linspace(1, 3 * cap * cp, 400).astype(int))
+        want = cm.min_recompute_layers(tokens, cp)
+        for t, n in zip(tokens, want, strict=True):
+            assert pack.least_layers(int(t), cp) == (int(n) if n <= cm.num_layers else None), t
