@@ -241,7 +241,9 @@ def broadcast_object(obj: object, *, src: int = 0) -> object:
 
 def all_reduce_int(value: int, *, op: str = SUM) -> int:
     """``value`` of every rank reduced with ``op`` over the default group (a collective; one
-    host read)."""
+    host read); ``value`` itself in a process without a process group (a world of one)."""
+    if not dist.is_initialized():
+        return int(value)
     flag = to_device([int(value)], dtype=torch.int64)
     all_reduce(flag, op=op)
     return int(to_host(flag)[0])

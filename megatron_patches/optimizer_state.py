@@ -122,3 +122,118 @@ def _unshare_state_tensors(optimizer: torch.optim.Optimizer) -> None:
                 if id(value) in seen:
                     state[key] = value.clone()
                 seen.add(id(state[key]))
+
+
+# -- optimizer state by parameter: what sharded checkpoints save and reshard --------------------
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def param_pieces(optimizer):
+    """``(model parameter, start, end, tensors)`` for every piece of optimizer state this rank
+    holds: ``tensors`` are live 1-D views of the fp32 main parameter (``"param"``) and Adam's
+    moments for elements ``[start, end)`` of the parameter's (TP-local) tensor, flattened.
+    A distributed optimizer holds each rank's data-parallel shard of the bucket space, mapped
+    back to parameters through megatron's own ``gbuf_ranges`` (``distrib_optimizer.py``,
+    ``_build_model_gbuf_param_range_map``: ``param_map[param]["param"]`` is the range); the
+    others hold every parameter whole. The moments exist once the state is allocated (after the
+    first step, or ``allocate_state``)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    require_pinned_megatron("optimizer_state")
+    for opt in inner_optimizers(optimizer):
+        if isinstance(opt, DistributedOptimizer):
+            for gbuf_range_maps in opt.gbuf_ranges:
+                for bucket_maps in gbuf_range_maps.values():
+                    for bucket_map in bucket_maps:
+                        for param, ranges in bucket_map["param_map"].items():
+                            r = ranges["param"]
+                            tensors = opt._get_main_param_and_optimizer_states(param)
+                            yield param, r.start, r.end, _flat_states(tensors)
+        elif isinstance(opt, Float16OptimizerWithFloat16Params):
+            pairs = [
+                (model, main)
+                for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+                for model, main in zip(models, mains, strict=True)
+            ]
+            pairs += [(p, p) for group in opt.fp32_from_fp32_groups for p in group]
+            for model, main in pairs:
+                yield model, 0, model.numel(), _flat_states(
+                    {"param": main, **opt.optimizer.state.get(main, {})}
+                )
+        else:  # FP32Optimizer: the torch optimizer steps the model's own parameters
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    yield p, 0, p.numel(), _flat_states({"param": p, **opt.optimizer.state.get(p, {})})
+
+
+def _flat_states(tensors: dict) -> dict[str, torch.Tensor]:
+    """The main parameter and the moments as 1-D views (``step`` and other scalars left out)."""
+    return {
+        k: v.detach().view(-1)
+        for k, v in tensors.items()
+        if k in ("param", *ADAM_MOMENTS) and torch.is_tensor(v)
+    }
+
+
+def group_states(optimizer) -> list[dict]:
+    """Per inner optimizer, its param groups' settings and step count, as plain data (what
+    ``allocate_state`` needs besides the tensors)."""
+    out = []
+    for opt in inner_optimizers(optimizer):
+        # Every parameter has taken every step (a rank's shard may hold no parameter of some
+        # group, so the count is the largest any parameter has).
+        steps = [float(st["step"]) for st in opt.optimizer.state.values() if "step" in st]
+        step = max(steps, default=0.0)
+        groups = [
+            {**{k: _plain(v) for k, v in group.items() if k != "params"}, "step": step}
+            for group in opt.optimizer.param_groups
+        ]
+        out.append({"param_groups": groups})
+    return out
+
+
+def _plain(value):
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return str(value)  # nothing DCP reads back; kept readable
+
+
+def allocate_state(optimizer, saved_groups: list[dict]) -> None:
+    """Give ``optimizer`` (freshly built, no state yet) state tensors for every parameter,
+    with the step counts of ``saved_groups`` (``group_states``) and this run's own settings, so
+    ``param_pieces`` yields every moment to copy saved values into."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    require_pinned_megatron("optimizer_state")
+    inner = inner_optimizers(optimizer)
+    if len(inner) != len(saved_groups):
+        raise ValueError(
+            f"checkpoint has {len(saved_groups)} optimizer states, this run builds {len(inner)}"
+        )
+    for opt, saved in zip(inner, saved_groups, strict=True):
+        groups = [dict(g) for g in saved["param_groups"]]
+        current = opt.optimizer.param_groups
+        if len(groups) != len(current):
+            raise ValueError(
+                f"checkpoint has {len(groups)} parameter groups, this run builds {len(current)}"
+            )
+        for group, now in zip(groups, current, strict=True):
+            group.update({k: v for k, v in now.items() if k not in ("params", "step")})
+        if isinstance(opt, DistributedOptimizer):
+            # megatron allocates the shard's moments (``load_state_dict`` above) from the group
+            # state, with one step tensor every parameter shares: each gets its own.
+            opt.load_state_dict({"optimizer": {"param_groups": groups}})
+            _unshare_state_tensors(opt.optimizer)
+            continue
+        for group, now in zip(groups, current, strict=True):
+            for p in now["params"]:
+                main = p
+                state = opt.optimizer.state[main]
+                state["step"] = torch.tensor(float(group["step"]))
+                for moment in ADAM_MOMENTS:
+                    state[moment] = torch.zeros_like(main, memory_format=torch.preserve_format)

@@ -22,8 +22,9 @@ import time
 from tqdm import tqdm
 
 from dcp import console
+from dcp.checkpoint.hf import dcp_to_hf, hf_to_dcp
 from dcp.schema import apply_overrides
-from dcp.weights.convert import DEFAULT_MAX_SHARD_BYTES, dcp_to_hf, hf_to_dcp
+from dcp.weights.convert import DEFAULT_MAX_SHARD_BYTES
 from dcp.weights.hf_config import ARCHITECTURES
 
 

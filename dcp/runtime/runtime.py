@@ -4,8 +4,8 @@
 group a plan may use. ``train_step(plan, source)`` runs this rank's micro-steps
 (``dcp.runtime.schedule.run_plan``), checks the reduced gradients, clips the global gradient
 norm, steps the optimizer and returns the global mean loss. Process set-up is in
-``dcp.runtime.setup``, the builders in ``dcp.runtime.builders``, checkpoint state in
-``dcp.runtime.state``. ``Runtime(model, optimizer)`` also accepts any ``torch.optim`` optimizer.
+``dcp.runtime.setup``, the builders in ``dcp.runtime.builders``; what a checkpoint holds of it,
+``dcp.checkpoint.state``. ``Runtime(model, optimizer)`` also accepts any ``torch.optim`` optimizer.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.schedule import run_plan
 from dcp.runtime.setup import init_megatron_parallel
-from dcp.runtime.state import load_optimizer_state, model_state, optimizer_state
-from dcp.weights.canonical import load_canonical
 from dcp.weights.tensor_parallel import gather_whole
 from megatron_patches.cpu_optimizer import cuda_on_cpu
 from megatron_patches.ddp_buckets import gather_reduced_grads
@@ -348,37 +346,6 @@ class Runtime:
         if not params:
             return True
         return bool(to_host(torch.stack([torch.isfinite(p).all() for p in params]).all())[0])
-
-    # -- checkpoint state ------------------------------------------------------------------
-    def model_state(self) -> dict | None:
-        """The model's canonical state (``dcp.runtime.state.model_state``): on every rank at
-        TP = 1, on global rank 0 only under TP (``None`` elsewhere). A collective over the TP
-        group of rank 0."""
-        return model_state(
-            self.model.module,
-            tp_group=self._tp_group(),
-            rank=self.rank,
-            planner_rank=self.planner_rank,
-        )
-
-    def state_dict(self) -> dict:
-        """Model (``model_state``: canonical names, whole tensors), optimizer (this rank's shard
-        with the distributed optimizer: save it per rank) and step."""
-        return {
-            "model": self.model_state(),
-            "optimizer": optimizer_state(self.optimizer, distributed=self.distributed_optimizer),
-            "step": self.step,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        load_canonical(self.model.module, state["model"])
-        load_optimizer_state(
-            self.optimizer,
-            state["optimizer"],
-            megatron=self.megatron_optimizer,
-            distributed=self.distributed_optimizer,
-        )
-        self.step = int(state["step"])
 
     def load_model_weights(self, load: Callable[[torch.nn.Module], None]) -> None:
         """Replace the weights in place with ``load(module)`` before training starts (optimizer

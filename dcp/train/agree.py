@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from dcp.checkpoint import CheckpointSaveError
 from dcp.collectives import all_gather_object
 from dcp.train.lock import RunLockedError
 
@@ -29,6 +30,7 @@ class ReportedError(RuntimeError):
 ONE_LINE_ERRORS: tuple[type[BaseException], ...] = (
     *USER_ERRORS,
     ReportedError,
+    CheckpointSaveError,
     FloatingPointError,
 )
 """Errors reported as one line; anything else is a bug and keeps its traceback."""

@@ -129,12 +129,24 @@ class BatchPlanner:
         self.world_size = world_size
         self.tensor_parallel_size = tensor_parallel_size
         self.max_seq_len = max_seq_len
-        self.spec = load_spec(dcp_cfg.spec)
-        calibrated = "calibration" in self.spec
-        if runtime_options:
-            self.spec, changed = with_runtime_options(self.spec, runtime_options)
-            self.spec, resized = with_launch(
-                self.spec, world_size=world_size, ranks_per_node=ranks_per_node
+        self._runtime_options = runtime_options
+        self._ranks_per_node = ranks_per_node
+        self._model = model
+        self.spec = self.lay(load_spec(dcp_cfg.spec))
+        self.version = 0
+        self._static_config: tuple[int, str] | None = None
+        self.cost_model = self._load(self.spec)
+        self.peak_tflops_per_gpu = float(self.spec["cluster"]["peak_tflops"])
+
+    def lay(self, spec: dict) -> dict:
+        """``spec`` with this run's options, launch and model laid over it (what every spec the
+        planner uses gets: the configured one, and a refitted one carried from a checkpoint
+        written at another layout)."""
+        calibrated = "calibration" in spec
+        if self._runtime_options:
+            spec, changed = with_runtime_options(spec, self._runtime_options)
+            spec, resized = with_launch(
+                spec, world_size=self.world_size, ranks_per_node=self._ranks_per_node
             )
             for key, (old, new) in {**changed, **resized}.items():
                 where = key if key.startswith("cluster.") else f"options.{key}"
@@ -148,8 +160,8 @@ class BatchPlanner:
                     old_tp,
                     new_tp,
                 )
-        if model is not None:
-            self.spec, reshaped = with_model(self.spec, model)
+        if self._model is not None:
+            spec, reshaped = with_model(spec, self._model)
             for key, (old, new) in reshaped.items():
                 logger.info("cost-model spec %s: %s -> %s (the run's model)", key, old, new)
             if reshaped and calibrated:
@@ -158,10 +170,7 @@ class BatchPlanner:
                     "scaled to this model analytically until measured (online calibration, or "
                     "tools.profile with this model)"
                 )
-        self.version = 0
-        self._static_config: tuple[int, str] | None = None
-        self.cost_model = self._load(self.spec)
-        self.peak_tflops_per_gpu = float(self.spec["cluster"]["peak_tflops"])
+        return spec
 
     def _load(self, spec: dict):
         return load_cost_model(

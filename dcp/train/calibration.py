@@ -149,16 +149,19 @@ class OnlineCalibrator:
         self.prior = spec
         self.spec = dict(state["spec"]) if state else spec
         self.version = int(state["version"]) if state else 0
+        self.records_since = int(state.get("records_since", 0)) if state else 0
+        """The first step whose records describe this run's layout (a resume at another
+        world or TP size starts a new series)."""
         self.path = Path(run_dir) / RECORDS_FILENAME
         self.rank = dist.get_rank()
-        self.records = list(records)
+        self.records = [r for r in records if r.step >= self.records_since]
 
     @property
     def online(self) -> bool:
         return self.cfg.calibration == "online"
 
     def state_dict(self) -> dict:
-        return {"spec": self.spec, "version": self.version}
+        return {"spec": self.spec, "version": self.version, "records_since": self.records_since}
 
     def exploration(
         self, step: int, lengths: list[int], cost_model: CostModel

@@ -203,10 +203,10 @@ def source_model_config(init: Mapping[str, Any]) -> tuple[str, dict[str, Any]] |
         hf_dir = init["from_hf"]
         return f"init.from_hf ({hf_dir})", to_dict(model_config_from_hf(read_hf_config(hf_dir)))
     if init.get("from_checkpoint"):
-        from dcp.checkpoint import load_component, resolve_checkpoint
+        from dcp.checkpoint import open_checkpoint, resolve_checkpoint
 
         path = resolve_checkpoint(init["from_checkpoint"])
-        extra = load_component(path, "extra") or {}
+        extra = open_checkpoint(path).shared().get("extra") or {}
         model = (extra.get("config") or {}).get("model")
         if model is None:
             raise ValueError(f"init.from_checkpoint: {path} records no model config")

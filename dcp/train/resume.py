@@ -21,6 +21,9 @@ FREE_KEYS = (
     "runs_dir",
     "train.steps",
     "checkpoint",
+    # The layout: a checkpoint loads at any world size, TP size and optimizer sharding.
+    "parallel",
+    "optim.distributed",
     "metrics",
     "distributed",
     "resume",
@@ -89,31 +92,3 @@ def check_checkpoint_owner(
         f"directory belongs to one run. Start from its weights with init.from_checkpoint={path} "
         "and another checkpoint.root_dir, or take the run over with resume.allow_changes=[name]"
     )
-
-
-def check_resume_parallelism(old: Mapping[str, Any], new: Mapping[str, Any], *, path) -> None:
-    """Raise ``ValueError`` unless the checkpoint's config (``old``) and the run's (``new``) lay
-    out the optimizer state the same way: the same TP size (each rank's state holds its TP
-    slice of every split parameter) and the same ``optim.distributed`` (sharded over ranks, or
-    whole on every rank). The weights can move: ``init.from_checkpoint`` reshards them."""
-
-    def tp(config: Mapping[str, Any]) -> int:
-        return int((config.get("parallel") or {}).get("tensor_parallel_size", 1))
-
-    def sharded(config: Mapping[str, Any]) -> bool:
-        return bool((config.get("optim") or {}).get("distributed", True))
-
-    if tp(old) != tp(new):
-        raise ValueError(
-            f"{path} was trained with parallel.tensor_parallel_size={tp(old)}, this run has "
-            f"{tp(new)}: the optimizer state is split by TP, so a resume keeps the TP size; to "
-            f"continue from the weights at another TP size, start a new run with "
-            f"init.from_checkpoint={path}"
-        )
-    if old and sharded(old) != sharded(new):
-        raise ValueError(
-            f"{path} was trained with optim.distributed={str(sharded(old)).lower()}, this run "
-            f"has {str(sharded(new)).lower()}: the optimizer state is laid out differently, so a "
-            f"resume keeps the setting; to continue from the weights only, start a new run with "
-            f"init.from_checkpoint={path}"
-        )

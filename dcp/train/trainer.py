@@ -18,19 +18,23 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dcp.checkpoint import (
-    CheckpointState,
-    LoadedCheckpoint,
-    capture_rng_state,
-    find_latest,
-    load_checkpoint,
-    load_component,
+    Checkpoint,
+    CorruptCheckpointError,
+    Layout,
+    RankState,
+    apply,
+    complete_checkpoints,
+    open_checkpoint,
     resolve_checkpoint,
     restore_rng_state,
 )
+from dcp.checkpoint.load import weights_for
+from dcp.checkpoint.policy import Checkpointer
 from dcp.collectives import (
     MAX,
     CollectiveTimeout,
     StepScalars,
+    all_reduce_int,
     broadcast_object,
     is_timeout,
     phase,
@@ -54,7 +58,6 @@ from dcp.train.batches import (
     with_fixed_static_config,
 )
 from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator, restore_records
-from dcp.train.checkpointing import Checkpointing
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock
 from dcp.train.plan_ahead import PlanAhead
@@ -62,10 +65,8 @@ from dcp.train.recorder import StepRecorder
 from dcp.train.resume import (
     check_checkpoint_owner,
     check_resume_config,
-    check_resume_parallelism,
 )
 from dcp.train.signals import StopRequest
-from dcp.weights.canonical import load_canonical
 from dcp.weights.convert import check_hf_checkpoint, load_hf_weights
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,14 @@ class Trainer:
         self.locks = [RunLock(self.run_dir)]
         if self.ckpt_root.resolve() != self.run_dir.resolve():
             self.locks.append(RunLock(self.ckpt_root, what="checkpoint directory"))
-        self.checkpoints = Checkpointing(cfg.checkpoint, self.ckpt_root, last_step=cfg.train.steps)
+        self.layout = Layout(self.world_size, cfg.parallel.tensor_parallel_size)
+        self.checkpoints = Checkpointer(
+            cfg.checkpoint,
+            self.ckpt_root,
+            last_step=cfg.train.steps,
+            layout=self.layout,
+            rank=self.rank,
+        )
         self.metrics = None
         try:
             agree("claiming the directories", self._claim_directories, only_rank0=True)
@@ -119,10 +127,21 @@ class Trainer:
             seed=cfg.train.seed,
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
         )
-        loaded, extra = agree("reading the checkpoint to resume from", self._read_resume_state)
-        if loaded is not None:
-            agree(f"restoring {loaded.path}", lambda: self._restore(loaded))
-            self.start_step = loaded.step
+        ckpt, state, shared = self._read_resume_state()
+        extra = (shared.get("extra") or {}) if ckpt is not None else {}
+        calibration = extra.get("calibration")
+        if ckpt is not None:
+            agree(f"restoring {ckpt.path}", lambda: self._restore(ckpt, state, shared))
+            del state  # this rank's copy of the checkpoint's tensors, now in the model
+            self.start_step = ckpt.step
+            if calibration and ckpt.layout != self.layout:
+                # The refitted spec is carried to the new layout; the records measured at the
+                # old one no longer describe this run's micro-steps.
+                calibration = {
+                    **calibration,
+                    "spec": self.planner.lay(calibration["spec"]),
+                    "records_since": ckpt.step + 1,
+                }
         else:
             agree("loading the initial weights", self._init_weights)
             self.start_step = 0
@@ -136,7 +155,7 @@ class Trainer:
             spec=self.planner.spec,  # the configured spec: every refit starts from it
             run_dir=self.run_dir,
             records=broadcast_object(restored, src=0),
-            state=extra.get("calibration"),
+            state=calibration,
         )
         if self.calibrator.version:  # resumed with a refitted model
             self.planner.set_spec(self.calibrator.spec, version=self.calibrator.version)
@@ -211,39 +230,68 @@ class Trainer:
             lock.release()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def _read_resume_state(self) -> tuple[LoadedCheckpoint | None, dict]:
-        """(this rank's state of the checkpoint to resume from, its ``extra``: config, W&B id,
-        calibration), or (None, {}) for a new run. File reads and checks only."""
+    def _read_resume_state(self) -> tuple[Checkpoint | None, RankState | None, dict]:
+        """(the checkpoint to resume from, this rank's state read from it and checked, its
+        shared state), or (None, None, {}) for a new run. The newest complete checkpoint whose
+        bytes check out on every rank: one a rank finds corrupt is reported and the next older
+        one read instead."""
         if not self.cfg.checkpoint.resume:
-            return None, {}
-        path = find_latest(self.ckpt_root)
-        if path is None:
-            return None, {}
-        # The config is read first: a resume at another layout is refused with its reason,
-        # before any per-rank state is looked for.
-        extra = load_component(path, "extra") or {}
-        if not isinstance(extra, dict):
-            raise ValueError(f"{path}: extra.pt holds {type(extra).__name__}, not a dict")
-        # A checkpoint of an earlier release may use old section names.
-        old_config = rename_sections(PretrainConfig, extra.get("config") or {}, warn=False)
-        new_config = to_dict(self.cfg)
-        check_checkpoint_owner(
-            old_config, new_config, path=path, allow=self.cfg.resume.allow_changes
-        )
-        check_resume_parallelism(old_config, new_config, path=path)
-        loaded = load_checkpoint(path, rank=self.rank, world_size=self.world_size)
-        if old_config:
-            check_resume_config(old_config, new_config, allow=self.cfg.resume.allow_changes)
-        return loaded, extra
+            return None, None, {}
+        for path in complete_checkpoints(self.ckpt_root):
+            attempt = agree(f"reading the checkpoint {path}", lambda p=path: self._read_one(p))
+            if all_reduce_int(int(attempt is None), op=MAX):
+                if self.rank == 0:
+                    logger.error("%s is corrupt on some rank; falling back to an older one", path)
+                continue
+            return attempt
+        return None, None, {}
 
-    def _restore(self, loaded: LoadedCheckpoint) -> None:
-        self.runtime.load_state_dict(
-            {"model": loaded.model_state, "optimizer": loaded.optimizer_state, "step": loaded.step}
-        )
-        self.sampler.load_state_dict(loaded.sampler_state)
-        restore_rng_state(loaded.rng_state)
+    def _read_one(self, path: Path) -> tuple[Checkpoint, RankState, dict] | None:
+        """``path``'s state for this rank, or None when its bytes are corrupt (logged)."""
+        try:
+            ckpt = open_checkpoint(path)
+            shared = ckpt.shared()
+            extra = shared.get("extra") or {}
+            if not isinstance(extra, dict):
+                raise ValueError(f"{path}: its extra state is {type(extra).__name__}, not a map")
+            # A checkpoint of an earlier release may use old section names.
+            old_config = rename_sections(PretrainConfig, extra.get("config") or {}, warn=False)
+            new_config = to_dict(self.cfg)
+            check_checkpoint_owner(
+                old_config, new_config, path=path, allow=self.cfg.resume.allow_changes
+            )
+            if old_config:
+                check_resume_config(old_config, new_config, allow=self.cfg.resume.allow_changes)
+            state = ckpt.read(
+                self.runtime.model.module,
+                self.runtime.optimizer,
+                rank=self.rank,
+                layout=self.layout,
+            )
+        except CorruptCheckpointError as exc:
+            logger.error("%s", exc)
+            return None
+        return ckpt, state, shared
+
+    def _restore(self, ckpt: Checkpoint, state: RankState, shared: dict) -> None:
+        apply(state, self.runtime.model.module, self.runtime.optimizer)
+        self.runtime.step = ckpt.step
+        self.sampler.load_state_dict(shared["sampler"])
+        if state.rng is not None:
+            restore_rng_state(state.rng)
         if self.rank == 0:
-            logger.info("resumed from %s (step %d)", loaded.path, loaded.step)
+            moved = ckpt.layout != self.layout
+            logger.info(
+                "resumed from %s (step %d%s)",
+                ckpt.path,
+                ckpt.step,
+                f"; written by {ckpt.layout.world_size} ranks at TP "
+                f"{ckpt.layout.tensor_parallel_size}, resharded to {self.world_size} at TP "
+                f"{self.layout.tensor_parallel_size}: each rank's RNG state starts as set up "
+                "(nothing draws from it while training: no dropout)"
+                if moved
+                else "",
+            )
 
     def _init_weights(self) -> None:
         """A new run's weights from ``init.from_hf`` / ``init.from_checkpoint``, if set."""
@@ -255,10 +303,11 @@ class Trainer:
             source = init.from_hf
         elif init.from_checkpoint:
             path = resolve_checkpoint(init.from_checkpoint)
-            state = load_component(path, "model_state", mmap=True)  # each rank copies its slices
-            # Another run's vocabulary padding (or TP size) is fine: the rows are re-padded.
+            ckpt = open_checkpoint(path)
+            # Another run's vocabulary padding or layout is fine: the rows are re-padded and
+            # each whole tensor is cut to this rank's slice, one tensor at a time.
             self.runtime.load_model_weights(
-                lambda module: load_canonical(module, state, vocab_size=self.cfg.model.vocab_size)
+                lambda module: weights_for(module, ckpt, vocab_size=self.cfg.model.vocab_size)
             )
             source = str(path)
         else:
@@ -266,32 +315,27 @@ class Trainer:
         if self.rank == 0:
             logger.info("initial weights from %s", source)
 
-    def _save(self, step: int, sampler_state: dict) -> Path:
+    def _save(self, step: int, sampler_state: dict, *, wait: bool) -> None:
         """Checkpoint after ``step``. ``sampler_state`` is the position right after this step's
         batch, i.e. before the prefetched next batch, which a resumed run must draw again."""
-        state = self.runtime.state_dict()
-        return self.checkpoints.save(
-            step,
-            CheckpointState(
-                model_state=state["model"],
-                optimizer_state=state["optimizer"],
-                scheduler_state={"step": step},
-                sampler_state=sampler_state,
-                rng_state=capture_rng_state(),
-                extra={
+        shared = None
+        if self.rank == 0:
+            shared = {
+                "sampler": sampler_state,
+                "scheduler": {"step": step},
+                "extra": {
                     "config": to_dict(self.cfg),
                     "wandb_id": self.metrics.wandb_id,
                     "calibration": self.calibrator.state_dict(),
                 },
-            ),
+            }
+        self.checkpoints.save(
+            step,
+            module=self.runtime.model.module,
+            optimizer=self.runtime.optimizer,
+            shared=shared,
             weights_finite=self.runtime.weights_finite(),
-            # Each rank's optimizer state is its own under the distributed optimizer (a DP
-            # shard) and under TP (the TP slice of every split parameter).
-            per_rank=(
-                ("rng_state", "optimizer_state")
-                if self.runtime.distributed_optimizer or self.runtime.tp > 1
-                else ("rng_state",)
-            ),
+            wait=wait,
         )
 
     # -- loop ------------------------------------------------------------------------------
@@ -326,6 +370,9 @@ class Trainer:
                 # without a collective of its own.
                 scalars = StepScalars()
                 scalars.add("stop", int(stop.requested), op=MAX)
+                # So does the checkpoint writers' status: an asynchronous save is published
+                # once every rank's files are durable.
+                scalars.add("checkpoint", self.checkpoints.status(), op=MAX)
                 stats = self.runtime.train_step(
                     planned.plan,
                     DatasetSource(self.dataset, batch),
@@ -344,10 +391,15 @@ class Trainer:
                 self.metrics.log(step, record.to_dict())
                 self.metrics.note(f"step {step}: {record.plan.summary()}")
                 records.append(record)
+                self.checkpoints.observe(int(stats.reduced["checkpoint"][0]))
                 skips.check(step, newest=self.checkpoints.newest)
-                saved = self._save(step, sampler_state) if self.checkpoints.due(step) else None
-                if stats.reduced["stop"][0] > 0:
-                    saved = saved or self._save(step, sampler_state)
+                stopping = stats.reduced["stop"][0] > 0
+                if self.checkpoints.due(step) or stopping:
+                    # The last step's save and a stop's are finished before the loop moves on.
+                    last = stopping or step == cfg.train.steps
+                    self._save(step, sampler_state, wait=last)
+                if stopping:
+                    saved = self.checkpoints.last_saved
                     self.metrics.note(
                         f"stopped by {stop.signal_name or 'a stop signal on another rank'} after "
                         f"step {step}: checkpoint {saved}; run the same command again to resume"

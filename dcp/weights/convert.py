@@ -3,15 +3,13 @@
 - ``load_hf_model``: a ready ``GPTModel`` with a HF model's weights (megatron's parallel state
   must be initialised, as for ``dcp.build_gpt_model``).
 - ``load_hf_weights``: copy a HF directory's weights into an existing model, in place.
-- ``hf_to_dcp``: a DCP checkpoint (``step_000000``, weights only) from a HF directory, for
-  ``init.from_checkpoint``.
-- ``dcp_to_hf``: a HF directory (``config.json``, safetensors shards with an index, the
-  tokenizer files when the run's data used a HF tokenizer) from a DCP checkpoint.
+- ``iter_canonical_from_hf`` / ``ShardWriter``: the streams ``dcp.checkpoint.hf`` converts DCP
+  checkpoints with, both ways.
 
 Memory: reading goes one safetensors shard and one tensor at a time (only the parts of a fused
-QKV/gate-up matrix wait for their siblings); writing memory-maps the DCP checkpoint and flushes
-a HF shard whenever ``max_shard_bytes`` are buffered. ``load_hf_model`` copies into the model's
-own parameters, so at most one model plus one tensor is in memory.
+QKV/gate-up matrix wait for their siblings); ``ShardWriter`` flushes a HF shard whenever
+``max_shard_bytes`` are buffered. ``load_hf_model`` copies into the model's own parameters, so
+at most one model plus one tensor is in memory.
 
 A HF directory is untrusted input: ``check_hf_checkpoint`` validates it from the safetensors
 headers alone before any import reads a tensor, builds a model or writes a file.
@@ -24,7 +22,6 @@ import itertools
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,19 +29,16 @@ from typing import Any
 import torch
 
 from dcp.model import ModelConfig, build_gpt_model
-from dcp.weights.canonical import canonical_state, model_names
+from dcp.weights.canonical import model_names
 from dcp.weights.hf import (
     HFToCanonical,
     canonical_names,
-    canonical_to_hf,
     hf_names,
     hf_shape,
     is_ignored,
 )
 from dcp.weights.hf_config import (
-    hf_config_from_model,
     model_config_from_hf,
-    model_type,
     read_hf_config,
     read_json_object,
 )
@@ -259,36 +253,6 @@ def load_hf_model(hf_dir: str | os.PathLike, **overrides: Any):
     return model
 
 
-def hf_to_dcp(
-    hf_dir: str | os.PathLike,
-    out_root: str | os.PathLike,
-    *,
-    progress: Progress | None = None,
-    **overrides: Any,
-) -> Path:
-    """Write a weights-only DCP checkpoint (``out_root/step_000000``) of a HF directory; its
-    ``extra`` holds the derived model config. Returns the checkpoint directory."""
-    from dcp.checkpoint import CheckpointState, save_checkpoint
-    from dcp.schema import to_dict
-
-    hf = read_hf_config(hf_dir)
-    cfg = model_config_from_hf(hf, **overrides)
-    state = dict(iter_canonical_from_hf(hf_dir, cfg, progress=progress))
-    return save_checkpoint(
-        out_root,
-        0,
-        CheckpointState(
-            model_state=state,
-            extra={
-                "config": {"model": to_dict(cfg)},
-                "hf_model_type": model_type(hf),
-                "source": str(Path(hf_dir).resolve()),
-            },
-        ),
-        barrier_fn=lambda: None,
-    )
-
-
 class ShardWriter:
     """Writes tensors into ``model-0000i-of-0000N.safetensors`` files of at most about
     ``max_shard_bytes`` each, plus ``model.safetensors.index.json``."""
@@ -335,7 +299,9 @@ class ShardWriter:
         return final
 
 
-def _export_kind(cfg: ModelConfig, extra: dict[str, Any]) -> str:
+def export_kind(cfg: ModelConfig, extra: dict[str, Any]) -> str:
+    """The Hugging Face architecture to export a model as: the one it was imported from, else
+    the closest by its features."""
     kind = extra.get("hf_model_type")
     if kind:
         return kind
@@ -354,56 +320,3 @@ def tokenizer_dir(run_config: dict[str, Any]) -> Path | None:
         if name.startswith("hf:"):
             return Path(name[3:])
     return None
-
-
-def dcp_to_hf(
-    checkpoint: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    kind: str | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    progress: Progress | None = None,
-) -> Path:
-    """Export a DCP checkpoint (a ``step_*`` directory, or a root: its newest complete one) as
-    a HF directory ``out_dir``. ``kind`` picks the architecture (default: the imported model's,
-    else ``qwen2``/``qwen3``/``llama`` from the model's features)."""
-    from dcp.checkpoint import load_component, resolve_checkpoint
-    from dcp.schema import from_dict
-
-    path = resolve_checkpoint(checkpoint)
-    extra = load_component(path, "extra") or {}
-    run_config = extra.get("config") or {}
-    if "model" not in run_config:
-        raise ValueError(f"{path}: the checkpoint records no model config (extra.config.model)")
-    cfg = from_dict(ModelConfig, run_config["model"], prefix="model")
-    kind = kind or _export_kind(cfg, extra)
-    state = canonical_state(load_component(path, "model_state", mmap=True))
-    expected = canonical_names(cfg)
-    missing = [n for n in expected if n not in state]
-    unknown = sorted(n for n in set(state) - set(expected) if not n.endswith("_extra_state"))
-    if missing or unknown:
-        raise ValueError(
-            f"{path}: model state does not match its config: missing {missing[:5]}, "
-            f"unexpected {unknown[:5]}"
-        )
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not empty; export into a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out, max_shard_bytes=max_shard_bytes)
-    for done, name in enumerate(expected, start=1):
-        for hf_name, tensor in canonical_to_hf(name, state[name], cfg):
-            writer.add(hf_name, tensor)
-        if progress:
-            progress(done, len(expected), name)
-    writer.close()
-    hf_config = hf_config_from_model(cfg, kind=kind)
-    hf_config["torch_dtype"] = str(state[expected[0]].dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    tok = tokenizer_dir(run_config)
-    if tok is not None:
-        copied = [f for f in TOKENIZER_FILES if (tok / f).is_file()]
-        for f in copied:
-            shutil.copy2(tok / f, out / f)
-        logger.info("copied tokenizer files %s from %s", copied, tok)
-    return out

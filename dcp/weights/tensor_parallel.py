@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from dcp.collectives import all_gather, gather
+from dcp.collectives import all_gather
 
 
 def is_split(tensor: torch.Tensor) -> bool:
@@ -28,8 +28,29 @@ def is_split(tensor: torch.Tensor) -> bool:
     return bool(getattr(tensor, "tensor_model_parallel", False))
 
 
+def split_spec(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(partition dim, partition stride) of a TP slice, ``None`` for a replicated tensor."""
+    if not is_split(tensor):
+        return None
+    return int(tensor.partition_dim), int(getattr(tensor, "partition_stride", 1))
+
+
 def _split_spec(tensor: torch.Tensor) -> tuple[int, int]:
     return int(tensor.partition_dim), int(getattr(tensor, "partition_stride", 1))
+
+
+def cut(full: torch.Tensor, *, dim: int, stride: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s slice of the whole tensor ``full`` split along ``dim`` with
+    ``stride`` (module docstring): chunks ``tp_rank, tp_rank + tp_size, ...`` of ``tp_size ·
+    stride``, concatenated."""
+    chunks = full.chunk(tp_size * stride, dim=dim)
+    return torch.cat(chunks[tp_rank::tp_size], dim=dim)
+
+
+def join(slices: list[torch.Tensor], *, dim: int, stride: int) -> torch.Tensor:
+    """The whole tensor from every TP rank's slice (in TP-rank order); inverse of ``cut``."""
+    pieces = [s.chunk(stride, dim=dim) for s in slices]
+    return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(slices))], dim=dim)
 
 
 def tp_coordinates() -> tuple[int, int]:
@@ -56,16 +77,14 @@ def local_slice(
             f"{name}: shape {tuple(full.shape)} is neither the TP slice {tuple(like.shape)} nor "
             f"the whole tensor {tuple(expected)} at TP = {tp_size}"
         )
-    chunks = full.chunk(tp_size * stride, dim=dim)
-    return torch.cat(chunks[tp_rank::tp_size], dim=dim)
+    return cut(full, dim=dim, stride=stride, tp_rank=tp_rank, tp_size=tp_size)
 
 
 def whole_from_slices(slices: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """The whole tensor from every TP rank's slice (in TP-rank order); inverse of
     ``local_slice``."""
     dim, stride = _split_spec(like)
-    pieces = [s.chunk(stride, dim=dim) for s in slices]
-    return torch.cat([pieces[r][k] for k in range(stride) for r in range(len(slices))], dim=dim)
+    return join(slices, dim=dim, stride=stride)
 
 
 def gather_whole(
@@ -73,34 +92,15 @@ def gather_whole(
     *,
     group: dist.ProcessGroup | None,
     like: Mapping[str, torch.Tensor] | None = None,
-    dst: int | None = None,
-    to_cpu: bool = False,
-) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """``(name, whole tensor)`` for each ``(name, tensor)``, TP slices gathered over ``group``
-    one tensor at a time (a collective: every rank of ``group`` iterates the same names);
-    entries that are not tensors pass through.
-    ``like`` maps names to the parameters whose TP split the tensors share (for gradients:
-    their parameters); by default each tensor carries its own.
-
-    ``dst`` (a global rank): only it receives the whole split tensors, the others get ``None``
-    for them (what a checkpoint save needs: one copy, not one per TP rank). ``to_cpu`` moves each
-    result to host memory as it is made, so device memory holds one whole tensor at a time."""
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, whole tensor)`` for each ``(name, tensor)``, TP slices all-gathered over
+    ``group`` one tensor at a time (a collective: every rank of ``group`` iterates the same
+    names). ``like`` maps names to the parameters whose TP split the tensors share (for
+    gradients: their parameters); by default each tensor carries its own."""
     size = 1 if group is None else group.size()
-    me = dist.get_rank() if dist.is_initialized() else 0
     for name, tensor in named:
-        if not isinstance(tensor, torch.Tensor):  # e.g. an empty ``_extra_state``
-            yield name, tensor if dst is None or me == dst else None
-            continue
         split = tensor if like is None else like[name]
         value = tensor.detach()
         if size > 1 and is_split(split):
-            if dst is None:
-                parts = all_gather(value, group=group)
-            else:
-                parts = gather(value, dst=dst, group=group)
-            value = None if parts is None else whole_from_slices(parts, split)
-        elif dst is not None and me != dst:
-            value = None
-        if value is not None and to_cpu:
-            value = value.cpu()
+            value = whole_from_slices(all_gather(value, group=group), split)
         yield name, value

@@ -1,0 +1,140 @@
+"""Hugging Face weights in and out of DCP checkpoints, streaming.
+
+``hf_to_dcp`` writes a weights-only checkpoint (``step_000000``) of a Hugging Face directory: the
+canonical tensors whole, as one process at TP = 1 holds them, which ``init.from_checkpoint``
+starts a run of any layout from. ``dcp_to_hf`` exports a checkpoint of any layout: each
+canonical tensor is assembled from its TP slices when the exporter reaches it, converted to the
+Hugging Face tensors it holds and handed to a shard writer that flushes every
+``max_shard_bytes``, so the whole model is never in one process's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from dcp.checkpoint.index import Layout
+from dcp.checkpoint.load import open_checkpoint
+from dcp.checkpoint.save import CheckpointSaver
+from dcp.checkpoint.state import LocalTensor
+from dcp.model import ModelConfig
+from dcp.schema import from_dict, to_dict
+from dcp.weights.canonical import canonical_names
+from dcp.weights.convert import (
+    DEFAULT_MAX_SHARD_BYTES,
+    TOKENIZER_FILES,
+    Progress,
+    ShardWriter,
+    export_kind,
+    iter_canonical_from_hf,
+    tokenizer_dir,
+)
+from dcp.weights.hf import canonical_to_hf
+from dcp.weights.hf_config import (
+    hf_config_from_model,
+    model_config_from_hf,
+    model_type,
+    read_hf_config,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def hf_to_dcp(
+    hf_dir: str | os.PathLike,
+    out_root: str | os.PathLike,
+    *,
+    progress: Progress | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a weights-only DCP checkpoint (``out_root/step_000000``) of a HF directory; its
+    shared state's ``extra`` holds the derived model config. Returns the checkpoint directory.
+    One process (no process group): the tensors are read one shard at a time and written as
+    they come."""
+    hf = read_hf_config(hf_dir)
+    cfg = model_config_from_hf(hf, **overrides)
+    tensors = [
+        LocalTensor(name, tensor, None)
+        for name, tensor in iter_canonical_from_hf(hf_dir, cfg, progress=progress)
+    ]
+    saver = CheckpointSaver(out_root, layout=Layout(1), rank=0)
+    saver.save(
+        0,
+        weights_finite=True,
+        asynchronous=False,
+        tensors=sorted(tensors, key=lambda t: t.name),
+        pieces=None,
+        optimizer_kind=None,
+        optimizer_groups=None,
+        rng=None,
+        shared={
+            "sampler": None,
+            "scheduler": {"step": 0},
+            "extra": {
+                "config": {"model": to_dict(cfg)},
+                "hf_model_type": model_type(hf),
+                "source": str(Path(hf_dir).resolve()),
+            },
+        },
+    )
+    return saver.last_saved
+
+
+def dcp_to_hf(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    kind: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: Progress | None = None,
+) -> Path:
+    """Export a DCP checkpoint (a ``step_*`` directory, or a root: its newest complete one) of
+    any layout as a HF directory ``out_dir``. ``kind`` picks the architecture (default: the
+    imported model's, else ``qwen2``/``qwen3``/``llama`` from the model's features)."""
+    from dcp.checkpoint import resolve_checkpoint
+
+    path = resolve_checkpoint(checkpoint)
+    ckpt = open_checkpoint(path)
+    extra = ckpt.shared().get("extra") or {}
+    run_config = extra.get("config") or {}
+    if "model" not in run_config:
+        raise ValueError(f"{path}: the checkpoint records no model config (extra.config.model)")
+    cfg = from_dict(ModelConfig, run_config["model"], prefix="model")
+    kind = kind or export_kind(cfg, extra)
+    state = ckpt.canonical_state()
+    expected = canonical_names(cfg)
+    missing = [n for n in expected if n not in state]
+    unknown = sorted(n for n in set(state) - set(expected) if not n.endswith("_extra_state"))
+    if missing or unknown:
+        raise ValueError(
+            f"{path}: model state does not match its config: missing {missing[:5]}, "
+            f"unexpected {unknown[:5]}"
+        )
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; export into a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(out, max_shard_bytes=max_shard_bytes)
+    dtype = None
+    for done, name in enumerate(expected, start=1):
+        tensor = state[name]  # assembled from its TP slices now, released after
+        dtype = dtype or tensor.dtype
+        for hf_name, hf_tensor in canonical_to_hf(name, tensor, cfg):
+            writer.add(hf_name, hf_tensor)
+        if progress:
+            progress(done, len(expected), name)
+    writer.close()
+    hf_config = hf_config_from_model(cfg, kind=kind)
+    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    tok = tokenizer_dir(run_config)
+    if tok is not None:
+        copied = [f for f in TOKENIZER_FILES if (tok / f).is_file()]
+        for f in copied:
+            shutil.copy2(tok / f, out / f)
+        logger.info("copied tokenizer files %s from %s", copied, tok)
+    return out

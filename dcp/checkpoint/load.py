@@ -1,0 +1,391 @@
+"""Loading a checkpoint at the layout it was written at, or at another one.
+
+``open_checkpoint(path)`` reads and checks the manifest and its index (``dcp.checkpoint.index``)
+and returns a ``Checkpoint``; nothing else is opened until asked for, and every tensor read is
+checked against its digest as it is read, so a load verifies exactly the bytes it uses (a
+checkpoint written before this format opens as a ``LegacyCheckpoint``).
+
+A rank's model tensors: the slice its TP rank holds of every canonical tensor. When the
+checkpoint was written at the same TP size (and the tensor is split the same way) that slice is
+one shard, read directly; otherwise the whole tensor is assembled from the saved slices
+(``dcp.weights.tensor_parallel.join``) and cut at this run's TP size (``cut``).
+
+A rank's optimizer state: for each piece its optimizer holds (elements ``[start, end)`` of a
+parameter's TP slice), the fp32 main parameter and Adam's moments. At the same TP size the piece
+is assembled from the saved pieces of the same TP slice, whatever the data-parallel sharding was
+(their element ranges intersected); at another TP size each saved TP slice is assembled whole
+from its pieces, joined to the canonical tensor and cut again. Either way the moments continue
+from where the saved run left them, at any world size and TP size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dcp.checkpoint.index import OPTIMIZER_STATES, Index, Layout, ModelEntry, OptimizerEntry
+from dcp.checkpoint.layout import SHARED, is_complete, read_manifest
+from dcp.checkpoint.rng import from_tensors
+from dcp.checkpoint.tensorfile import TensorFile, TensorFileError
+from dcp.files import load_json, parse_json, reading
+from dcp.weights.canonical import EXTRA_STATE, VOCAB_TENSORS, model_names, repad_vocab
+from dcp.weights.tensor_parallel import cut, join, split_spec, tp_coordinates
+from megatron_patches.optimizer_state import allocate_state, param_pieces
+
+logger = logging.getLogger(__name__)
+
+
+class CorruptCheckpointError(ValueError):
+    """Bytes a checkpoint's index vouches for are not there: a file is damaged or was changed
+    (``"<file>: <what>"``)."""
+
+
+def open_checkpoint(path: str | os.PathLike[str]):
+    """The complete checkpoint directory ``path``: a ``Checkpoint``, or a ``LegacyCheckpoint``
+    for the earlier format; ``ValueError`` when it is not one."""
+    p = Path(path)
+    manifest = read_manifest(p)
+    if manifest is None or not is_complete(p):
+        raise ValueError(
+            f"{p} is not a complete checkpoint (manifest missing, unreadable, or files "
+            "incomplete); it may be a save that crashed"
+        )
+    if manifest["format_version"] != 3:
+        from dcp.checkpoint.legacy import LegacyCheckpoint
+
+        return LegacyCheckpoint(p, manifest)
+    return Checkpoint(p, Index.check(manifest, p))
+
+
+@dataclass
+class RankState:
+    """What one rank read from a checkpoint, checked, in host memory: applied by ``apply``."""
+
+    model: dict[str, torch.Tensor]
+    """The module's own state-dict names → its local tensors."""
+    optimizer: list[tuple[str, int, int, dict[str, torch.Tensor]]] | None
+    """(canonical name, start, end, state → values) for every piece this rank's optimizer
+    holds, or None when the checkpoint has no optimizer state."""
+    optimizer_groups: list | None
+    rng: dict[str, Any] | None
+    legacy_optimizer: Any = None
+    """An earlier-format checkpoint's optimizer state (megatron's own state dict, at the layout
+    it was written at) instead of ``optimizer``."""
+
+
+class Checkpoint:
+    """A checkpoint in this format (module docstring)."""
+
+    def __init__(self, path: Path, index: Index) -> None:
+        self.path = path
+        self.index = index
+        self.step = index.step
+        self.layout = index.layout
+        self._files: dict[str, TensorFile] = {}
+
+    # -- files -------------------------------------------------------------------------------
+    def _file(self, name: str) -> TensorFile:
+        if name not in self._files:
+            try:
+                self._files[name] = TensorFile(self.path / name)
+            except TensorFileError as exc:
+                raise CorruptCheckpointError(str(exc)) from None
+        return self._files[name]
+
+    def _read(
+        self,
+        file: str,
+        key: str,
+        sha256: str | None,
+        shape: tuple[int, ...] | None,
+        dtype: str | None = None,
+    ) -> torch.Tensor:
+        f = self._file(file)
+        if key not in f:
+            raise CorruptCheckpointError(f"{f.path}: holds no {key} (the index says it does)")
+        stored_dtype, stored_shape, _, _ = f.entries[key]
+        if shape is not None and tuple(stored_shape) != tuple(shape):
+            raise CorruptCheckpointError(
+                f"{f.path}: {key} has shape {list(stored_shape)}, the index says {list(shape)}"
+            )
+        try:
+            return f.read(key, sha256=sha256)
+        except TensorFileError as exc:
+            raise CorruptCheckpointError(str(exc)) from None
+
+    def shared(self) -> dict[str, Any]:
+        """The state every rank shares: ``sampler``, ``scheduler``, ``extra`` (config, W&B id,
+        calibration)."""
+        data = load_json(self.path / SHARED, what="checkpoint shared state", max_bytes=64 << 20)
+        with reading(self.path / SHARED, "checkpoint shared state"):
+            if not isinstance(data, dict):
+                raise TypeError("not an object")
+            return {k: data.get(k) for k in ("sampler", "scheduler", "extra")}
+
+    # -- the model ---------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self.index.model)
+
+    def _shard(self, name: str, entry: ModelEntry, tp_rank: int) -> torch.Tensor:
+        shard = entry.shards[tp_rank]
+        return self._read(shard.file, shard.key, shard.sha256, entry.local_shape())
+
+    def whole(self, name: str) -> torch.Tensor:
+        """Canonical tensor ``name``, whole (a new tensor)."""
+        entry = self.index.model[name]
+        if entry.split is None:
+            return self._shard(name, entry, 0).clone()
+        dim, stride = entry.split
+        parts = [self._shard(name, entry, t) for t in range(entry.tp_size)]
+        return join(parts, dim=dim, stride=stride)
+
+    def canonical_state(self) -> Mapping[str, torch.Tensor]:
+        """Every canonical tensor by name, each assembled whole when it is looked up (one at a
+        time: what streaming export and ``init.from_checkpoint`` read)."""
+        return _LazyState(self)
+
+    def _local(self, name: str, like: torch.Tensor, *, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """This rank's slice of canonical ``name`` for its own tensor ``like``."""
+        entry = self.index.model[name]
+        split = split_spec(like)
+        whole_shape = list(like.shape)
+        if split is not None:
+            whole_shape[split[0]] *= tp_size
+        if list(entry.shape) != whole_shape:
+            raise ValueError(
+                f"{self.path}: {name} has shape {list(entry.shape)}, the model's is "
+                f"{whole_shape}; a checkpoint of another model?"
+            )
+        if split is None and entry.split is None:
+            return self._shard(name, entry, 0).clone()
+        if split == entry.split and tp_size == entry.tp_size:
+            return self._shard(name, entry, tp_rank).clone()
+        whole = self.whole(name)
+        if split is None:
+            return whole
+        return cut(whole, dim=split[0], stride=split[1], tp_rank=tp_rank, tp_size=tp_size)
+
+    def read_model(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's slices of every model tensor, by the module's own names, checked against
+        the model (names and shapes) and against their digests."""
+        names = model_names(module)
+        own = module.state_dict(keep_vars=True)
+        tp_rank, tp_size = tp_coordinates()
+        expected = {c for c, n in names.items() if not n.endswith(EXTRA_STATE)}
+        missing = sorted(expected - set(self.index.model))
+        unexpected = sorted(set(self.index.model) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"{self.path}: checkpoint and model disagree: missing from the checkpoint "
+                f"{missing[:5]}, not in the model {unexpected[:5]}"
+            )
+        return {
+            names[c]: self._local(c, own[names[c]], tp_rank=tp_rank, tp_size=tp_size)
+            for c in sorted(expected)
+        }
+
+    # -- the optimizer -----------------------------------------------------------------------
+    def _piece_values(
+        self, name: str, entry: OptimizerEntry, tp_rank: int, start: int, end: int, state: str
+    ) -> torch.Tensor:
+        """Elements ``[start, end)`` of one saved TP slice's optimizer state ``state``."""
+        out = torch.empty(end - start, dtype=torch.float32)
+        for p in entry.pieces[tp_rank]:
+            lo, hi = max(start, p.start), min(end, p.end)
+            if lo >= hi:
+                continue
+            values = self._read(
+                p.file, Index.piece_key(name, state), p.sha256[state], (p.end - p.start,)
+            )
+            out[lo - start : hi - start] = values[lo - p.start : hi - p.start]
+        return out
+
+    def _state_values(
+        self, name: str, like: torch.Tensor, start: int, end: int, *, tp_rank: int, tp_size: int
+    ) -> dict[str, torch.Tensor]:
+        entry = self.index.optimizer[name]
+        split = split_spec(like)
+        whole_shape = list(like.shape)
+        if split is not None:
+            whole_shape[split[0]] *= tp_size
+        saved_whole = list(entry.local_shape)
+        if entry.split is not None:
+            saved_whole[entry.split[0]] *= entry.tp_size
+        if saved_whole != whole_shape:
+            raise ValueError(
+                f"{self.path}: optimizer state of {name} has shape {saved_whole}, the model's is "
+                f"{whole_shape}"
+            )
+        same = (split is None and entry.split is None) or (
+            split == entry.split and tp_size == entry.tp_size
+        )
+        out = {}
+        for state in OPTIMIZER_STATES:
+            if same:
+                source = 0 if split is None else tp_rank
+                out[state] = self._piece_values(name, entry, source, start, end, state)
+                continue
+            numel = 1
+            for s in entry.local_shape:
+                numel *= s
+            slices = [
+                self._piece_values(name, entry, t, 0, numel, state).view(entry.local_shape)
+                for t in sorted(entry.pieces)
+            ]
+            whole = (
+                slices[0]
+                if entry.split is None
+                else join(slices, dim=entry.split[0], stride=entry.split[1])
+            )
+            local = (
+                whole
+                if split is None
+                else cut(whole, dim=split[0], stride=split[1], tp_rank=tp_rank, tp_size=tp_size)
+            )
+            out[state] = local.reshape(-1)[start:end].clone()
+        return out
+
+    def read_optimizer(self, optimizer, module: torch.nn.Module):
+        """(canonical name, start, end, state → values) for every piece ``optimizer`` holds on
+        this rank, from the saved pieces (module docstring)."""
+        if self.index.optimizer is None:
+            return None
+        from dcp.checkpoint.state import optimizer_pieces
+
+        tp_rank, tp_size = tp_coordinates()
+        params = {n: p for n, p in _canonical_params(module)}
+        missing = sorted(set(params) - set(self.index.optimizer))
+        if missing:
+            raise ValueError(f"{self.path}: no optimizer state for {missing[:5]}")
+        return [
+            (
+                piece.name,
+                piece.start,
+                piece.end,
+                self._state_values(
+                    piece.name,
+                    params[piece.name],
+                    piece.start,
+                    piece.end,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                ),
+            )
+            for piece in optimizer_pieces(optimizer, module)
+        ]
+
+    # -- RNG ---------------------------------------------------------------------------------
+    def rng(self, rank: int, layout: Layout) -> dict[str, Any] | None:
+        """Rank ``rank``'s RNG state when the checkpoint was written at ``layout`` (RNG streams
+        belong to a rank's place in the layout), else None."""
+        if layout != self.layout or rank not in self.index.rng_files:
+            return None
+        f = self._file(self.index.rng_files[rank])
+        with reading(f.path, "RNG state"):
+            scalars = parse_json(f.metadata.get("rng", "null"), source=f.path)
+            if not isinstance(scalars, dict):
+                raise TypeError("no RNG state in the file's metadata")
+            return from_tensors(
+                lambda key: self._read(f.path.name, key, None, None).clone(), scalars
+            )
+
+    # -- one rank ----------------------------------------------------------------------------
+    def read(self, module: torch.nn.Module, optimizer, *, rank: int, layout: Layout) -> RankState:
+        """Everything rank ``rank`` of a run at ``layout`` restores, read and checked."""
+        return RankState(
+            model=self.read_model(module),
+            optimizer=self.read_optimizer(optimizer, module) if optimizer is not None else None,
+            optimizer_groups=self.index.optimizer_groups,
+            rng=self.rng(rank, layout),
+        )
+
+
+def apply(state: RankState, module: torch.nn.Module, optimizer) -> None:
+    """Put ``state`` into ``module`` and ``optimizer`` (megatron's, freshly built)."""
+    module.load_state_dict({**module.state_dict(keep_vars=True), **state.model}, strict=True)
+    if optimizer is None:
+        return
+    if state.legacy_optimizer is not None:
+        from dcp.checkpoint.legacy import load_legacy_optimizer
+
+        load_legacy_optimizer(optimizer, state.legacy_optimizer)
+        return
+    if state.optimizer is None:
+        if hasattr(optimizer, "reload_model_params"):  # fp32 main copies of the new weights
+            optimizer.reload_model_params()
+        return
+    from megatron_patches.cpu_optimizer import cuda_on_cpu
+
+    with cuda_on_cpu():
+        allocate_state(optimizer, state.optimizer_groups)
+    values = {(n, a, b): v for n, a, b, v in state.optimizer}
+    names = {id(p): n for n, p in _canonical_params(module)}
+    with torch.no_grad():
+        for param, start, end, tensors in param_pieces(optimizer):
+            saved = values[(names[id(param)], start, end)]
+            for key, target in tensors.items():
+                target.copy_(saved[key])
+
+
+def _canonical_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    from dcp.weights.canonical import canonical_name
+
+    for name, param in module.named_parameters():
+        yield canonical_name(name), param
+
+
+class _LazyState(Mapping):
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self._checkpoint = checkpoint
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._checkpoint.index.model:
+            raise KeyError(name)
+        return self._checkpoint.whole(name)
+
+    def __iter__(self):
+        return iter(self._checkpoint.index.model)
+
+    def __len__(self) -> int:
+        return len(self._checkpoint.index.model)
+
+
+def weights_for(module: torch.nn.Module, checkpoint, *, vocab_size: int | None = None) -> None:
+    """Load ``checkpoint``'s model weights into ``module`` (another run's: any TP size, the
+    vocabulary re-padded to ``vocab_size``'s padding), streaming one tensor at a time."""
+    from dcp.weights.canonical import load_canonical
+
+    state = checkpoint.canonical_state()
+    if vocab_size is not None:
+        state = _Repadded(state, module, vocab_size)
+    load_canonical(module, state, vocab_size=None)
+
+
+class _Repadded(Mapping):
+    """Vocabulary tensors re-padded to ``module``'s rows as they are looked up."""
+
+    def __init__(self, state: Mapping, module: torch.nn.Module, vocab_size: int) -> None:
+        self._state, self._module, self._vocab = state, module, vocab_size
+
+    def __getitem__(self, name):
+        value = self._state[name]
+        if name in VOCAB_TENSORS:
+            names = model_names(self._module)
+            if name in names:
+                like = self._module.state_dict(keep_vars=True)[names[name]]
+                _, tp = tp_coordinates()
+                rows = like.size(0) * (tp if split_spec(like) is not None else 1)
+                value = repad_vocab(value, rows, vocab_size=self._vocab, name=name)
+        return value
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self):
+        return len(self._state)
