@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dcp.files import load_json
 from dcp.schema import check_range
 
 logger = logging.getLogger(__name__)
@@ -394,8 +395,8 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     manifest is read before any checksum, so it must not make DCP open files elsewhere.
     """
     try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        manifest = load_json(path / MANIFEST, what="checkpoint manifest")
+    except ValueError:
         return None
     if not isinstance(manifest, dict) or manifest.get("format_version") not in _READABLE_VERSIONS:
         return None

@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from dcp.files import load_yaml
+
 # Distribution names to report; the first installed name of each tuple wins.
 _PACKAGES: dict[str, tuple[str, ...]] = {
     "torch": ("torch",),
@@ -179,8 +181,13 @@ def read_run_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
         file = file / CONFIG_FILENAME
     if not file.is_file():
         raise FileNotFoundError(f"no run config at {file} (expected a config.yaml of a run)")
-    with open(file, encoding="utf-8") as f:
-        document = yaml.safe_load(f)
-    if not isinstance(document, dict) or "config" not in document:
-        raise ValueError(f"{file} is not a run config: expected top-level keys config, run_info")
+    document = load_yaml(file, what="run config (config.yaml)")
+    if (
+        not isinstance(document, dict)
+        or not isinstance(document.get("config"), dict)
+        or not isinstance(document.get("run_info") or {}, dict)
+    ):
+        raise ValueError(
+            f"{file} is not a run config: expected the mappings config and run_info at top level"
+        )
     return document["config"], document.get("run_info") or {}

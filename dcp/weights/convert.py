@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from dcp.files import load_json
 from dcp.model import ModelConfig, build_gpt_model
 from dcp.weights.canonical import canonical_state, model_names
 from dcp.weights.hf import (
@@ -43,10 +44,10 @@ from dcp.weights.hf import (
 )
 from dcp.weights.hf_config import (
     hf_config_from_model,
-    model_config_from_hf,
     model_type,
     read_hf_config,
     read_json_object,
+    read_model_config,
 )
 from dcp.weights.tensor_parallel import local_slice, tp_coordinates
 
@@ -211,7 +212,7 @@ def iter_canonical_from_hf(
 
 def hf_model_config(hf_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
     """The ``ModelConfig`` of a HF directory, with ``overrides`` applied."""
-    return model_config_from_hf(read_hf_config(hf_dir), **overrides)
+    return read_model_config(hf_dir, **overrides)
 
 
 def load_hf_weights(
@@ -272,7 +273,7 @@ def hf_to_dcp(
     from dcp.schema import to_dict
 
     hf = read_hf_config(hf_dir)
-    cfg = model_config_from_hf(hf, **overrides)
+    cfg = read_model_config(hf_dir, **overrides)
     state = dict(iter_canonical_from_hf(hf_dir, cfg, progress=progress))
     return save_checkpoint(
         out_root,
@@ -350,7 +351,10 @@ def tokenizer_dir(run_config: dict[str, Any]) -> Path | None:
         meta = Path(f"{prefix}.meta.json")
         if not meta.is_file():
             continue
-        name = json.loads(meta.read_text()).get("tokenizer", "")
+        name = load_json(meta, what="dataset metadata")
+        name = name.get("tokenizer", "") if isinstance(name, dict) else None
+        if not isinstance(name, str):
+            raise ValueError(f"{meta}: not valid dataset metadata (no tokenizer name)")
         if name.startswith("hf:"):
             return Path(name[3:])
     return None

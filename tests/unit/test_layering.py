@@ -20,6 +20,7 @@ PACKAGES = ("dcp", "megatron_patches", "tools", "pretrain")
 LAYERS = [
     "megatron_patches",
     "dcp.plan",
+    "dcp.files",
     "dcp.schema",
     "dcp.console",
     "dcp.costmodel",
