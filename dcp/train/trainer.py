@@ -90,6 +90,8 @@ class Trainer:
             self.locks.append(RunLock(self.ckpt_root, what="checkpoint directory"))
         self.checkpoints = Checkpointing(cfg.checkpoint, self.ckpt_root, last_step=cfg.train.steps)
         self.metrics = None
+        self.stopped: str | None = None
+        """After ``train()``: what a stop signal ended (with the checkpoint saved), if one did."""
         try:
             agree("claiming the directories", self._claim_directories, only_rank0=True)
             self._build()
@@ -340,10 +342,11 @@ class Trainer:
                 saved = self._save(step, sampler_state) if self.checkpoints.due(step) else None
                 if stop.agreed(step):
                     saved = saved or self._save(step, sampler_state)
-                    self.metrics.note(
+                    self.stopped = (
                         f"stopped by {stop.signal_name or 'a stop signal on another rank'} after "
                         f"step {step}: checkpoint {saved}; run the same command again to resume"
                     )
+                    self.metrics.note(self.stopped)
                     break
         except Exception as exc:
             if stop.requested:
