@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcp.data.base import check_token_slice
-from dcp.data.idx import IndexInfo, check_prefix, first_token_out_of_range
+from dcp.data.idx import IndexInfo, check_prefix, content_digest, first_token_out_of_range
 from dcp.files import load_json, reading
 from dcp.schema import MAX_SEED, check_range
 
@@ -208,6 +208,11 @@ class IndexedDocumentDataset:
                 int(self._lengths[self._src == k].sum()) for k in range(len(self._sources))
             ],
         )
+
+    def content_fingerprint(self) -> list[str]:
+        """One ``dcp.data.idx.content_digest`` per prefix, in config order: what a resume
+        compares to notice a corpus whose content changed under the same document lengths."""
+        return [content_digest(src.info) for src in self._sources]
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the file and document of the first token id outside

@@ -59,6 +59,7 @@ from dcp.train.plan_ahead import PlanAhead
 from dcp.train.recorder import StepRecorder
 from dcp.train.resume import (
     check_checkpoint_owner,
+    check_data_content,
     check_resume_config,
     check_resume_parallelism,
 )
@@ -181,6 +182,10 @@ class Trainer:
             cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len
         )
         self.sampler = GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
+        # The sampler's state covers the document lengths; this covers the tokens (a resume
+        # compares it). A synthetic dataset's tokens follow from its config.
+        fingerprint = getattr(self.dataset, "content_fingerprint", None)
+        self.data_fingerprint = fingerprint() if fingerprint else None
         self.planner = BatchPlanner(
             cfg.planning,
             world_size=self.world_size,
@@ -236,6 +241,14 @@ class Trainer:
         loaded = load_checkpoint(path, rank=self.rank, world_size=self.world_size)
         if old_config:
             check_resume_config(old_config, new_config, allow=self.cfg.resume.allow_changes)
+        if self.data_fingerprint is not None:
+            check_data_content(
+                extra.get("data_fingerprint"),
+                self.data_fingerprint,
+                prefixes=self.cfg.data.indexed.prefixes,
+                path=path,
+                allow=self.cfg.resume.allow_changes,
+            )
         return loaded, extra
 
     def _restore(self, loaded: LoadedCheckpoint) -> None:
@@ -284,6 +297,7 @@ class Trainer:
                     "config": to_dict(self.cfg),
                     "wandb_id": self.metrics.wandb_id,
                     "calibration": self.calibrator.state_dict(),
+                    "data_fingerprint": self.data_fingerprint,
                 },
             ),
             weights_finite=self.runtime.weights_finite(),
