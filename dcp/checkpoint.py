@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dcp.files import load_json
+from dcp.files import load_json, read_text
 from dcp.schema import check_range
 
 logger = logging.getLogger(__name__)
@@ -512,27 +512,18 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
 def find_latest(root: str | os.PathLike[str], *, verify: bool = True) -> Path | None:
     """The newest complete checkpoint under ``root``, or ``None``.
 
-    ``latest`` is tried first, then the ``step_*`` directories newest first; ``.tmp-*``
-    directories are never used. With ``verify``, a checkpoint with a corrupt file is reported
-    (logged, naming the file) and skipped for the next older one.
+    The ``step_*`` directories are tried newest first; ``.tmp-*`` directories are never used.
+    With ``verify``, a checkpoint with a corrupt file is reported (logged, naming the file) and
+    skipped for the next older one. ``latest`` is for people and other tools: it never outranks
+    a newer complete checkpoint, and when it names another one that is said in the log.
     """
     root_path = Path(root)
     try:
-        pointer = (root_path / LATEST).read_text(encoding="utf-8").strip()
-    except OSError:
-        pointer = ""
-    candidates = [path for _, path in reversed(_step_dirs(root_path))]
-    if _STEP_DIR.match(pointer) and (root_path / pointer) in candidates:
-        candidates.remove(root_path / pointer)
-        candidates.insert(0, root_path / pointer)
-    for path in candidates:
+        pointer = read_text(root_path / LATEST, what="checkpoint pointer", max_bytes=256).strip()
+    except ValueError:  # missing, or not a pointer DCP wrote
+        pointer = "(unreadable)" if os.path.lexists(root_path / LATEST) else ""
+    for path in (path for _, path in reversed(_step_dirs(root_path))):
         if not is_complete(path):
-            if path.name == pointer:
-                logger.warning(
-                    "checkpoint pointer %s/latest -> %r is not a complete checkpoint",
-                    root_path,
-                    pointer,
-                )
             continue
         if verify:
             try:
@@ -540,6 +531,14 @@ def find_latest(root: str | os.PathLike[str], *, verify: bool = True) -> Path | 
             except CorruptCheckpointError as exc:
                 logger.error("%s; falling back to an older checkpoint", exc)
                 continue
+        if pointer and pointer != path.name:
+            logger.warning(
+                "checkpoint pointer %s/latest -> %r is not the newest complete checkpoint; "
+                "using %s",
+                root_path,
+                pointer[:80],
+                path.name,
+            )
         return path
     return None
 

@@ -302,19 +302,22 @@ SHAPE_ERRORS: tuple[type[BaseException], ...] = (
 
 @contextlib.contextmanager
 def reading(path: str | os.PathLike[str], what: str) -> Iterator[None]:
-    """Inside the block, a ``SHAPE_ERRORS`` error becomes one ``FileContentError`` line:
-    ``"<path>: not a valid <what>: <the error>"`` (an error that already names ``path`` keeps its
-    own words)."""
+    """Inside the block, a ``SHAPE_ERRORS`` error becomes one ``FileContentError`` line naming
+    ``path``: a ``ValueError`` keeps its words (``"<path>: <what>: <message>"``, or as it is when
+    it names ``path`` already), any other is a wrong shape (``"<path>: not a valid <what>:
+    TypeError: ..."``)."""
     try:
         yield
     except FileContentError:
         raise
     except SHAPE_ERRORS as exc:
         text = _one_line(str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
-        if isinstance(exc, KeyError):
-            text = f"missing key {text!r}"
-        elif not isinstance(exc, ValueError) or not text:
-            text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
         if text.startswith(str(path)):
             raise FileContentError(text) from None
-        raise _fail(path, f"not a valid {what}: {text}") from None
+        if isinstance(exc, ValueError) and text:
+            raise _fail(path, f"{what}: {text}") from None
+        if isinstance(exc, KeyError):
+            text = f"missing key {text!r}"
+        elif text:
+            text = f"{type(exc).__name__}: {text}"
+        raise _fail(path, f"not a valid {what}: {text or type(exc).__name__}") from None

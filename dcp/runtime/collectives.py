@@ -37,7 +37,9 @@ def phase(name: str) -> Iterator[None]:
 
 
 def current_phase() -> str:
-    return getattr(_state, "phase", None) or "outside any collective phase"
+    """Where this thread waits, worded to follow "in" or "outside" a phase."""
+    phase_name = getattr(_state, "phase", None)
+    return f"in {phase_name}" if phase_name else "outside any collective phase"
 
 
 def all_reduce_int(value: int, *, op: dist.ReduceOp = dist.ReduceOp.SUM) -> int:
@@ -68,7 +70,7 @@ class CollectiveTimeout(RuntimeError):
     def from_error(cls, exc: BaseException, *, timeout_s: float, step: int) -> CollectiveTimeout:
         return cls(
             f"rank {dist.get_rank()} of {dist.get_world_size()}: no answer within "
-            f"{timeout_s:g} s in {current_phase()} at step {step}; another rank is stuck or dead "
+            f"{timeout_s:g} s {current_phase()} at step {step}; another rank is stuck or dead "
             f"(distributed.timeout_s sets the limit). Backend said: {str(exc).strip()[:300]}"
         )
 

@@ -29,6 +29,7 @@ from dcp.checkpoint import (
 )
 from dcp.costmodel.spec import runtime_options
 from dcp.data.sampler import GlobalBatchSampler
+from dcp.files import reading
 from dcp.model import check_model_fits
 from dcp.observability.memory import reset_peak_memory
 from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
@@ -232,7 +233,8 @@ class Trainer:
         if not isinstance(extra, dict):
             raise ValueError(f"{path}: extra.pt holds {type(extra).__name__}, not a dict")
         # A checkpoint of an earlier release may use old section names.
-        old_config = rename_sections(PretrainConfig, extra.get("config") or {}, warn=False)
+        with reading(path / "extra.pt", "checkpoint's extra state"):
+            old_config = rename_sections(PretrainConfig, extra.get("config") or {}, warn=False)
         new_config = to_dict(self.cfg)
         check_checkpoint_owner(
             old_config, new_config, path=path, allow=self.cfg.resume.allow_changes
@@ -255,8 +257,11 @@ class Trainer:
         self.runtime.load_state_dict(
             {"model": loaded.model_state, "optimizer": loaded.optimizer_state, "step": loaded.step}
         )
-        self.sampler.load_state_dict(loaded.sampler_state)
-        restore_rng_state(loaded.rng_state)
+        # Plain data from files: a wrong shape is one line naming the checkpoint, exit 2.
+        with reading(loaded.path, "checkpoint's sampler state (sampler.pt)"):
+            self.sampler.load_state_dict(loaded.sampler_state)
+        with reading(loaded.path, f"checkpoint's RNG state of rank {self.rank}"):
+            restore_rng_state(loaded.rng_state)
         if self.rank == 0:
             logger.info("resumed from %s (step %d)", loaded.path, loaded.step)
 

@@ -60,6 +60,12 @@ def _refused(*overrides: str) -> str:
         ("runs_dir=", r"^runs_dir must be a non-empty path"),
         ("resume.allow_changes=[not_a_key]", r"^resume\.allow_changes: 'not_a_key' is not"),
         ("resume.allow_changes=[optim.lrr]", r"did you mean 'optim\.lr'"),
+        # An integer 10**20: every global batch would have been the whole corpus.
+        (
+            "data.sampler.max_tokens_per_batch=100000000000000000000",
+            r"^data\.sampler\.max_tokens_per_batch must be an integer >= 1 and <= 1099511627776",
+        ),
+        ("data.sampler.max_seqs_per_batch=2000000000000", r"max_seqs_per_batch must be"),
     ],
 )
 def test_unusable_values_are_refused_naming_key_and_range(override, match):
