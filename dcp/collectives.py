@@ -69,7 +69,7 @@ def current_phase() -> str | None:
 
 def _where() -> str:
     name = current_phase()
-    return f"in {name}" if name else "outside any named collective phase"
+    return f"in {name}" if name else "outside any collective phase"
 
 
 # -- devices -----------------------------------------------------------------------------------

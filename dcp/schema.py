@@ -26,6 +26,9 @@ from typing import Any
 
 import yaml
 
+from dcp.files import FileContentError, parse_yaml, yaml_problem
+from dcp.files import load_yaml as load_yaml_file
+
 logger = logging.getLogger(__name__)
 
 MAX_SEED = 2**63 - 1
@@ -270,37 +273,27 @@ def _apply_overrides(
                 raise ValueError(f"override {item!r}: {part} is not a section")
             node = child
         try:
-            node[parts[-1]] = _parse_value(raw)
+            node[parts[-1]] = _parse_value(raw, source=f"override {item!r}")
         except yaml.YAMLError as exc:
-            raise ValueError(f"override {item!r}: not valid YAML ({_yaml_problem(exc)})") from None
+            raise ValueError(f"override {item!r}: not valid YAML ({yaml_problem(exc)})") from None
         key = ".".join(parts)
         text = {k: v for k, v in text.items() if k != key and not k.startswith(key + ".")}
         text[key] = raw.strip()
     return out, text
 
 
-def _parse_value(raw: str) -> Any:
-    """YAML scalar/list parsing, plus ``1e-3`` style floats (YAML 1.1 reads them as strings)."""
+def _parse_value(raw: str, *, source: str) -> Any:
+    """YAML scalar/list parsing, plus ``1e-3`` style floats (YAML 1.1 reads them as strings);
+    ``source`` names the text in errors (aliases and nesting are bounded as in files)."""
     if not raw.strip():
         return ""
-    value = yaml.safe_load(raw)
+    value = parse_yaml(raw, source=source)
     if isinstance(value, str):
         try:
             return float(value)
         except ValueError:
             return value
     return value
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """One line: what the YAML parser found wrong, and where (1-based line and column)."""
-    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
-        mark = exc.problem_mark
-        context = f"{exc.context}: " if exc.context else ""
-        return f"{context}{exc.problem} at line {mark.line + 1}, column {mark.column + 1}"
-    if isinstance(exc, yaml.reader.ReaderError) and isinstance(exc.character, int):
-        return f"unacceptable character #x{exc.character:04x} at position {exc.position}"
-    return " ".join(str(exc).split())
 
 
 def _keep_text_of_str_fields(
@@ -346,17 +339,12 @@ def _deepcopy(data: Any) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
+    """The mapping in the YAML config file ``path``, read under ``dcp.files``' rules (size,
+    aliases, nesting): every problem is one ``ValueError`` line naming the file."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"config file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
-        ) from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config file {path} is not valid YAML ({_yaml_problem(exc)})") from None
+        data = load_yaml_file(path, what="YAML config") or {}
+    except FileContentError as exc:
+        raise ValueError(f"config file {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping at top level")
     return data

@@ -153,18 +153,24 @@ def param_pieces(optimizer):
         elif isinstance(opt, Float16OptimizerWithFloat16Params):
             pairs = [
                 (model, main)
-                for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+                for models, mains in zip(
+                    opt.float16_groups, opt.fp32_from_float16_groups, strict=True
+                )
                 for model, main in zip(models, mains, strict=True)
             ]
             pairs += [(p, p) for group in opt.fp32_from_fp32_groups for p in group]
             for model, main in pairs:
-                yield model, 0, model.numel(), _flat_states(
-                    {"param": main, **opt.optimizer.state.get(main, {})}
+                yield (
+                    model,
+                    0,
+                    model.numel(),
+                    _flat_states({"param": main, **opt.optimizer.state.get(main, {})}),
                 )
         else:  # FP32Optimizer: the torch optimizer steps the model's own parameters
             for group in opt.optimizer.param_groups:
                 for p in group["params"]:
-                    yield p, 0, p.numel(), _flat_states({"param": p, **opt.optimizer.state.get(p, {})})
+                    state = opt.optimizer.state.get(p, {})
+                    yield p, 0, p.numel(), _flat_states({"param": p, **state})
 
 
 def _flat_states(tensors: dict) -> dict[str, torch.Tensor]:

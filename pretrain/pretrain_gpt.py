@@ -25,6 +25,7 @@ from dcp.schema import load_config
 from dcp.train.agree import ONE_LINE_ERRORS, RankFailure, agree, exit_code, one_line
 from dcp.train.config import DistributedConfig, PretrainConfig
 from dcp.train.exit_record import write_exit_record
+from dcp.train.launcher import die_with_launcher
 from dcp.train.trainer import Trainer
 
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config (pretrain/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the YAML")
     args = parser.parse_args(argv)
+    die_with_launcher()  # a launcher killed with -9 takes this worker along, lock and all
     rank = int(os.environ.get("RANK", "0"))
     console.setup(rank)  # before anything imports megatron-core: it warns while importing
     cfg, config_error = None, None
@@ -55,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         agree("reading the config", lambda: _raise(config_error))
         # megatron patches this machine needs + parallel state (TP groups of consecutive ranks)
         dcp.init(timeout_s=startup, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
-        Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        trainer.train()
+        if trainer.stopped:
+            # torchrun exits 1 after a stop signal of its own, whatever its workers did: the
+            # record tells pretrain.supervise that this job stopped cleanly.
+            write_exit_record(0, trainer.stopped, rank=rank)
     except RankFailure as exc:
         # Every rank raised the same error after agreeing on it: rank 0 says it once.
         return _fail(rank, f"error: {exc}", code=exc.exit_code, agreed=True)

@@ -29,6 +29,7 @@ from megatron.training.argument_utils import (
 )
 
 from dcp.integrations import megatron_lm as dcp_mlm  # DCP
+from dcp.train.launcher import die_with_launcher  # DCP
 
 
 def model_provider(
@@ -59,6 +60,7 @@ def model_provider(
 
 
 def main() -> int:
+    die_with_launcher()  # DCP: a launcher killed with -9 takes its workers along
     try:
         train()
     except ValueError as exc:  # a bad argument or data file: the same on every rank

@@ -11,11 +11,20 @@ run-directory lock of a killed job is taken over), so every step is trained exac
 
 It stops retrying on exit 0 (done, or stopped cleanly by SIGTERM/SIGUSR1), on exit 2 (a config,
 data or directory error: a retry would fail the same way) and after ``--max-restarts`` restarts.
-torchrun reports every failed worker as exit 1, so the workers' own exit 2 reaches the wrapper
-through a file: each attempt gets a fresh path in ``DCP_EXIT_RECORD`` (``dcp.train.exit_record``),
-and when any worker recorded exit 2 the attempt counts as exit 2. Only the workers on the
-wrapper's own machine can write there; on several nodes, run the wrapper on each.
+torchrun reports every failed worker as exit 1, and exits 1 itself after a stop signal whatever
+its workers did, so the workers' own codes reach the wrapper through a file: each attempt gets a
+fresh path in ``DCP_EXIT_RECORD`` (``dcp.train.exit_record``); when any worker recorded exit 2
+the attempt counts as exit 2, else when one recorded a clean stop (exit 0: the stop was agreed by
+every rank and the checkpoint saved) it counts as 0. Only the workers on the wrapper's own
+machine can write there; on several nodes, run the wrapper on each.
 SIGTERM/SIGUSR1/SIGINT sent to the wrapper go to the command's process group and end the loop.
+
+Leftovers: every process of an attempt carries ``DCP_SUPERVISE_ATTEMPT=<wrapper pid>.<start
+time>.<attempt>`` in its environment (torchrun passes its own to its workers). When the command
+has exited, whatever still carries this attempt's value (a worker whose launcher was killed, a
+process it left behind) is killed and waited for before the next attempt, so a restart is never
+refused by its own run's lock; processes of other runs, which carry another value or none, are
+never touched, and a run directory one of them holds stops the wrapper with exit 2.
 """
 
 from __future__ import annotations
@@ -27,9 +36,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from dcp.train.exit_record import EXIT_RECORD_ENV, read_exit_records
 
+ATTEMPT_ENV = "DCP_SUPERVISE_ATTEMPT"
+"""Marks every process of one attempt (inherited through the launcher)."""
 USER_ERROR_CODE = 2  # pretrain.pretrain_gpt's exit code for a config, data or directory error
 NO_RETRY_CODES = (0, USER_ERROR_CODE)
 
@@ -58,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, forward)
 
+    run_tag = f"{os.getpid()}.{time.time_ns()}"
     # One fresh record path per attempt: a record left by an earlier attempt never counts.
     with tempfile.TemporaryDirectory(prefix="dcp-supervise-") as record_dir:
         attempt = 0
@@ -67,9 +80,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"[supervise] attempt {attempt}: {' '.join(command)}", file=sys.stderr, flush=True
             )
             record_path = os.path.join(record_dir, f"attempt{attempt}")
-            env = {**os.environ, EXIT_RECORD_ENV: record_path}
+            tag = f"{run_tag}.{attempt}"
+            env = {**os.environ, EXIT_RECORD_ENV: record_path, ATTEMPT_ENV: tag}
             child = subprocess.Popen(command, start_new_session=True, env=env)
             code = child.wait()
+            left = end_leftovers(tag)
+            if left:
+                print(
+                    f"[supervise] attempt {attempt} left {len(left)} process(es) running "
+                    f"(pid {', '.join(map(str, left))}): killed",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if code != 0:
                 code = _recorded_code(code, record_path)
             if code in NO_RETRY_CODES or stopping:
@@ -92,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _recorded_code(code: int, record_path: str) -> int:
-    """``USER_ERROR_CODE`` if any worker recorded it at ``record_path``, else ``code``."""
-    for record in read_exit_records(record_path):
+    """``USER_ERROR_CODE`` if any worker recorded it at ``record_path``, else 0 if any worker
+    recorded a clean stop, else ``code``."""
+    records = read_exit_records(record_path)
+    for record in records:
         if record.code == USER_ERROR_CODE:
             lines = record.message.strip().splitlines() or ["(no message)"]
             print(
@@ -102,7 +126,46 @@ def _recorded_code(code: int, record_path: str) -> int:
                 flush=True,
             )
             return record.code
+    stopped = next((r for r in records if r.code == 0), None)
+    if stopped is not None:
+        print(f"[supervise] the job {stopped.message.strip()[:300]}", file=sys.stderr, flush=True)
+        return 0
     return code
+
+
+def end_leftovers(tag: str, *, timeout_s: float = 30.0) -> list[int]:
+    """Kill every process whose environment holds ``ATTEMPT_ENV=tag`` and wait until they are
+    gone (at most ``timeout_s``); returns their pids. Only this user's processes can be read,
+    and only those started for this attempt carry the tag."""
+    needle = f"{ATTEMPT_ENV}={tag}".encode()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        if pid == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue  # gone, or another user's
+        if needle in environ.split(b"\0"):
+            found.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_running(pid) for pid in found):
+        time.sleep(0.05)
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 if __name__ == "__main__":

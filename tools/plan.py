@@ -3,9 +3,9 @@
     python -m tools.plan --lengths L.json --spec S.json --planner dcp --out P.json
     python -m tools.plan --lengths L.json --spec h200x32+llama3-8b --planner static
 
-``--lengths``: a JSON list of positive ints. ``--spec``: a cost-model spec JSON file or a preset
-name (``cpu-tiny``, ``<cluster>+<model>``; see ``dcp/costmodel/profiles``). The spec's
-``options.tensor_parallel_size`` sets TP: plan ranks are planner ranks, one per TP group
+``--lengths``: a JSON list of positive ints (at most 100,000). ``--spec``: a cost-model spec
+JSON file or a preset name (``cpu-tiny``, ``<cluster>+<model>``; see ``dcp/costmodel/profiles``).
+The spec's ``options.tensor_parallel_size`` sets TP: plan ranks are planner ranks, one per TP group
 (``cluster.num_gpus / TP`` of them; ``h200x256+llama3-70b`` plans 32 at TP = 8).
 ``--option key=value`` sets a field of the planner's options class (``dcp.planning``:
 ``DCPOptions``, ``StaticOptions``, ``MegatronOptions``; e.g. ``on_oversize=drop``,
@@ -30,19 +30,32 @@ from dcp import console
 from dcp.costmodel import available_presets, load_cost_model
 from dcp.costmodel.online import fit_records
 from dcp.costmodel.records import read_records
+from dcp.data.lengths import MAX_LENGTH
+from dcp.files import load_json
 from dcp.plan import PLANNERS
 from dcp.planning import lower_bound_s, plan_batch, planner_options
 
+MAX_SEQUENCES = 100_000
+"""Most lengths one batch may list: planning time grows faster than linearly (100,000 took
+minutes on a 2-core machine), and no global batch holds more."""
+MAX_LENGTHS_BYTES = 16 << 20
+
 
 def read_lengths(path: str) -> list[int]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read lengths from {path}: {exc}") from exc
+    """The batch's sequence lengths: a JSON list of ints in [1, 2**40], at most
+    ``MAX_SEQUENCES`` of them; anything else is one ValueError line naming the file."""
+    data = load_json(path, what="JSON list of sequence lengths", max_bytes=MAX_LENGTHS_BYTES)
     if not isinstance(data, list) or not all(
-        isinstance(x, int) and not isinstance(x, bool) for x in data
+        isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_LENGTH for x in data
     ):
-        raise ValueError(f"{path} must hold a JSON list of integers (sequence lengths)")
+        raise ValueError(
+            f"{path} must hold a JSON list of integers in [1, {MAX_LENGTH}] (sequence lengths)"
+        )
+    if len(data) > MAX_SEQUENCES:
+        raise ValueError(
+            f"{path} lists {len(data):,} sequences, more than one batch tools.plan plans "
+            f"({MAX_SEQUENCES:,}); for a corpus, use python -m tools.simulate --data"
+        )
     return data
 
 

@@ -31,6 +31,7 @@ from dcp.costmodel import load_spec
 from dcp.costmodel.calibrate import calibrated_spec
 from dcp.costmodel.load import write_preset_calibration
 from dcp.costmodel.report import format_calibration, format_memory, format_report
+from dcp.files import load_json, reading
 from dcp.plan import RECOMPUTE_LEVELS
 from dcp.schema import load_yaml
 
@@ -138,13 +139,26 @@ def _measure(args) -> dict:
 
 
 def _load_measurements(path: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"cannot read measurements {path}: {exc}") from exc
-    if not isinstance(data, dict) or not data.get("time_points"):
+    data = load_json(path, what="measurements file (--measurements-out)")
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("time_points"), list)
+        or not data["time_points"]
+        or not all(isinstance(point, dict) for point in data["time_points"])
+    ):
         raise ValueError(f"{path} holds no time_points (write it with --measurements-out)")
+    rss = data.get("rss", [])
+    numbers = ("after_build_bytes", "peak_bytes")
+    if not isinstance(data.get("spec", ""), str) or not (
+        isinstance(rss, list)
+        and all(isinstance(r, dict) and all(_is_number(r.get(k)) for k in numbers) for r in rss)
+    ):
+        raise ValueError(f"{path}: spec must be a preset name and rss a list of byte counts")
     return data
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             measurements = _measure(args)
         spec_name = args.spec or measurements.get("spec") or "cpu-tiny"
         base = load_spec(spec_name)
-        if "model" in measurements:
-            from dcp.train.measure import check_same_model
+        source = args.from_measurements or "the measurements"
+        with reading(source, "measurements file"):  # a file's wrong shapes name the file
+            if "model" in measurements:
+                from dcp.train.measure import check_same_model
 
-            check_same_model(base, measurements["model"])
-        calibration = calibrated_spec(base, measurements)
+                check_same_model(base, measurements["model"])
+            calibration = calibrated_spec(base, measurements)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

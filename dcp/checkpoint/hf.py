@@ -36,9 +36,9 @@ from dcp.weights.convert import (
 from dcp.weights.hf import canonical_to_hf
 from dcp.weights.hf_config import (
     hf_config_from_model,
-    model_config_from_hf,
     model_type,
     read_hf_config,
+    read_model_config,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def hf_to_dcp(
     One process (no process group): the tensors are read one shard at a time and written as
     they come."""
     hf = read_hf_config(hf_dir)
-    cfg = model_config_from_hf(hf, **overrides)
+    cfg = read_model_config(hf_dir, **overrides)
     tensors = [
         LocalTensor(name, tensor, None)
         for name, tensor in iter_canonical_from_hf(hf_dir, cfg, progress=progress)

@@ -21,6 +21,7 @@ from dcp.costmodel.spec import (
     monotone_activations,
     parse_spec,
 )
+from dcp.files import load_json, reading
 from dcp.plan import RECOMPUTE_LEVELS
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -44,7 +45,7 @@ def load_preset(name: str) -> dict:
             raise ValueError(
                 f"unknown preset {part!r} in {name!r}; available: {', '.join(available_presets())}"
             )
-        data = json.loads(path.read_text())
+        data = load_json(path, what="cost-model preset")
         for key, value in data.items():
             if isinstance(value, dict) and isinstance(spec.get(key), dict):
                 spec[key] = {**spec[key], **value}
@@ -55,20 +56,21 @@ def load_preset(name: str) -> dict:
 
 
 def load_spec(source: str | Path | dict) -> dict:
-    """A spec dict from a preset name, a spec JSON path, or a dict (returned as a copy)."""
+    """A spec dict from a preset name, a spec JSON path (read and checked under
+    ``dcp.files``' rules: any problem is one line naming the file), or a dict (a copy)."""
     if isinstance(source, dict):
         return dict(source)
     path = Path(source)
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise ValueError(f"no such cost-model spec file: {path}")
-        try:
-            spec = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read cost-model spec {path}: {exc}") from exc
+        spec = load_json(path, what="cost-model spec")
         if not isinstance(spec, dict):
             raise ValueError(f"cost-model spec {path} must hold a JSON object")
         spec.setdefault("name", path.stem)
+        # Checked whole here, so what is built from it later never meets a wrong type.
+        with reading(path, "cost-model spec"):
+            CostModel.from_spec(spec)
         return spec
     return load_preset(str(source))
 

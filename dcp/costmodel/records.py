@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dcp.files import SHAPE_ERRORS, iter_lines, parse_json
 from dcp.plan import RECOMPUTE_LEVELS, Recompute, check_choice
 
 _REQUIRED = ("step", "ranks", "seq_lens", "recompute", "time_s")
@@ -139,22 +140,17 @@ def read_records(path: str | Path) -> list[MicroStepRecord]:
     skipped with a warning; any other malformed record raises ``ValueError`` naming the file
     and its 1-based line."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"cannot read micro-step records from {path}: {exc}") from exc
-    lines = text.split("\n")
     records = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in iter_lines(path, what="micro-step records file"):
         if not line.strip():
             continue
         try:
-            records.append(MicroStepRecord.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, ValueError, TypeError) as exc:
-            if number == len(lines):
+            records.append(MicroStepRecord.from_dict(parse_json(line, source="the line")))
+        except SHAPE_ERRORS as exc:
+            if not line.endswith("\n"):
                 logger.warning("%s:%d: skipping truncated last line (%s)", path, number, exc)
                 continue
-            raise ValueError(f"{path} line {number}: {exc}") from exc
+            raise ValueError(f"{path} line {number}: {' '.join(str(exc).split())}") from None
     return records
 
 

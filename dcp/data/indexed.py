@@ -10,7 +10,6 @@ See docs/configuration.md, 'Data'.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import warnings
@@ -18,12 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp.schema import MAX_SEED, check_range
 from dcp.data.base import check_token_slice
-from dcp.data.idx import IndexInfo, check_prefix, first_token_out_of_range
+from dcp.data.idx import IndexInfo, check_prefix, content_digest, first_token_out_of_range
+from dcp.files import load_json, reading
+from dcp.schema import MAX_SEED, check_range
 
 logger = logging.getLogger(__name__)
 
+MAX_VOCAB_SIZE = 2**31 - 1
+"""Token ids are stored in at most 32 bits by megatron's indexed format."""
 META_SUFFIX = ".meta.json"
 """``tools/prepare_data.py`` writes the tokenizer and corpus stats next to the .bin/.idx pair."""
 
@@ -117,14 +119,21 @@ class _Source:
 
 
 def _read_meta(prefix: str) -> dict:
+    """The ``.meta.json`` sidecar of ``prefix`` ({} without one), its fields DCP uses checked:
+    ``tokenizer`` a string, ``vocab_size`` an integer >= 1, ``eod`` an integer >= 0."""
     path = prefix + META_SUFFIX
     if not os.path.exists(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: unreadable dataset metadata ({exc})") from exc
+    meta = load_json(path, what="dataset metadata file")
+    with reading(path, "dataset metadata file"):
+        if not isinstance(meta, dict):
+            raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
+        if not isinstance(meta.get("tokenizer", ""), str):
+            raise ValueError(f"tokenizer must be a string, got {meta['tokenizer']!r}")
+        for key, low in (("vocab_size", 1), ("eod", 0)):
+            if key in meta:
+                check_range(meta[key], key, ge=low, le=MAX_VOCAB_SIZE, integer=True)
+    return meta
 
 
 def _chunk(lengths: np.ndarray, max_doc_len: int | None) -> tuple[np.ndarray, ...]:
@@ -199,6 +208,11 @@ class IndexedDocumentDataset:
                 int(self._lengths[self._src == k].sum()) for k in range(len(self._sources))
             ],
         )
+
+    def content_fingerprint(self) -> list[str]:
+        """One ``dcp.data.idx.content_digest`` per prefix, in config order: what a resume
+        compares to notice a corpus whose content changed under the same document lengths."""
+        return [content_digest(src.info) for src in self._sources]
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the file and document of the first token id outside

@@ -7,12 +7,16 @@ the trainer does (``IndexedDataConfig.max_doc_len``).
 
 from __future__ import annotations
 
-import json
+import array
 from pathlib import Path
 
 import numpy as np
 
 from dcp.data.indexed import IndexedDataConfig, IndexedDocumentDataset, _chunk
+from dcp.files import iter_lines, parse_json
+
+MAX_LENGTH = 2**40
+"""Longest document a lengths file may list (tokens): far past any corpus, short of overflow."""
 
 
 def corpus_doc_lengths(source: str | Path, *, max_doc_len: int | None = None) -> np.ndarray:
@@ -28,25 +32,19 @@ def corpus_doc_lengths(source: str | Path, *, max_doc_len: int | None = None) ->
 
 
 def _read_jsonl(path: Path) -> np.ndarray:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (a JSONL file of document lengths)")
-    lengths = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
-            if isinstance(value, dict):
-                value = value.get("length")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"{path}:{number}: expected a length (an integer >= 0, or "
-                    f'{{"length": n}}), got {line.strip()[:80]!r}'
-                )
-            lengths.append(value)
+    lengths = array.array("q")  # 8 bytes a length, however long the file
+    for number, line in iter_lines(path, what="JSONL file of document lengths"):
+        if not line.strip():
+            continue
+        value = parse_json(line, source=f"{path}:{number}")
+        if isinstance(value, dict):
+            value = value.get("length")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LENGTH:
+            raise ValueError(
+                f"{path}:{number}: expected a length (an integer in [0, {MAX_LENGTH}], or "
+                f'{{"length": n}}), got {line.strip()[:80]!r}'
+            )
+        lengths.append(value)
     if not any(lengths):
         raise ValueError(f"{path}: no non-empty document lengths")
-    return np.asarray(lengths, dtype=np.int64)
+    return np.frombuffer(lengths, dtype=np.int64).copy()

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from dcp.data.indexed import META_SUFFIX, megatron_indexed_dataset
+from dcp.files import publish
 from dcp.data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ def write_indexed_dataset(
         json.dump(meta, f, indent=2)
     # .idx last: readers check the .bin size against it, so a crash between renames is caught.
     for suffix in (".bin", META_SUFFIX, ".idx"):
-        os.replace(tmp + suffix, out_prefix + suffix)
+        publish(tmp + suffix, out_prefix + suffix)
     return stats
 
 

@@ -12,6 +12,7 @@ docs/configuration.md, 'Data'.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -19,16 +20,23 @@ import numpy as np
 
 from dcp.schema import MAX_SEED, check_range
 
+logger = logging.getLogger(__name__)
+
+MAX_BATCH = 2**40
+"""Largest token budget or document count of one global batch (about 10**12): far beyond any
+real global batch, and far from overflowing the sampler's int64 sums."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class SamplerConfig:
     """How the document stream is cut into global batches."""
 
     max_tokens_per_batch: int | None = None
-    """Token budget of one global batch (sum of document lengths; >= 1); ``None`` = no budget."""
+    """Token budget of one global batch (sum of document lengths; in [1, 2**40]); ``None`` = no
+    budget."""
     max_seqs_per_batch: int | None = None
-    """Most documents in one global batch (>= 1); ``None`` = no limit (a token budget is then
-    needed)."""
+    """Most documents in one global batch (in [1, 2**40]); ``None`` = no limit (a token budget
+    is then needed)."""
     seed: int = 0
     """Seed of the per-epoch shuffle, in [0, 2**63 - 1]."""
     shuffle: bool = True
@@ -44,7 +52,9 @@ class SamplerConfig:
             )
         for name in ("max_tokens_per_batch", "max_seqs_per_batch"):
             if getattr(self, name) is not None:
-                check_range(getattr(self, name), f"SamplerConfig.{name}", ge=1, integer=True)
+                check_range(
+                    getattr(self, name), f"SamplerConfig.{name}", ge=1, le=MAX_BATCH, integer=True
+                )
         check_range(self.seed, "SamplerConfig.seed", ge=0, le=MAX_SEED, integer=True)
 
 
@@ -85,6 +95,13 @@ class GlobalBatchSampler:
                 f"document {bad} has {int(lengths[bad])} tokens, more than "
                 f"max_tokens_per_batch={budget}; raise the budget or set the dataset's "
                 f"max_doc_len <= {budget} so long documents are split into chunks"
+            )
+        if budget is not None and int(lengths.sum()) <= budget:
+            logger.warning(
+                "max_tokens_per_batch=%d holds the whole corpus (%d tokens): every global batch "
+                "is an epoch",
+                budget,
+                int(lengths.sum()),
             )
         self.config = config
         self._lengths = lengths

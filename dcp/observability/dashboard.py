@@ -20,12 +20,12 @@ from typing import Any
 
 import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
-import yaml
 from wandb_workspaces import expr
 from wandb_workspaces.workspaces import internal
 
+from dcp.files import reading
 from dcp.observability.metrics import MetricsConfig, flatten, read_metrics
-from dcp.observability.run_info import CONFIG_FILENAME
+from dcp.observability.run_info import CONFIG_FILENAME, read_run_config
 from dcp.plan import PLANNERS
 
 WORKSPACE_FILENAME = "wandb_workspace.json"
@@ -156,19 +156,38 @@ def read_run(path: str | Path) -> RunSummary:
         if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
     }
     config = _run_config(run_dir)
-    metrics = config.get("metrics") or {}
-    defaults = MetricsConfig()
-    wandb_dir = Path(metrics["wandb_dir"]) if metrics.get("wandb_dir") else run_dir
-    offline = sorted(p for p in (wandb_dir / "wandb").glob("offline-run-*-*") if p.is_dir())
+    with reading(run_dir / CONFIG_FILENAME, "run config"):
+        metrics = _mapping(config.get("metrics"), "metrics")
+        planning = _mapping(config.get("planning"), "planning")
+        wandb_dir = _text(metrics.get("wandb_dir"), "metrics.wandb_dir")
+        name = _text(metrics.get("wandb_run_name"), "metrics.wandb_run_name")
+        project = _text(metrics.get("wandb_project"), "metrics.wandb_project")
+        group = _text(metrics.get("wandb_group"), "metrics.wandb_group")
+        planner = _text(planning.get("planner"), "planning.planner")
+    planner = planner or records[-1].get("planner")
+    wandb_root = Path(wandb_dir) if wandb_dir else run_dir
+    offline = sorted(p for p in (wandb_root / "wandb").glob("offline-run-*-*") if p.is_dir())
     return RunSummary(
         path=run_dir,
-        name=metrics.get("wandb_run_name") or run_dir.name,
-        project=metrics.get("wandb_project") or defaults.wandb_project,
-        group=metrics.get("wandb_group"),
-        planner=(config.get("planning") or {}).get("planner") or records[-1].get("planner"),
+        name=name or run_dir.name,
+        project=project or MetricsConfig().wandb_project,
+        group=group,
+        planner=planner if isinstance(planner, str) else None,
         offline_runs=tuple(offline),
         keys=frozenset(keys),
     )
+
+
+def _mapping(value: Any, key: str) -> dict:
+    if not isinstance(value, dict | None):
+        raise ValueError(f"{key} must be a mapping, got {value!r}")
+    return value or {}
+
+
+def _text(value: Any, key: str) -> str | None:
+    if not isinstance(value, str | None):
+        raise ValueError(f"{key} must be a string, got {value!r}")
+    return value
 
 
 def _run_config(run_dir: Path) -> dict[str, Any]:
@@ -176,8 +195,8 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
     file = run_dir / CONFIG_FILENAME
     if not file.is_file():
         return {}
-    data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
-    return data.get("config") or {}
+    config, _ = read_run_config(file)
+    return config
 
 
 def _series(wanted: str, logged: frozenset[str] | None) -> tuple[list[str], str | None]:

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dcp.files import iter_lines, parse_json, write_atomic
 from dcp.observability.run_info import to_plain
 from dcp.schema import check_range
 
@@ -194,21 +195,21 @@ def read_metrics(path: str | os.PathLike[str], *, restore_nonfinite: bool = True
         file = file / METRICS_FILENAME
     if not file.is_file():
         raise FileNotFoundError(f"no metrics file at {file}")
-    with open(file, encoding="utf-8") as f:
-        lines = f.read().split("\n")
     records: list[dict] = []
-    numbered = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
-    for lineno, line in numbered:
+    for lineno, line in iter_lines(file, what="metrics file"):
+        if not line.strip():
+            continue
         try:
-            obj = json.loads(line)
+            obj = parse_json(line, source="the line")
             if not isinstance(obj, dict):
                 raise ValueError("not a JSON object")
         except ValueError as exc:
             # Every complete line ends with a newline; only the last piece can lack one.
-            if lineno == len(lines):
+            if not line.endswith("\n"):
                 logger.warning("%s:%d: skipping truncated last line (%s)", file, lineno, exc)
                 continue
-            raise ValueError(f"{file}:{lineno}: malformed metrics line: {exc}") from exc
+            message = " ".join(str(exc).split())
+            raise ValueError(f"{file}:{lineno}: malformed metrics line: {message}") from None
         if restore_nonfinite:
             _restore_nonfinite(obj)
         records.append(obj)
@@ -294,9 +295,7 @@ class MetricsLogger:
         if start_step > 0 and self.metrics_path.exists():
             lines = self.metrics_path.read_text(encoding="utf-8").split("\n")
             kept = [ln for ln in lines if (st := _line_step(ln)) is not None and st <= start_step]
-            tmp = self.metrics_path.with_name(f".{METRICS_FILENAME}.tmp-{os.getpid()}")
-            tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-            os.replace(tmp, self.metrics_path)
+            write_atomic(self.metrics_path, "".join(f"{line}\n" for line in kept))
             self._file = open(self.metrics_path, "a", encoding="utf-8")
         else:
             self._file = open(self.metrics_path, "w", encoding="utf-8")

@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from dcp.files import load_yaml, write_atomic
+
 # Distribution names to report; the first installed name of each tuple wins.
 _PACKAGES: dict[str, tuple[str, ...]] = {
     "torch": ("torch",),
@@ -162,10 +164,7 @@ def write_run_config(
         "run_info": to_plain(dict(run_info) if run_info is not None else collect_run_info()),
     }
     target = run_path / CONFIG_FILENAME
-    tmp = run_path / f".{CONFIG_FILENAME}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(document, f, sort_keys=False, default_flow_style=False)
-    os.replace(tmp, target)
+    write_atomic(target, yaml.safe_dump(document, sort_keys=False, default_flow_style=False))
     return target
 
 
@@ -179,8 +178,13 @@ def read_run_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[
         file = file / CONFIG_FILENAME
     if not file.is_file():
         raise FileNotFoundError(f"no run config at {file} (expected a config.yaml of a run)")
-    with open(file, encoding="utf-8") as f:
-        document = yaml.safe_load(f)
-    if not isinstance(document, dict) or "config" not in document:
-        raise ValueError(f"{file} is not a run config: expected top-level keys config, run_info")
+    document = load_yaml(file, what="run config (config.yaml)")
+    if (
+        not isinstance(document, dict)
+        or not isinstance(document.get("config"), dict)
+        or not isinstance(document.get("run_info") or {}, dict)
+    ):
+        raise ValueError(
+            f"{file} is not a run config: expected the mappings config and run_info at top level"
+        )
     return document["config"], document.get("run_info") or {}

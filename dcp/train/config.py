@@ -198,19 +198,23 @@ def source_model_config(init: Mapping[str, Any]) -> tuple[str, dict[str, Any]] |
     from dcp.schema import to_dict
 
     if init.get("from_hf"):
-        from dcp.weights.hf_config import model_config_from_hf, read_hf_config
+        from dcp.weights.hf_config import read_model_config
 
         hf_dir = init["from_hf"]
-        return f"init.from_hf ({hf_dir})", to_dict(model_config_from_hf(read_hf_config(hf_dir)))
+        return f"init.from_hf ({hf_dir})", to_dict(read_model_config(hf_dir))
     if init.get("from_checkpoint"):
         from dcp.checkpoint import open_checkpoint, resolve_checkpoint
+        from dcp.checkpoint.layout import SHARED
+        from dcp.files import reading
 
         path = resolve_checkpoint(init["from_checkpoint"])
         extra = open_checkpoint(path).shared().get("extra") or {}
-        model = (extra.get("config") or {}).get("model")
+        with reading(path / SHARED, "checkpoint's shared state"):
+            model = (extra.get("config") or {}).get("model")
+            model = None if model is None else dict(model)
         if model is None:
             raise ValueError(f"init.from_checkpoint: {path} records no model config")
-        return f"init.from_checkpoint ({path})", dict(model)
+        return f"init.from_checkpoint ({path})", model
     return None
 
 

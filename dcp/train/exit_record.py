@@ -2,12 +2,13 @@
 
 torchrun reports any failed worker as exit 1, so a wrapper around it (``pretrain.supervise``)
 cannot tell a config, data or directory error (the workers' exit 2: a retry fails the same way)
-from a crash. When ``DCP_EXIT_RECORD`` names a path, a failing worker leaves
-``<path>.rank<N>`` holding ``{"code": ..., "rank": ..., "message": ...}``; the wrapper reads
-them after the launcher has exited. One file per rank: ranks never race for a file, and each is
-written to a temporary name and renamed, so a file is complete or absent, even when the worker
-is killed while writing. Files are JSON and are validated when read; an unreadable one is
-ignored.
+from a crash; and torchrun exits 1 after a stop signal of its own even when every worker stopped
+cleanly. When ``DCP_EXIT_RECORD`` names a path, a failing worker, or one that stopped cleanly on
+a signal after saving (code 0), leaves ``<path>.rank<N>`` holding ``{"code": ..., "rank": ...,
+"message": ...}``; the wrapper reads them after the launcher has exited. One file per rank:
+ranks never race for a file, and each is written to a temporary name and renamed, so a file is
+complete or absent, even when the worker is killed while writing. Files are JSON and are
+validated when read; an unreadable one is ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from dcp.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +53,11 @@ def write_exit_record(code: int, message: str, *, rank: int) -> None:
     if not path:
         return
     target = rank_record_path(path, rank)
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     record = {"code": int(code), "rank": int(rank), "message": message[:_MAX_MESSAGE_CHARS]}
     try:
-        tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
-        os.replace(tmp, target)
+        write_atomic(target, json.dumps(record) + "\n")
     except OSError as exc:
         logger.warning("could not write the exit record %s: %s", target, exc)
-        tmp.unlink(missing_ok=True)
 
 
 def read_exit_record(path: str | os.PathLike[str]) -> ExitRecord | None:

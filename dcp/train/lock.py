@@ -1,98 +1,126 @@
-"""One run per directory: ``<dir>/.lock`` names the process that holds it (the trainer locks
-its run directory and its checkpoint directory).
+"""One run per directory: the kernel holds ``<dir>/.lock`` for the process that took it (the
+trainer locks its run directory and its checkpoint directory).
 
-A second run with the same name refuses to start and says who holds the directory. A lock whose
-process is gone (killed, crashed, preempted) is stale and is taken over. Liveness is checked by
-pid plus the process start time from ``/proc``, so a recycled pid does not keep a stale lock
-alive; a lock held on another host is never taken over.
+The lock is ``flock(LOCK_EX | LOCK_NB)`` on the file: taking it is one atomic system call, so of
+any number of simultaneous starters exactly one wins, and the kernel releases it when the
+holder's file is closed, however the process ends (``kill -9`` included). Nothing a lock file
+says can block a run or break the check: its content (the holder's pid, host and start time) is
+written by the holder for the message a second starter prints, and is otherwise never trusted.
+The file is never deleted: ``release()`` closes this lock's own descriptor (and empties the
+description), so it can only ever release what it took. Deleting ``.lock`` by hand while a run
+holds it lets a second run in; there is no reason to.
+
+The file is opened without following links and with close-on-exec, so a child process (W&B's
+service, a measurement) never inherits the lock. On a filesystem without ``flock`` support the
+run stops with one line saying so.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import math
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
 LOCK_NAME = ".lock"
+_MAX_DESCRIPTION_BYTES = 4096
 
 
 class RunLockedError(RuntimeError):
     """Another live process holds the run directory."""
 
 
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), or None if unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Field 22; the command name (field 2) may contain spaces, so split after its ')'.
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def _alive(holder: dict) -> bool:
-    if holder.get("host") != socket.gethostname():
-        return True  # cannot check another host: assume it runs
-    pid = int(holder.get("pid", -1))
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    ticks = _start_ticks(pid)
-    return ticks is None or holder.get("start_ticks") in (None, ticks)
-
-
 class RunLock:
-    """Held from ``acquire()`` to ``release()`` by the process that created it."""
+    """Held from ``acquire()`` to ``release()`` (or the end of the process) by its owner."""
 
     def __init__(self, run_dir: str | os.PathLike[str], *, what: str = "run directory") -> None:
         self.path = Path(run_dir) / LOCK_NAME
         self.what = what
-        self.held = False
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
 
     def acquire(self) -> None:
-        """Take the lock or raise ``RunLockedError`` naming the live holder."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "start_ticks": _start_ticks(os.getpid()),
-            "since_unix_s": time.time(),
-        }
-        for _ in range(2):  # a second try after removing a stale lock
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._read()
-                if holder is not None and _alive(holder):
-                    since = time.strftime(
-                        "%Y-%m-%d %H:%M:%S", time.localtime(holder["since_unix_s"])
-                    )
-                    raise RunLockedError(
-                        f"{self.what} {self.path.parent} is in use by pid {holder['pid']} on "
-                        f"{holder['host']} since {since}; use another name=... (or "
-                        "checkpoint.root_dir=...), or stop that run first"
-                    ) from None
-                self.path.unlink(missing_ok=True)  # stale: its process is gone
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
+        """Take the lock or raise ``RunLockedError`` naming the holder (``ValueError`` when the
+        lock file cannot be a lock: a link, a directory, a filesystem without ``flock``)."""
+        if self.held:
             return
-        raise RunLockedError(f"could not take {self.path}: another process keeps creating it")
-
-    def _read(self) -> dict | None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            holder = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None  # half-written or unreadable: treat as stale
-        return holder if isinstance(holder, dict) and "pid" in holder else None
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            kind = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+            raise ValueError(
+                f"cannot use {self.path} as the {self.what}'s lock ({kind}); remove it"
+            ) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{self.path} is not a regular file; remove it")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RunLockedError(
+                    f"{self.what} {self.path.parent} is in use by {_holder(fd)}; use another "
+                    "name=... (or checkpoint.root_dir=...), or stop that run first"
+                ) from None
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot lock {self.path} ({exc.strerror}): put the {self.what} on a "
+                    "filesystem that supports file locks (flock)"
+                ) from None
+            _describe_self(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
 
     def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
+        """Release this lock if it holds it (idempotent; another holder is never touched)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)  # still held: no other run is described in this file
+        except OSError:
+            pass
+        finally:
+            os.close(fd)  # the kernel releases the flock with the last descriptor
+
+
+def _describe_self(fd: int) -> None:
+    """Write who holds the lock, for a second starter's message (best effort)."""
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since_unix_s": time.time()}
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+    except OSError:
+        pass  # a full disk: the lock holds all the same
+
+
+def _holder(fd: int) -> str:
+    """Who the lock file says holds it, as far as its content can be believed."""
+    unknown = "another process (its lock file does not say which)"
+    try:
+        raw = os.pread(fd, _MAX_DESCRIPTION_BYTES + 1, 0)
+        holder = json.loads(raw.decode("utf-8")) if len(raw) <= _MAX_DESCRIPTION_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return unknown
+    if not isinstance(holder, dict):
+        return unknown
+    pid, host, since = holder.get("pid"), holder.get("host"), holder.get("since_unix_s")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+        return unknown
+    text = f"pid {pid}"
+    if isinstance(host, str) and 0 < len(host) <= 255 and host.isprintable():
+        text += f" on {host}"
+    if isinstance(since, int | float) and math.isfinite(since) and 0 <= since < 2**40:
+        text += f" since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}"
+    return text

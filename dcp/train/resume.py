@@ -4,7 +4,9 @@ A change to anything that alters the training trajectory (the model, the optimiz
 the seed, how oversize sequences are handled) is refused with the list of keys, unless
 ``resume.allow_changes`` names them; changes that only affect how far, how often or where the
 run reports are accepted and logged. The planner and the cost-model spec are in the second
-group: any plan gives the same loss and gradients up to float rounding.
+group: any plan gives the same loss and gradients up to float rounding. The data is compared
+by content too (``check_data_content``): the sampler's state covers the document lengths, a
+fingerprint of the files covers the tokens.
 """
 
 from __future__ import annotations
@@ -92,3 +94,27 @@ def check_checkpoint_owner(
         f"directory belongs to one run. Start from its weights with init.from_checkpoint={path} "
         "and another checkpoint.root_dir, or take the run over with resume.allow_changes=[name]"
     )
+
+
+DATA_CONTENT_KEY = "data.indexed.prefixes"
+"""The key ``resume.allow_changes`` names to resume on data whose content changed."""
+
+
+def check_data_content(
+    old: Any, new: list[str], *, prefixes: Iterable[str], path, allow: Iterable[str]
+) -> None:
+    """Raise ``ValueError`` when the data's content fingerprints (``new``, one per prefix of
+    ``prefixes``; ``IndexedDocumentDataset.content_fingerprint``) differ from the checkpoint's
+    (``old``), unless ``allow`` names ``DATA_CONTENT_KEY``. A checkpoint written before
+    fingerprints were saved (``old`` missing) is not checked; changed prefixes are the config
+    check's to report."""
+    if not isinstance(old, list) or len(old) != len(new) or _covered(DATA_CONTENT_KEY, allow):
+        return
+    changed = [p for p, a, b in zip(prefixes, old, new, strict=True) if a != b]
+    if changed:
+        raise ValueError(
+            f"the data changed since {path} was written: the content of {', '.join(changed)} "
+            "(.bin/.idx sizes or sampled bytes) differs, so the resumed run would continue on "
+            "other tokens; resume on the data the run trained on, or accept it with "
+            f"resume.allow_changes=[{DATA_CONTENT_KEY}]"
+        )

@@ -42,6 +42,7 @@ from dcp.collectives import (
 )
 from dcp.costmodel.spec import runtime_options
 from dcp.data.sampler import GlobalBatchSampler
+from dcp.files import reading
 from dcp.model import check_model_fits
 from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
 from dcp.observability.record import StepRecord
@@ -64,6 +65,7 @@ from dcp.train.plan_ahead import PlanAhead
 from dcp.train.recorder import StepRecorder
 from dcp.train.resume import (
     check_checkpoint_owner,
+    check_data_content,
     check_resume_config,
 )
 from dcp.train.signals import StopRequest
@@ -100,6 +102,8 @@ class Trainer:
             rank=self.rank,
         )
         self.metrics = None
+        self.stopped: str | None = None
+        """After ``train()``: what a stop signal ended (with the checkpoint saved), if one did."""
         try:
             agree("claiming the directories", self._claim_directories, only_rank0=True)
             self._build()
@@ -198,6 +202,10 @@ class Trainer:
             cfg.data, vocab_size=cfg.model.vocab_size, max_seq_len=cfg.model.max_seq_len
         )
         self.sampler = GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
+        # The sampler's state covers the document lengths; this covers the tokens (a resume
+        # compares it). A synthetic dataset's tokens follow from its config.
+        fingerprint = getattr(self.dataset, "content_fingerprint", None)
+        self.data_fingerprint = fingerprint() if fingerprint else None
         self.planner = BatchPlanner(
             cfg.planning,
             world_size=self.world_size,
@@ -255,13 +263,22 @@ class Trainer:
             if not isinstance(extra, dict):
                 raise ValueError(f"{path}: its extra state is {type(extra).__name__}, not a map")
             # A checkpoint of an earlier release may use old section names.
-            old_config = rename_sections(PretrainConfig, extra.get("config") or {}, warn=False)
+            with reading(path, "checkpoint's shared state"):
+                old_config = rename_sections(PretrainConfig, extra.get("config") or {}, warn=False)
             new_config = to_dict(self.cfg)
             check_checkpoint_owner(
                 old_config, new_config, path=path, allow=self.cfg.resume.allow_changes
             )
             if old_config:
                 check_resume_config(old_config, new_config, allow=self.cfg.resume.allow_changes)
+            if self.data_fingerprint is not None:
+                check_data_content(
+                    extra.get("data_fingerprint"),
+                    self.data_fingerprint,
+                    prefixes=self.cfg.data.indexed.prefixes,
+                    path=path,
+                    allow=self.cfg.resume.allow_changes,
+                )
             state = ckpt.read(
                 self.runtime.model.module,
                 self.runtime.optimizer,
@@ -276,9 +293,12 @@ class Trainer:
     def _restore(self, ckpt: Checkpoint, state: RankState, shared: dict) -> None:
         apply(state, self.runtime.model.module, self.runtime.optimizer)
         self.runtime.step = ckpt.step
-        self.sampler.load_state_dict(shared["sampler"])
+        # Plain data from files: a wrong shape is one line naming the checkpoint, exit 2.
+        with reading(ckpt.path, "checkpoint's sampler state"):
+            self.sampler.load_state_dict(shared["sampler"])
         if state.rng is not None:
-            restore_rng_state(state.rng)
+            with reading(ckpt.path, f"checkpoint's RNG state of rank {self.rank}"):
+                restore_rng_state(state.rng)
         if self.rank == 0:
             moved = ckpt.layout != self.layout
             logger.info(
@@ -327,6 +347,7 @@ class Trainer:
                     "config": to_dict(self.cfg),
                     "wandb_id": self.metrics.wandb_id,
                     "calibration": self.calibrator.state_dict(),
+                    "data_fingerprint": self.data_fingerprint,
                 },
             }
         self.checkpoints.save(
@@ -400,10 +421,11 @@ class Trainer:
                     self._save(step, sampler_state, wait=last)
                 if stopping:
                     saved = self.checkpoints.last_saved
-                    self.metrics.note(
+                    self.stopped = (
                         f"stopped by {stop.signal_name or 'a stop signal on another rank'} after "
                         f"step {step}: checkpoint {saved}; run the same command again to resume"
                     )
+                    self.metrics.note(self.stopped)
                     break
         except Exception as exc:
             if stop.requested:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dcp.files import load_json, publish
 from dcp.model import ModelConfig, build_gpt_model
 from dcp.weights.canonical import model_names
 from dcp.weights.hf import (
@@ -37,11 +38,7 @@ from dcp.weights.hf import (
     hf_shape,
     is_ignored,
 )
-from dcp.weights.hf_config import (
-    model_config_from_hf,
-    read_hf_config,
-    read_json_object,
-)
+from dcp.weights.hf_config import read_json_object, read_model_config
 from dcp.weights.tensor_parallel import local_slice, tp_coordinates
 
 logger = logging.getLogger(__name__)
@@ -205,7 +202,7 @@ def iter_canonical_from_hf(
 
 def hf_model_config(hf_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
     """The ``ModelConfig`` of a HF directory, with ``overrides`` applied."""
-    return model_config_from_hf(read_hf_config(hf_dir), **overrides)
+    return read_model_config(hf_dir, **overrides)
 
 
 def load_hf_weights(
@@ -290,7 +287,7 @@ class ShardWriter:
         weight_map, final = {}, []
         for i, (tmp, names) in enumerate(self._files, start=1):
             name = SINGLE_FILE if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
-            os.replace(tmp, self.out_dir / name)
+            publish(tmp, self.out_dir / name)
             final.append(self.out_dir / name)
             weight_map.update(dict.fromkeys(names, name))
         if count > 1:
@@ -316,7 +313,10 @@ def tokenizer_dir(run_config: dict[str, Any]) -> Path | None:
         meta = Path(f"{prefix}.meta.json")
         if not meta.is_file():
             continue
-        name = json.loads(meta.read_text()).get("tokenizer", "")
+        name = load_json(meta, what="dataset metadata")
+        name = name.get("tokenizer", "") if isinstance(name, dict) else None
+        if not isinstance(name, str):
+            raise ValueError(f"{meta}: not valid dataset metadata (no tokenizer name)")
         if name.startswith("hf:"):
             return Path(name[3:])
     return None

@@ -11,13 +11,13 @@ is reported in a warning, never dropped silently. Both ``rope_theta``/``rope_sca
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dcp.files import load_json, reading
 from dcp.model import ModelConfig, RopeScaling
 
 logger = logging.getLogger(__name__)
@@ -58,11 +58,9 @@ _DERIVED_SIZES = {"num_key_value_heads", "head_dim"}
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in the file ``path``; a one-line ValueError naming the file otherwise."""
-    try:
-        data = json.loads(path.read_bytes())
-    except ValueError as exc:  # invalid JSON or invalid UTF-8
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    """The JSON object in the file ``path`` (``dcp.files``' limits); a one-line ValueError
+    naming the file otherwise."""
+    data = load_json(path, what="JSON file of a Hugging Face model")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
@@ -74,6 +72,14 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"{hf_dir} is not a Hugging Face model directory: no config.json")
     return read_json_object(path)
+
+
+def read_model_config(hf_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
+    """``model_config_from_hf`` of the ``config.json`` in ``hf_dir``: any problem with the file,
+    its shape included, is one ValueError line naming it."""
+    hf = read_hf_config(hf_dir)
+    with reading(Path(hf_dir) / "config.json", "Hugging Face config"):
+        return model_config_from_hf(hf, **overrides)
 
 
 def model_type(hf: Mapping[str, Any]) -> str:

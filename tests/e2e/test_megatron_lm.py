@@ -145,3 +145,18 @@ def test_megatron_checkpoint_of_a_dcp_run_resumes_exactly(runs):
     w_resumed = weights(runs["resumed-ckpt"], STEPS)
     for key, value in w_straight.items():
         torch.testing.assert_close(w_resumed[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_evaluation_in_the_static_mode_is_refused_before_the_first_step(corpus, tmp_path):
+    """It used to train and then fail at the first evaluation (--eval-interval 3)."""
+    argv = readme_commands()["static"]
+    argv = [str(Path(sys.executable).with_name("torchrun")), "--standalone", *argv[1:]]
+    argv = [str(corpus) if a == "data/stdlib" else a for a in argv]
+    argv += [*TEST_FLAGS, "--eval-iters", "2", "--eval-interval", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 2" in out, out[-3000:]
+    assert "error: DCP cannot run with these Megatron arguments" in out
+    assert "--eval-iters 0" in out
+    assert " iteration        1/" not in out  # refused before Megatron's first step

@@ -139,6 +139,37 @@ def test_killed_rank_is_recovered_with_every_step_trained_once(reference, tmp_pa
     assert [r["loss"] for r in rows] == [r["loss"] for r in metrics(reference)]
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting to be reaped does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killing_the_launcher_takes_its_workers_along_and_a_rerun_resumes(reference, tmp_path):
+    proc = launch(tmp_path, "orphans", *FAST)
+    run_dir = tmp_path / "orphans"
+    _wait_for_steps(proc, run_dir, 3)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(proc.pid, signal.SIGKILL)  # torchrun alone: its workers run in sessions of their own
+    proc.wait(timeout=60)
+    killed_at = time.monotonic()
+    while any(_running(pid) for pid in workers) and time.monotonic() - killed_at < 30:
+        time.sleep(0.1)
+    left = [pid for pid in workers if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} still ran 30 s after their launcher was killed"
+
+    out = finish(launch(tmp_path, "orphans", *FAST))  # the lock is free: the rerun resumes
+    assert "resumed from" in out, out[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in metrics(reference)]
+
+
 def test_second_run_with_the_same_name_is_refused(tmp_path):
     first = launch(tmp_path, "busy", "train.steps=400", "metrics.wandb_mode=disabled")
     try:

@@ -9,6 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,6 +80,37 @@ def test_a_failure_on_one_rank_at_start_up_stops_every_rank_at_once(finished, tm
     code, out, _ = _rerun(tmp_path, "done")
     assert code == 0 and "skipping truncated last line" in out, out[-3000:]
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 3))
+
+
+def _write_corpus(prefix: Path, docs: list) -> None:
+    from dcp.data.indexed import megatron_indexed_dataset
+
+    builder = megatron_indexed_dataset().IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for doc in docs:
+        builder.add_document(np.asarray(doc, dtype=np.uint16), [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_a_resume_on_data_whose_tokens_changed_is_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(16, 300, size=120)
+    prefix = tmp_path / "corpus"
+    _write_corpus(prefix, [rng.integers(0, 256, size=n) for n in lengths])
+    data = ["data.source=indexed", f"data.indexed={{prefixes: [{prefix}]}}"]
+    finish(launch(tmp_path, "data", *FAST, "train.steps=2", *data))
+
+    # The same document lengths, other tokens: the sampler's state alone cannot tell.
+    _write_corpus(prefix, [rng.integers(0, 256, size=n) for n in lengths])
+    proc = launch(tmp_path, "data", *FAST, "train.steps=4", *data)
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode != 0 and "exitcode  : 2" in out, out[-3000:]
+    line = next(x for x in out.splitlines() if "[rank0] error: the data changed since" in x)
+    assert f"the content of {prefix} " in line and "data.indexed.prefixes" in line, line
+
+    allowed = "resume.allow_changes=[data.indexed.prefixes]"
+    out = finish(launch(tmp_path, "data", *FAST, "train.steps=4", *data, allowed))
+    assert "resumed from" in out and "(step 2)" in out, out[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "data")] == [1, 2, 3, 4]
 
 
 def test_one_checkpoint_directory_has_one_writer(tmp_path):

@@ -20,6 +20,7 @@ PACKAGES = ("dcp", "megatron_patches", "tools", "pretrain")
 LAYERS = [
     "megatron_patches",
     "dcp.plan",
+    "dcp.files",
     "dcp.schema",
     "dcp.console",
     "dcp.costmodel",
@@ -30,8 +31,8 @@ LAYERS = [
     "dcp.optim",
     "dcp.data",
     "dcp.observability",
-    "dcp.checkpoint",
     "dcp.weights",
+    "dcp.checkpoint",
     "dcp.runtime",
     "dcp.train",
     "dcp.integrations",

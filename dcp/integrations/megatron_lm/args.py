@@ -144,6 +144,19 @@ def check_args(args: argparse.Namespace) -> None:
             "no_grad); resume without --use-distributed-optimizer, or where apex or TE is "
             "installed"
         )
+    if args.eval_iters or getattr(args, "full_validation", False) or args.skip_train:
+        # datasets_provider returns no validation or test set; megatron still evaluates at
+        # every --eval-interval and once after training whenever eval_iters > 0
+        # (training.py: do_valid), and would fail there, hours into the run.
+        problems.append(
+            "DCP's batches have no validation or test set for Megatron's evaluation: "
+            "--eval-iters 0 (the default is 100), without --full-validation or --skip-train"
+        )
+    if getattr(args, "rampup_batch_size", None):
+        problems.append(
+            "global batches are packed at --global-batch-size from the first step: drop "
+            "--rampup-batch-size"
+        )
     if args.hybrid_context_parallel:
         problems.append(
             "megatron's --hybrid-context-parallel does not run end to end in megatron-core "
@@ -159,10 +172,6 @@ def check_args(args: argparse.Namespace) -> None:
         if args.context_parallel_size != 1:
             problems.append(
                 "DCP chooses the CP size of every micro-step itself: --context-parallel-size 1"
-            )
-        if args.eval_iters and args.eval_interval:
-            problems.append(
-                "evaluation inside Megatron's loop is not run through DCP plans yet: --eval-iters 0"
             )
         if args.dcp_calibration == "online" and not (args.dcp_metrics or args.save):
             problems.append(

@@ -130,8 +130,8 @@ class DCPForwardBackward:
         self.step = first_step
 
     def __call__(self, *, data_iterator, model, forward_only: bool = False, **_unused):
-        if forward_only:
-            raise RuntimeError("--dcp does not run Megatron's evaluation yet; set --eval-iters 0")
+        # check_args refuses evaluation before the first step, so forward_only never comes.
+        assert not forward_only, "Megatron evaluation under --dcp (check_args refuses it)"
         if len(model) != 1:
             raise RuntimeError("--dcp runs one model chunk (no virtual pipeline stages)")
         batch: DocumentBatch = next(data_iterator)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 
@@ -112,6 +113,20 @@ def test_crashed_save_is_never_loaded(tmp_path):
     _save(tmp_path, 3, model, opt, sched)
     assert load_latest(tmp_path, rank=0).step == 3
     assert not tmp.exists()
+
+
+@pytest.mark.parametrize(
+    "pointer",
+    [b"step_000001\n", b"step_999999\n", b"../../etc\n", b"\xff\xfe", b"x" * (1 << 20)],
+)
+def test_the_newest_complete_checkpoint_wins_whatever_latest_says(tmp_path, caplog, pointer):
+    model, opt, sched = _model_and_optimizer()
+    _save(tmp_path, 1, model, opt, sched)
+    newest = _save(tmp_path, 2, model, opt, sched)
+    (tmp_path / "latest").write_bytes(pointer)  # an older step, a missing one, garbage
+    with caplog.at_level(logging.WARNING, logger="dcp.checkpoint"):
+        assert find_latest(tmp_path) == newest
+    assert "is not the newest complete checkpoint; using step_000002" in caplog.text
 
 
 def test_empty_root_has_no_checkpoint(tmp_path):

@@ -159,7 +159,7 @@ def test_read_records_names_file_and_line(tmp_path):
     path.write_text(json.dumps({"step": 0}) + "\n")
     with pytest.raises(ValueError, match=r"line 1: .*missing"):
         read_records(path)
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(ValueError, match=r"absent\.jsonl: does not exist"):
         read_records(tmp_path / "absent.jsonl")
 
 

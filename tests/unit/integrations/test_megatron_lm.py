@@ -21,7 +21,15 @@ def megatron_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-GOOD = ("--micro-batch-size", "1", "--dataloader-type", "external", "--calculate-per-token-loss")
+GOOD = (
+    "--micro-batch-size",
+    "1",
+    "--dataloader-type",
+    "external",
+    "--calculate-per-token-loss",
+    "--eval-iters",
+    "0",
+)
 
 
 def test_dcp_arguments_parse_into_a_planning_config():
@@ -60,6 +68,28 @@ def test_unsupported_megatron_settings_are_refused_with_the_flag():
         "--eval-iters 0",
     ):
         assert flag in message, flag
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--eval-iters", "2", "--eval-interval", "3"),  # used to fail at step 3, after training
+        ("--eval-iters", "100"),  # megatron's default: evaluated once after the last step
+        ("--eval-iters", "0", "--skip-train"),
+        ("--eval-iters", "0", "--full-validation"),
+    ],
+)
+@pytest.mark.parametrize("dcp", [False, True])
+def test_evaluation_is_refused_before_the_first_step_in_both_modes(flags, dcp):
+    args = megatron_args(*GOOD, *flags, *(["--dcp"] if dcp else []))
+    with pytest.raises(ValueError, match="--eval-iters 0"):
+        dcp_mlm.check_args(args)
+
+
+def test_a_batch_size_ramp_up_is_refused():
+    args = megatron_args(*GOOD, "--rampup-batch-size", "1", "1", "100")
+    with pytest.raises(ValueError, match="drop --rampup-batch-size"):
+        dcp_mlm.check_args(args)
 
 
 def test_megatrons_hybrid_cp_is_refused_with_the_way_to_its_scheduler():

@@ -90,9 +90,9 @@ def test_plan_cli_drop_policy(tmp_path, capsys):
     ("content", "extra", "message"),
     [
         ("[1, 2.5]", [], "JSON list of integers"),
-        ("{not json", [], "cannot read lengths"),
+        ("{not json", [], "lengths.json: not valid JSON"),
         ("[]", [], "empty batch"),
-        ("[1, -2]", [], "non-positive length"),
+        ("[1, -2]", [], "JSON list of integers in [1, "),
         ("[10, 20]", ["--option", "colour=red"], "colour"),
         ("[10, 20]", ["--option", "nokey"], "key=value"),
     ],

@@ -60,6 +60,12 @@ def _refused(*overrides: str) -> str:
         ("runs_dir=", r"^runs_dir must be a non-empty path"),
         ("resume.allow_changes=[not_a_key]", r"^resume\.allow_changes: 'not_a_key' is not"),
         ("resume.allow_changes=[optim.lrr]", r"did you mean 'optim\.lr'"),
+        # An integer 10**20: every global batch would have been the whole corpus.
+        (
+            "data.sampler.max_tokens_per_batch=100000000000000000000",
+            r"^data\.sampler\.max_tokens_per_batch must be an integer >= 1 and <= 1099511627776",
+        ),
+        ("data.sampler.max_seqs_per_batch=2000000000000", r"max_seqs_per_batch must be"),
     ],
 )
 def test_unusable_values_are_refused_naming_key_and_range(override, match):
@@ -204,6 +210,59 @@ def test_config_file_that_is_not_yaml_is_one_line(tmp_path, content):
         load_config(PretrainConfig, path)
     message = str(info.value)
     assert message.startswith(f"config file {path}") and "\n" not in message, message
+
+
+# Nine levels of nine aliases: a few hundred bytes that expand to 9**9 (387 million) strings.
+BILLION_LAUGHS = "\n".join(
+    [f"a0: &a0 [{', '.join(['lol'] * 9)}]"]
+    + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+)
+_PROBE = """
+import json, resource, sys, time
+from dcp.data.sampler import SamplerConfig
+from dcp.schema import load_config
+before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.monotonic()
+try:
+    load_config(SamplerConfig, sys.argv[1])
+    error = None
+except ValueError as exc:
+    error = str(exc)
+seconds = time.monotonic() - start
+grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kib
+print(json.dumps({"error": error, "seconds": seconds, "peak_kib": before_kib + grew_kib,
+                  "grew_kib": grew_kib}))
+"""
+
+
+def test_a_billion_laughs_config_is_refused_at_once_with_bounded_memory(tmp_path):
+    """In a child process capped at 1 GiB of address space (the probe must not endanger the
+    machine when the loader regresses): refused before anything is expanded."""
+    import json
+    import resource
+    import subprocess
+    import sys
+
+    path = tmp_path / "laughs.yaml"
+    path.write_text(BILLION_LAUGHS)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=cap,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["error"].startswith(f"config file {path}: expands to more than"), result
+    assert "\n" not in result["error"]
+    assert result["seconds"] < 10, result
+    assert result["grew_kib"] < 16 << 10, result  # 16 MiB: nothing was expanded
 
 
 def test_config_keys_lists_fields_and_sections():

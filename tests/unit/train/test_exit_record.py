@@ -131,3 +131,52 @@ def test_without_a_valid_exit_2_record_the_raw_code_counts(tmp_path, record):
     assert proc.returncode == 1, proc.stderr
     assert "giving up after 2 restart(s)" in proc.stderr
     assert len(attempts) == 3 and len(set(attempts)) == 3  # a fresh record path per attempt
+
+
+def test_a_recorded_clean_stop_counts_as_exit_0(tmp_path):
+    """torchrun exits 1 after a SIGTERM of its own; its workers stopped cleanly and said so."""
+    record = "write_exit_record(0, 'stopped by SIGTERM after step 3: checkpoint c', rank=0)"
+    proc, attempts = _supervise(tmp_path, record)
+    assert proc.returncode == 0, proc.stderr
+    assert len(attempts) == 1
+    assert "[supervise] the job stopped by SIGTERM after step 3" in proc.stderr
+
+
+# The launcher leaves a process of its own session behind (as torchrun's workers are) that
+# would run for ten minutes; each attempt writes that process's pid to leftover<N>.pid.
+LEFTOVER = """
+sleeper = subprocess.Popen(
+    [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
+)
+n = len((Path(__file__).parent / "attempts.txt").read_text().splitlines())
+(Path(__file__).parent / f"leftover{n}.pid").write_text(str(sleeper.pid))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_an_attempts_leftovers_are_ended_and_other_runs_are_not(tmp_path):
+    # Another run's process: the same variable, another value.
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={"PATH": "/usr/bin:/bin", "DCP_SUPERVISE_ATTEMPT": "1.2.1"},
+    )
+    try:
+        proc, attempts = _supervise(tmp_path, "import subprocess\n" + LEFTOVER)
+        assert proc.returncode == 1 and len(attempts) == 3, proc.stderr
+        pids = [int((tmp_path / f"leftover{n}.pid").read_text()) for n in (1, 2, 3)]
+        assert not any(_alive(pid) for pid in pids), pids
+        for n, pid in enumerate(pids, start=1):
+            assert f"[supervise] attempt {n} left 1 process(es) running (pid {pid})" in (
+                proc.stderr
+            )
+        assert other.poll() is None  # never touched
+    finally:
+        other.kill()
+        other.wait()

@@ -1,13 +1,16 @@
-"""Guards around a run: the run-directory lock, resume config checks, run names, writable
-directories, and the data checks against the model (vocabulary, max_seq_len)."""
+"""Guards around a run: the run-directory lock (atomic, held by the kernel), resume config
+checks, run names, writable directories, and the data checks against the model (vocabulary,
+max_seq_len)."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,29 +31,133 @@ def test_second_holder_is_refused_naming_the_first(tmp_path):
     again = RunLock(tmp_path / "run")
     again.acquire()  # released: free again
     again.release()
-    assert not (tmp_path / "run" / ".lock").exists()
+    assert (tmp_path / "run" / ".lock").read_bytes() == b""  # nobody described as holding it
 
 
-def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+def _contend(root: str, rounds: int, barrier, results) -> None:
+    """One of two processes starting ``rounds`` runs at the same instant as the other."""
+    from dcp.train.lock import RunLock, RunLockedError
+
+    held = []
+    for i in range(rounds):
+        lock = RunLock(Path(root) / f"run{i}")
+        barrier.wait()
+        try:
+            lock.acquire()
+        except RunLockedError:
+            held.append(False)
+        else:
+            held.append(True)
+        barrier.wait()  # both have decided before either lets go
+        lock.release()
+    results.put(held)
+
+
+def test_of_two_simultaneous_starters_exactly_one_holds_the_lock(tmp_path):
+    """200 rounds, each a fresh directory (its lock file does not exist yet) taken by two
+    processes released from one barrier."""
+    rounds = 200
+    ctx = multiprocessing.get_context("fork")
+    barrier, results = ctx.Barrier(2, timeout=60), ctx.Queue()
+    procs = [
+        ctx.Process(target=_contend, args=(str(tmp_path), rounds, barrier, results))
+        for _ in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    held = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    holders = [a + b for a, b in zip(*held, strict=True)]
+    assert holders == [1] * rounds, f"rounds with 0 or 2 holders: {rounds - holders.count(1)}"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        {"pid": 0, "host": socket.gethostname()},  # kill(0, 0) succeeds: looked alive forever
+        {"pid": -1, "host": socket.gethostname()},
+        {"pid": "12", "host": socket.gethostname()},
+        {"pid": 10**30, "host": socket.gethostname()},
+        {"pid": os.getpid(), "host": socket.gethostname(), "since_unix_s": 1e300},
+        {"host": "elsewhere"},
+        [1, 2],
+        "x" * 10_000,
+    ],
+)
+def test_nothing_in_an_unheld_lock_file_blocks_or_breaks_a_start(tmp_path, content):
     run = tmp_path / "run"
     run.mkdir()
-    holder = {"pid": dead.pid, "host": socket.gethostname(), "since_unix_s": 0.0}
-    (run / ".lock").write_text(json.dumps(holder))
+    (run / ".lock").write_text(json.dumps(content))
     lock = RunLock(run)
     lock.acquire()
     assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
     lock.release()
 
 
-def test_lock_with_a_recycled_pid_is_stale(tmp_path):
+@pytest.mark.parametrize(
+    "content", [b"", b"\xff\xfe", b'{"pid": 0}', b'{"pid": 1e999}', b"[" * 5000]
+)
+def test_a_held_lock_with_any_content_is_refused_in_one_line(tmp_path, content):
+    holder = RunLock(tmp_path / "run")
+    holder.acquire()
+    (tmp_path / "run" / ".lock").write_bytes(content)  # what the holder wrote does not matter
+    with pytest.raises(RunLockedError) as info:
+        RunLock(tmp_path / "run").acquire()
+    assert "in use by" in str(info.value) and "\n" not in str(info.value)
+    holder.release()
+
+
+def test_release_only_releases_its_own_lock(tmp_path):
+    holder, other = RunLock(tmp_path / "run"), RunLock(tmp_path / "run")
+    holder.acquire()
+    with pytest.raises(RunLockedError):
+        other.acquire()
+    other.release()  # it never held the lock: nothing happens
+    with pytest.raises(RunLockedError):
+        RunLock(tmp_path / "run").acquire()
+    holder.release()
+    other.acquire()
+    holder.release()  # released already: the new holder keeps the lock
+    with pytest.raises(RunLockedError):
+        RunLock(tmp_path / "run").acquire()
+    other.release()
+
+
+def test_the_lock_of_a_killed_process_is_free_at_once(tmp_path):
+    script = (
+        "import sys, time; from dcp.train.lock import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "run")],
+        cwd=Path(__file__).resolve().parents[3],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(RunLockedError, match=rf"in use by pid {proc.pid} on "):
+            RunLock(tmp_path / "run").acquire()
+    finally:
+        proc.kill()
+        proc.wait()
+    RunLock(tmp_path / "run").acquire()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_a_lock_path_that_is_no_file_is_refused_and_left_alone(tmp_path, kind):
     run = tmp_path / "run"
     run.mkdir()
-    # This process's pid, but another start time: the process that wrote it is gone.
-    holder = {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": -1}
-    (run / ".lock").write_text(json.dumps({**holder, "since_unix_s": 0.0}))
-    RunLock(run).acquire()
+    target = tmp_path / "elsewhere"
+    target.write_text("keep me")
+    if kind == "symlink":
+        (run / ".lock").symlink_to(target)
+    else:
+        (run / ".lock").mkdir()
+    with pytest.raises(ValueError, match=r"\.lock"):
+        RunLock(run).acquire()
+    assert target.read_text() == "keep me"
 
 
 def test_resume_refuses_trajectory_changes_unless_allowed():
