@@ -42,9 +42,14 @@ class ClusterSpec:
     """Per-GPU, per-direction intra-node bandwidth in gigabits/s (H200 NVLink: 3600)."""
     inter_node_gbps: float
     """Per-GPU, per-direction inter-node bandwidth in gigabits/s (NDR InfiniBand: 400)."""
+    peak_fp8_tflops: float | None = None
+    """Dense FP8 peak per GPU, TFLOP/s, from the datasheet."""
+    memory_bandwidth_gbs: float | None = None
+    """Device memory (HBM) bandwidth per GPU in GB/s (1e9 bytes), from the datasheet."""
 
     def __post_init__(self) -> None:
-        _positive(self, tuple(f.name for f in fields(self)), "cluster")
+        given = tuple(f.name for f in fields(self) if getattr(self, f.name) is not None)
+        _positive(self, given, "cluster")
 
 
 @dataclass(kw_only=True, frozen=True)
