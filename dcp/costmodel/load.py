@@ -48,6 +48,12 @@ def gpu_presets() -> list[str]:
     return names
 
 
+def gpu_preset_of(name: str) -> str | None:
+    """The GPU preset a preset name starts with (``h200x8+llama3-8b``: ``h200``), else None."""
+    match = _GPU_COUNT.fullmatch(name.split("+")[0].strip())
+    return match["gpu"] if match and match["gpu"] in gpu_presets() else None
+
+
 def _preset_part(part: str, name: str) -> dict:
     """One ``+``-separated part of a preset name, as its JSON object."""
     path = PROFILES_DIR / f"{part}.json"

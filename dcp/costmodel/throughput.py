@@ -39,6 +39,10 @@ MAX_TABLE_BYTES = 4_000_000
 MAX_ROWS = 10_000
 GPUS_PER_NODE = 8
 """DGX / HGX systems: 8 GPUs per node, each on NVLink and its own InfiniBand NIC."""
+CHECKED_ON = {"h100": "h100", "h200": "h100", "b200": "b200"}
+"""The GPU whose published rows a GPU preset's checked coefficients stand on: no
+configuration-complete H200 rows are published, so the ``h200`` preset takes the ``h100``
+coefficients (the same GH100 compute; a test holds them equal)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -301,3 +305,32 @@ def check_published(rows: list[PublishedRow], *, pipeline: PipelineModel | None 
     its last line (``per_row`` in table order)."""
     per_row = [predict_row(row, pipeline=pipeline) for row in rows]
     return {**summarize(per_row), "per_row": per_row}
+
+
+def preset_check(gpu: str, tables: list[Path] | None = None) -> dict | None:
+    """How closely the published rows a GPU preset's coefficients stand on (``CHECKED_ON``) are
+    reproduced: ``summarize`` of those rows of ``tables`` (default: the shipped ones), with
+    ``preset`` and ``checked_on``; None for a GPU without published rows."""
+    checked_on = CHECKED_ON.get(gpu)
+    paths = tables if tables is not None else sorted(PUBLISHED_DIR.glob("*.jsonl"))
+    rows = [row for path in paths for row in read_published(path) if row.gpu == checked_on]
+    if not rows:
+        return None
+    per_row = [predict_row(row) for row in rows]
+    return {"preset": gpu, "checked_on": checked_on, **summarize(per_row)}
+
+
+def describe_check(check: dict | None, *, precision: str = "bf16") -> str:
+    """One line for a simulation's output: which published rows the preset was checked on and
+    how closely (``preset_check``), and what they leave unchecked."""
+    if check is None:
+        return "cost model: not checked against published throughput (no GPU preset's rows)"
+    line = (
+        f"cost model: the {check['preset']} preset, checked against {check['modelled']} "
+        f"published {check['checked_on'].upper()} training rows (python -m "
+        f"tools.costmodel_check): median |error| {100 * check['median_abs_rel_error']:.1f}%, "
+        f"worst {100 * check['worst_abs_rel_error']:.1f}%"
+    )
+    if precision == "bf16":
+        line += "; its bf16 linear layers are unchecked (every row in the check is FP8)"
+    return line

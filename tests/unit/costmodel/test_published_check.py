@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from dcp.costmodel import load_preset, throughput_fit
+from dcp.costmodel.load import gpu_presets
 from dcp.costmodel.spec import ModelSpec, Options
 from dcp.costmodel.throughput import (
+    CHECKED_ON,
     PUBLISHED_DIR,
     PublishedRow,
     check_published,
@@ -252,8 +254,11 @@ def test_cp_keeps_throughput_flat_from_128k_to_1m_as_published(rows, checked, gp
 def test_h200_takes_the_h100_coefficients():
     """No published H200 rows: the H200 preset shares the H100's checked options (the same
     GH100 compute) and differs in memory only."""
+    assert set(CHECKED_ON) == set(gpu_presets())
+    for gpu, checked_on in CHECKED_ON.items():
+        assert load_preset(gpu)["options"] == load_preset(checked_on)["options"]
     h100, h200 = load_preset("h100"), load_preset("h200")
-    assert h200["options"] == h100["options"]
+    assert CHECKED_ON["h200"] == "h100"
     same = ("peak_tflops", "peak_fp8_tflops", "intra_node_gbps", "inter_node_gbps")
     assert all(h200["cluster"][k] == h100["cluster"][k] for k in same)
     assert h200["cluster"]["gpu_memory_gb"] > h100["cluster"]["gpu_memory_gb"]
