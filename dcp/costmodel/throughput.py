@@ -53,7 +53,8 @@ class PublishedRow:
     """A GPU preset of ``dcp/costmodel/profiles``: ``h100``, ``h200``, ``b200``."""
     num_gpus: int
     model: str | ModelSpec
-    """A model preset name (``llama3-8b``) or its dimensions in megatron's names."""
+    """A model preset name (``llama3-8b``: its ``model`` block; the row's ``tp`` applies, not the
+    preset's) or the model's dimensions in megatron's names."""
     model_name: str | None = None
     """A label for a model given by its dimensions."""
     precision: str
@@ -211,7 +212,9 @@ def row_spec(row: PublishedRow) -> dict:
     return spec
 
 
-def row_cost_model(row: PublishedRow, *, spec: dict | None = None, options: dict | None = None):
+def row_cost_model(
+    row: PublishedRow, *, spec: dict | None = None, options: dict | None = None
+) -> CostModel:
     """The ``CostModel`` of ``row_spec(row)`` (or of ``spec``), with ``options`` laid over the
     GPU preset's (what ``dcp.costmodel.throughput_fit`` varies)."""
     spec = spec or row_spec(row)
