@@ -14,8 +14,11 @@ longer than ``--max-seq-len`` + 1 tokens are split as the trainer splits them. I
 per-batch table and writes ``data_results.json``.
 
 All numbers are *simulated* on the cost model (no GPU runs); ``dcp.planning.sweep`` says what is
-compared. The model preset's ``options.tensor_parallel_size`` applies (``llama3-70b``: TP = 8,
-one planner rank per node); clusters too small for the model's weights are listed as skipped.
+compared. The output's second line says which published training rows the cost model's GPU
+preset was checked against and how closely (``dcp.costmodel.throughput.preset_check``; also
+``cost_model_check`` in the JSON). The model preset's ``options.tensor_parallel_size`` applies
+(``llama3-70b``: TP = 8, one planner rank per node); clusters too small for the model's weights
+are listed as skipped.
 Writes ``results.json``, ``table.txt`` and ``speedups.png`` under ``--out-dir``; progress goes to
 stderr. The full run takes 7-10 minutes on one core, mostly in Megatron's scheduler on 1,024
 GPUs.
@@ -32,6 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from dcp import console
+from dcp.costmodel.load import gpu_preset_of
+from dcp.costmodel.throughput import describe_check, preset_check
 from dcp.planning.sweep import BASELINES, SWEEP_PLANNERS, run_sweep
 from dcp.planning.workloads import WORKLOADS
 
@@ -51,7 +56,10 @@ def format_table(results: dict) -> str:
     title = f"SIMULATED step times (dcp cost model, not measured on GPUs), {results['model']}"
     if tp > 1:
         title += f", TP {tp}: a planner rank is {tp} GPUs, h200xN has N/{tp} of them"
-    lines = [title, head, "-" * len(head)]
+    lines = [title]
+    if "cost_model_check" in results:
+        lines.append(describe_check(results["cost_model_check"]))
+    lines += [head, "-" * len(head)]
     for skipped in results.get("skipped_clusters", []):
         lines.append(f"{skipped['preset']:>9} skipped: {skipped['reason']}")
     for cluster in results["clusters"]:
@@ -224,6 +232,11 @@ def simulate_data(args: argparse.Namespace) -> int:
         return 2
     results["data"] = str(args.data)
     results["calibrated"] = bool(spec.get("calibration"))
+    results["precision"] = "fp8" if cost_model.options.fp8 else "bf16"
+    gpu = gpu_preset_of(args.spec)
+    if gpu is not None and not results["calibrated"]:
+        # A measured calibration replaces the checked coefficients; say nothing for it.
+        results["cost_model_check"] = preset_check(gpu)
     table = format_data_table(results)
     print(table)
     out_dir = Path(args.out_dir)
@@ -241,6 +254,11 @@ def format_data_table(results: dict) -> str:
         f"SIMULATED on the {kind} cost model of {results['spec']} (no GPU ran), "
         f"{results['num_planner_ranks']} planner ranks x TP {results['tensor_parallel_size']}, "
         f"data {results['data']}",
+        *(
+            [describe_check(results["cost_model_check"], precision=results["precision"])]
+            if "cost_model_check" in results
+            else []
+        ),
         f"{'batch':>5} {'seqs':>6} {'tokens':>10} "
         + " ".join(f"{p + ' s':>16}" for p in planners)
         + f" {'lower bd s':>10}",
@@ -287,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # The sweep's clusters are the h200 preset's (dcp.planning.sweep).
+    results["cost_model_check"] = preset_check("h200")
     table = format_table(results)
     print(table)
     out_dir = Path(args.out_dir)

@@ -1,7 +1,9 @@
 """The one way to get a cost model: a preset name, a spec JSON path or a spec dict.
 
 Presets are the JSON files in ``dcp/costmodel/profiles``; ``a+b`` merges several left to right
-(``h200x32+llama3-8b``: a cluster and a model). A name ending in ``.json`` or naming an existing
+(``h200x32+llama3-8b``: a cluster and a model). A GPU preset (``h100``, ``h200``, ``b200``: a
+datasheet without a GPU count, and the coefficients ``tools.costmodel_check`` chose for that
+GPU) is named with its count, ``<gpu>x<N>``. A name ending in ``.json`` or naming an existing
 file is a path. With ``world_size``, the spec's cluster must have exactly that many planner
 ranks (the launch and the spec describe the same job).
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from dcp.costmodel.formula import CostModel
@@ -25,28 +28,59 @@ from dcp.files import load_json, reading
 from dcp.plan import RECOMPUTE_LEVELS
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
+# ``h200x32``: the GPU preset ``h200`` with 32 GPUs.
+_GPU_COUNT = re.compile(r"(?P<gpu>[a-z0-9-]+)x(?P<num_gpus>[1-9][0-9]*)")
 
 
 def available_presets() -> list[str]:
-    """Names of the JSON files in ``dcp/costmodel/profiles`` (combine with ``+``)."""
+    """Names of the JSON files in ``dcp/costmodel/profiles`` (combine with ``+``; a GPU preset
+    takes its count as ``<gpu>x<N>``)."""
     return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
 
 
+def gpu_presets() -> list[str]:
+    """The presets that describe one GPU model: a datasheet (``peak_tflops``) without a GPU
+    count (``num_gpus``); overlays carry neither."""
+    names = []
+    for name in available_presets():
+        cluster = json.loads((PROFILES_DIR / f"{name}.json").read_text()).get("cluster")
+        if isinstance(cluster, dict) and "peak_tflops" in cluster and "num_gpus" not in cluster:
+            names.append(name)
+    return names
+
+
+def gpu_preset_of(name: str) -> str | None:
+    """The GPU preset a preset name starts with (``h200x8+llama3-8b``: ``h200``), else None."""
+    match = _GPU_COUNT.fullmatch(name.split("+")[0].strip())
+    return match["gpu"] if match and match["gpu"] in gpu_presets() else None
+
+
+def _preset_part(part: str, name: str) -> dict:
+    """One ``+``-separated part of a preset name, as its JSON object."""
+    path = PROFILES_DIR / f"{part}.json"
+    if path.is_file():
+        return load_json(path, what="cost-model preset")
+    match = _GPU_COUNT.fullmatch(part)
+    if match and match["gpu"] in gpu_presets():
+        data = load_json(PROFILES_DIR / f"{match['gpu']}.json", what="cost-model preset")
+        data["cluster"] = {**data["cluster"], "num_gpus": int(match["num_gpus"])}
+        return data
+    raise ValueError(
+        f"unknown preset {part!r} in {name!r}; available: {', '.join(available_presets())} "
+        f"(a GPU preset with its count: {', '.join(f'{g}x<N>' for g in gpu_presets())})"
+    )
+
+
 def load_preset(name: str) -> dict:
-    """The spec dict of a preset: ``"cpu-tiny"`` or ``"<cluster>+<model>"``.
+    """The spec dict of a preset: ``"cpu-tiny"``, ``"<cluster>+<model>"`` or
+    ``"<gpu>x<N>+<model>"``.
 
     Parts are merged left to right (``options`` and ``calibration`` merge key by key, later parts
     win).
     """
     spec: dict = {}
     for part in name.split("+"):
-        path = PROFILES_DIR / f"{part.strip()}.json"
-        if not path.is_file():
-            raise ValueError(
-                f"unknown preset {part!r} in {name!r}; available: {', '.join(available_presets())}"
-            )
-        data = load_json(path, what="cost-model preset")
-        for key, value in data.items():
+        for key, value in _preset_part(part.strip(), name).items():
             if isinstance(value, dict) and isinstance(spec.get(key), dict):
                 spec[key] = {**spec[key], **value}
             else:

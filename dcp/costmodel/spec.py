@@ -42,9 +42,17 @@ class ClusterSpec:
     """Per-GPU, per-direction intra-node bandwidth in gigabits/s (H200 NVLink: 3600)."""
     inter_node_gbps: float
     """Per-GPU, per-direction inter-node bandwidth in gigabits/s (NDR InfiniBand: 400)."""
+    peak_fp8_tflops: float | None = None
+    """Dense FP8 peak per GPU, TFLOP/s, from the datasheet; null: FP8 linear layers run
+    ``DEFAULT_FP8_LINEAR_SPEEDUP`` times the bf16 ones (``fp8_linear_rate``)."""
+    memory_bandwidth_gbs: float | None = None
+    """Device memory (HBM) bandwidth per GPU in GB/s (1e9 bytes), from the datasheet. No term
+    reads it: the memory-bound kernels sit inside the checked efficiencies, so an H200 is
+    predicted as fast as an H100 (docs/design.md, 'Checked against published throughput')."""
 
     def __post_init__(self) -> None:
-        _positive(self, tuple(f.name for f in fields(self)), "cluster")
+        given = tuple(f.name for f in fields(self) if getattr(self, f.name) is not None)
+        _positive(self, given, "cluster")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -120,17 +128,25 @@ class Options:
     """Bytes per token per vocab entry for logits + fp32 loss workspace (bf16 + fp32)."""
     fp8: bool = False
     """FP8 linear layers in the transformer blocks (``model.fp8``); logits stay bf16."""
-    fp8_linear_speedup: float = 1.5
-    """Linear-layer throughput of FP8 over bf16 when ``fp8``: an assumption (the H200's FP8 peak
-    is 2x bf16; casts and scaling take part of it) until a run's calibration or
-    ``tools.gpu_check``'s MFU measures it."""
+    fp8_linear_efficiency: float = 0.5
+    """Fraction of the dense FP8 peak (``cluster.peak_fp8_tflops``) the FP8 linear layers reach
+    on large chunks, casts and scaling included. The GPU presets set the value the
+    published-throughput check chose (``tools.costmodel_check``)."""
+    fp8_linear_speedup: float | None = None
+    """Linear-layer throughput of FP8 over bf16 when ``fp8``, instead of
+    ``fp8_linear_efficiency`` (a measured ratio, say); null: ``fp8_linear_efficiency`` of the FP8
+    peak, or ``DEFAULT_FP8_LINEAR_SPEEDUP`` when the cluster has no ``peak_fp8_tflops``."""
     linear_efficiency: float = 0.70
-    """Fraction of peak the linear layers (GEMMs) reach on large chunks."""
+    """Fraction of the bf16 peak the bf16 linear layers (GEMMs) reach on large chunks; no
+    published row checks it (every configuration-complete one is FP8)."""
     attention_efficiency: float = 0.50
-    """Fraction of peak causal flash attention (fwd + bwd) reaches on long chunks."""
+    """Fraction of the bf16 peak causal flash attention (fwd + bwd) reaches on long chunks, CP
+    ring overheads included. The GPU presets set the value the published-throughput check
+    chose."""
     tensor_parallel_efficiency: float = 0.9
     """GEMM efficiency kept when TP > 1 cuts every weight into 1/TP-wide slices (narrower
-    matrices run further from peak). The TP collectives are a term of their own."""
+    matrices run further from peak); attention splits by whole heads and keeps its efficiency.
+    The TP collectives are a term of their own."""
     attention_backward_ratio: float = 2.5
     """Attention backward FLOPs / forward FLOPs (flash attention recomputes scores)."""
     linear_half_tokens: float = 128.0
@@ -158,7 +174,7 @@ class Options:
             raise ValueError(
                 f"options.dtype must be one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}"
             )
-        if not self.fp8_linear_speedup > 0:
+        if self.fp8_linear_speedup is not None and not self.fp8_linear_speedup > 0:
             raise ValueError(
                 f"options.fp8_linear_speedup must be > 0, got {self.fp8_linear_speedup}"
             )
@@ -172,6 +188,7 @@ class Options:
             )
         for name in (
             "linear_efficiency",
+            "fp8_linear_efficiency",
             "attention_efficiency",
             "tensor_parallel_efficiency",
             "link_efficiency",
@@ -410,6 +427,21 @@ def monotone_activations(act: dict[str, float]) -> dict[str, float]:
     return {"none": max(act["none"], selective), "selective": selective, "full": full}
 
 
+DEFAULT_FP8_LINEAR_SPEEDUP = 1.5
+"""FP8 over bf16 linear throughput assumed for a cluster whose FP8 peak is not given."""
+
+
+def fp8_linear_rate(cluster: ClusterSpec, options: Options, *, bf16_rate: float) -> float:
+    """FLOP/s of a planner rank's FP8 linear layers, given its bf16 rate (TP included)."""
+    if options.fp8_linear_speedup is not None:
+        return bf16_rate * options.fp8_linear_speedup
+    if cluster.peak_fp8_tflops is None:
+        return bf16_rate * DEFAULT_FP8_LINEAR_SPEEDUP
+    tp = options.tensor_parallel_size
+    tp_eff = options.tensor_parallel_efficiency if tp > 1 else 1.0
+    return cluster.peak_fp8_tflops * 1e12 * tp * tp_eff * options.fp8_linear_efficiency
+
+
 def analytic_coefficients(
     cluster: ClusterSpec, model: ModelSpec, options: Options, *, num_ranks: int
 ) -> Coefficients:
@@ -425,10 +457,10 @@ def analytic_coefficients(
 
     # One planner rank is a TP group of ``tp`` GPUs; narrower GEMMs lose some efficiency.
     tp_eff = options.tensor_parallel_efficiency if tp > 1 else 1.0
-    rank_flops = cluster.peak_tflops * 1e12 * tp * tp_eff
-    lin_rate = rank_flops * options.linear_efficiency
+    rank_flops = cluster.peak_tflops * 1e12 * tp
+    lin_rate = rank_flops * tp_eff * options.linear_efficiency
     if options.fp8:
-        lin_rate *= options.fp8_linear_speedup
+        lin_rate = fp8_linear_rate(cluster, options, bf16_rate=lin_rate)
     att_rate = rank_flops * options.attention_efficiency
     fwd_bwd = 3.0  # backward = 2x forward for GEMMs
     att_passes = 1.0 + options.attention_backward_ratio
@@ -437,7 +469,9 @@ def analytic_coefficients(
     # causal mask.
     attention_s_per_token2 = att_passes * 2.0 * model.q_hidden_size * layers / att_rate
     linear_s_per_token = fwd_bwd * 2.0 * linear_params / lin_rate
-    logits_s_per_token = fwd_bwd * 2.0 * h * vocab / (rank_flops * options.linear_efficiency)
+    logits_s_per_token = (
+        fwd_bwd * 2.0 * h * vocab / (rank_flops * tp_eff * options.linear_efficiency)
+    )
 
     # Selective = core attention + MLP recomputed (megatron_patches/recompute.py: recompute
     # modules ["core_attn", "mlp"]); full = the whole layer forward again.

@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from dcp.costmodel import CostModel, available_presets, load_cost_model, load_preset
+from dcp.costmodel.load import gpu_presets
+from dcp.costmodel.spec import DEFAULT_FP8_LINEAR_SPEEDUP
 from dcp.plan import MicroStep, Plan
 
 H200_8B = "h200x8+llama3-8b"
@@ -24,8 +26,8 @@ def cm() -> CostModel:
 
 def test_presets_cover_the_required_clusters_and_models():
     names = set(available_presets())
+    assert set(gpu_presets()) == {"h100", "h200", "b200"}
     for n in (8, 32, 64, 256, 1024):
-        assert f"h200x{n}" in names
         assert load_cost_model(f"h200x{n}+llama3-8b").num_ranks == n
     assert {"llama3-8b", "llama3-70b", "cpu-tiny"} <= names
     # 70B runs TP=8 inside a node: one planner rank per node.
@@ -116,6 +118,50 @@ def test_one_loader_takes_a_preset_a_path_or_a_dict(tmp_path, cm):
     # A missing spec file is reported as such, not as an unknown preset.
     with pytest.raises(ValueError, match="no such cost-model spec file"):
         load_cost_model(tmp_path / "missing.json")
+
+
+def test_gpu_count_names_a_gpu_preset_with_that_many_gpus():
+    spec = load_preset("b200x24+llama3-8b")
+    assert spec["cluster"]["num_gpus"] == 24 and spec["cluster"]["peak_tflops"] == 2250
+    assert load_preset("b200")["options"].items() <= spec["options"].items()
+    with pytest.raises(ValueError, match=r"a GPU preset with its count: b200x<N>, h100x<N>"):
+        load_preset("a100x8")
+
+
+def test_attention_keeps_its_efficiency_under_tensor_parallelism():
+    """TP splits attention by whole heads, so a planner rank of TP GPUs runs it TP times as
+    fast; only the GEMMs lose ``tensor_parallel_efficiency`` to their narrower slices."""
+    spec = load_preset("h100x8+llama3-8b")
+    one = CostModel.from_spec(spec).coefficients
+    tp4 = CostModel.from_spec({**spec, "options": {**spec["options"], "tensor_parallel_size": 4}})
+    four, eff = tp4.coefficients, tp4.options.tensor_parallel_efficiency
+    assert four.attention_s_per_token2 == pytest.approx(one.attention_s_per_token2 / 4)
+    assert four.linear_s_per_token == pytest.approx(one.linear_s_per_token / (4 * eff))
+
+
+def test_fp8_linear_layers_run_at_their_share_of_the_fp8_peak():
+    spec = load_preset("b200x8+llama3-8b")
+    bf16 = CostModel.from_spec(spec)
+    fp8 = CostModel.from_spec({**spec, "options": {**spec["options"], "fp8": True}})
+    o = fp8.options
+    expected = (4500 * o.fp8_linear_efficiency) / (2250 * o.linear_efficiency)
+    lin = bf16.coefficients.linear_s_per_token / fp8.coefficients.linear_s_per_token
+    assert lin == pytest.approx(expected)
+    # A measured ratio overrides; without an FP8 peak the default ratio applies.
+    forced = {**spec["options"], "fp8": True, "fp8_linear_speedup": 1.2}
+    ratio = (
+        bf16.coefficients.linear_s_per_token
+        / CostModel.from_spec({**spec, "options": forced}).coefficients.linear_s_per_token
+    )
+    assert ratio == pytest.approx(1.2)
+    no_peak = {**spec, "cluster": {**spec["cluster"], "peak_fp8_tflops": None}}
+    ratio = (
+        bf16.coefficients.linear_s_per_token
+        / CostModel.from_spec(
+            {**no_peak, "options": {**spec["options"], "fp8": True}}
+        ).coefficients.linear_s_per_token
+    )
+    assert ratio == pytest.approx(DEFAULT_FP8_LINEAR_SPEEDUP)
 
 
 def test_time_grows_with_work_and_cp_splits_it(cm):

@@ -80,7 +80,7 @@ def _own_plan_records(prior: CostModel, truth: CostModel, workload: str) -> list
         pytest.param(
             "mixed",
             marks=pytest.mark.xfail(
-                strict=True, reason="known gap: bimodal re-plans 3.7% slower (docs/design.md)"
+                strict=True, reason="known gap: bimodal re-plans 5.5% slower (docs/design.md)"
             ),
         ),
     ],

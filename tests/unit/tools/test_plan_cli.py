@@ -140,9 +140,11 @@ def test_simulate_cli_quick(tmp_path, capsys):
     assert rc == 0
     captured = capsys.readouterr()
     assert "SIMULATED" in captured.out and "GEOMEAN" in captured.out
+    assert captured.out.splitlines()[1].startswith("cost model: the h200 preset, checked against")
     assert "[1/4]" in captured.err  # progress
     results = json.loads((out_dir / "results.json").read_text())
     assert results["simulated"] is True
+    assert results["cost_model_check"]["checked_on"] == "h100"
     assert [c["preset"] for c in results["clusters"]] == ["h200x8", "h200x32"]
     for cluster in results["clusters"]:
         for row in cluster["rows"]:

@@ -41,6 +41,26 @@ def test_jsonl_lengths_are_sampled_planned_and_bounded(tmp_path, capsys):
     assert "DCP vs megatron" in table and "DCP's sequences by CP size/recompute" in table
 
 
+def test_a_gpu_preset_says_which_published_rows_checked_it(tmp_path, capsys):
+    """On a GPU preset the output says which published rows its coefficients were checked on
+    (the H200's stand on the H100's rows); on the CPU preset nothing is claimed."""
+    data = tmp_path / "lengths.jsonl"
+    data.write_text("".join(f"{n}\n" for n in [4096, 8192, 300, 20000] * 20))
+    out = tmp_path / "out"
+    argv = ["--data", str(data), "--batch-tokens", "65536", "--batches", "1", "--out-dir", str(out)]
+    argv += ["--planners", "dcp,static"]
+    assert simulate_cli.main([*argv, "--spec", "h200x8+llama3-8b"]) == 0
+    check = json.loads((out / "data_results.json").read_text())["cost_model_check"]
+    assert check["preset"] == "h200" and check["checked_on"] == "h100"
+    assert check["modelled"] >= 10 and check["worst_abs_rel_error"] <= 0.30
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("cost model: the h200 preset, checked against ")
+    assert "published H100 training rows" in line and "bf16 linear layers are unchecked" in line
+    assert simulate_cli.main([*argv, "--spec", "cpu-tiny"]) == 0
+    assert "cost_model_check" not in json.loads((out / "data_results.json").read_text())
+    assert "cost model:" not in capsys.readouterr().out
+
+
 def test_an_indexed_dataset_is_read_from_its_index_and_chunked_like_the_trainer(tmp_path):
     prefix = tmp_path / "corpus"
     builder = megatron_indexed_dataset().IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)

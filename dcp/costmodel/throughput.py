@@ -1,0 +1,339 @@
+"""Published training throughput and the cost model's prediction of it (``tools.costmodel_check``).
+
+A published row is one measured training configuration: a GPU, a model, a static parallel
+layout (TP, PP, CP, the rest data parallel), the global and micro batch, and the throughput its
+authors measured. ``predict_row`` runs that exact configuration through the cost model: every
+micro-batch holds ``mbs`` sequences of ``seq_len`` tokens, each data-parallel rank runs
+``gbs / (mbs · dp)`` of them, and the step time is their sum (what the simulator reports too:
+the end-of-batch gradient reduction and optimizer step are not in it). Rows with pipeline
+parallelism need a pipeline cost model; until one is passed as ``pipeline=`` they are reported
+as not modelled. Pure Python, no torch.
+
+Model TFLOP/s are counted as each source counts them (``attention_flops``): Megatron's formula
+(``megatron.training.training.num_floating_point_operations``) charges 6 FLOPs per parameter
+and token for every linear layer and the LM head, and 6·s·q·L per token for causal attention
+(``causal``); NeMo's formula before its August 2025 change charged the whole s×s score matrix,
+12·s·q·L (``full``). The check compares tokens per second, converting a published TFLOP/s
+figure with the source's count; rows publishing both must agree with the count.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcp.costmodel.formula import CostModel
+from dcp.costmodel.load import gpu_presets, load_preset
+from dcp.costmodel.spec import ModelSpec, runtime_options
+from dcp.plan import RECOMPUTE_LEVELS, Recompute
+from dcp.schema import check_range, from_dict
+
+PRECISIONS = ("bf16", "fp8")
+ATTENTION_FLOPS = ("causal", "full")
+PUBLISHED_DIR = Path(__file__).parent / "published"
+# A table is a few hundred lines at most; refuse anything far larger before reading it.
+MAX_TABLE_BYTES = 4_000_000
+MAX_ROWS = 10_000
+GPUS_PER_NODE = 8
+"""DGX / HGX systems: 8 GPUs per node, each on NVLink and its own InfiniBand NIC."""
+CHECKED_ON = {"h100": "h100", "h200": "h100", "b200": "b200"}
+"""The GPU whose published rows a GPU preset's checked coefficients stand on: no
+configuration-complete H200 rows are published, so the ``h200`` preset takes the ``h100``
+coefficients (the same GH100 compute; a test holds them equal)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class PublishedRow:
+    """One line of a published-throughput table (JSON keys are these fields)."""
+
+    gpu: str
+    """A GPU preset of ``dcp/costmodel/profiles``: ``h100``, ``h200``, ``b200``."""
+    num_gpus: int
+    model: str | ModelSpec
+    """A model preset name (``llama3-8b``: its ``model`` block; the row's ``tp`` applies, not the
+    preset's) or the model's dimensions in megatron's names."""
+    model_name: str | None = None
+    """A label for a model given by its dimensions."""
+    precision: str
+    """``bf16`` or ``fp8`` (FP8 linear layers; attention and the LM head in bf16)."""
+    seq_len: int
+    tp: int
+    pp: int
+    cp: int
+    vp: int | None = None
+    """Virtual pipeline stages per rank (interleaved schedule); null: none."""
+    gbs: int
+    """Global batch, in sequences."""
+    mbs: int | None = None
+    """Micro-batch, in sequences; null: not published (the check takes 1)."""
+    recompute: str | None = None
+    """``none``, ``selective`` or ``full``; null: not published (the check takes the least level
+    the cost model's memory rule fits)."""
+    recompute_layers: int | None = None
+    """With ``full``: only the first N layers recomputed (megatron's ``block`` method)."""
+    tokens_per_s_per_gpu: float | None = None
+    tflops_per_gpu: float | None = None
+    """Model TFLOP/s per GPU, counted the source's way (``attention_flops``)."""
+    attention_flops: str | None = None
+    """How the source counts attention in its model FLOPs: ``causal`` or ``full``."""
+    source: str
+    """Repository, path, commit and table the row is from."""
+
+    def __post_init__(self) -> None:
+        if self.gpu not in gpu_presets():
+            raise ValueError(f"gpu must be one of {gpu_presets()}, got {self.gpu!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
+        for name in ("num_gpus", "seq_len", "tp", "pp", "cp", "gbs"):
+            check_range(getattr(self, name), name, ge=1, integer=True)
+        for name in ("vp", "mbs", "recompute_layers"):
+            if getattr(self, name) is not None:
+                check_range(getattr(self, name), name, ge=1, integer=True)
+        if self.num_gpus % (self.tp * self.pp * self.cp):
+            raise ValueError(
+                f"num_gpus={self.num_gpus} is not a multiple of tp*pp*cp="
+                f"{self.tp * self.pp * self.cp}"
+            )
+        if self.gbs % (self.micro_batch * self.dp):
+            raise ValueError(
+                f"gbs={self.gbs} is not a multiple of mbs*dp={self.micro_batch * self.dp}"
+            )
+        if self.recompute is not None and self.recompute not in RECOMPUTE_LEVELS:
+            raise ValueError(
+                f"recompute must be one of {list(RECOMPUTE_LEVELS)} or null, got {self.recompute!r}"
+            )
+        if self.recompute_layers is not None and self.recompute != Recompute.FULL:
+            raise ValueError("recompute_layers goes with recompute 'full'")
+        if self.tokens_per_s_per_gpu is None and self.tflops_per_gpu is None:
+            raise ValueError("a row needs tokens_per_s_per_gpu or tflops_per_gpu")
+        for name in ("tokens_per_s_per_gpu", "tflops_per_gpu"):
+            if getattr(self, name) is not None:
+                check_range(getattr(self, name), name, gt=0)
+        if self.tflops_per_gpu is not None and self.attention_flops not in ATTENTION_FLOPS:
+            raise ValueError(
+                f"tflops_per_gpu needs attention_flops, one of {list(ATTENTION_FLOPS)}, got "
+                f"{self.attention_flops!r}"
+            )
+        if not self.source.strip():
+            raise ValueError("source must name where the row is published")
+        if isinstance(self.model, str):
+            model_spec(self.model)  # an unknown preset fails here, with the list of presets
+
+    @property
+    def dp(self) -> int:
+        return self.num_gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def micro_batch(self) -> int:
+        return self.mbs or 1
+
+    @property
+    def micro_batches_per_rank(self) -> int:
+        """Gradient-accumulation steps of each data-parallel rank."""
+        return self.gbs // (self.micro_batch * self.dp)
+
+    @property
+    def label(self) -> str:
+        model = self.model if isinstance(self.model, str) else self.model_name or "model"
+        layout = f"tp{self.tp} pp{self.pp} cp{self.cp} dp{self.dp}"
+        return f"{self.gpu}x{self.num_gpus} {model} {self.precision} {self.seq_len} {layout}"
+
+
+def model_spec(model: str | ModelSpec) -> ModelSpec:
+    """The model of a row: its dimensions, or a model preset's."""
+    if isinstance(model, ModelSpec):
+        return model
+    block = load_preset(model).get("model")
+    if not isinstance(block, dict):
+        raise ValueError(f"preset {model!r} is not a model preset (it has no 'model' block)")
+    return from_dict(ModelSpec, block, prefix=f"preset {model}.model")
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int, *, attention: str = "causal") -> float:
+    """Training FLOPs per token as Megatron counts them (``attention="causal"``): 6 per parameter
+    of the transformer layers' linear layers and the LM head, plus 6·s·q·L for causal attention
+    (QKᵀ and PV, halved by the mask, times 3 for forward and backward); ``"full"`` counts the
+    whole score matrix, 12·s·q·L (NeMo's formula before August 2025)."""
+    if attention not in ATTENTION_FLOPS:
+        raise ValueError(f"attention must be one of {list(ATTENTION_FLOPS)}, got {attention!r}")
+    linear = model.param_counts().linear + model.hidden_size * model.vocab_size
+    per_seq = 6.0 if attention == "causal" else 12.0
+    return 6.0 * linear + per_seq * seq_len * model.q_hidden_size * model.num_layers
+
+
+def read_published(path: str | Path) -> list[PublishedRow]:
+    """The rows of a JSONL table (one JSON object per line; blank lines skipped). Raises
+    ``ValueError`` naming the file and line of the first bad row."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no such published-throughput table: {path}")
+    size = path.stat().st_size
+    if size > MAX_TABLE_BYTES:
+        raise ValueError(
+            f"{path} is {size:,} bytes; a published-throughput table is at most {MAX_TABLE_BYTES:,}"
+        )
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if len(rows) == MAX_ROWS:
+            raise ValueError(f"{path} has more than {MAX_ROWS:,} rows")
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}:{number}: a row must be a JSON object")
+        rows.append(from_dict(PublishedRow, data, prefix=f"{path}:{number}"))
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
+    return rows
+
+
+def row_spec(row: PublishedRow) -> dict:
+    """The cost-model spec of a row: its GPU preset (coefficients included) for its GPU count,
+    its model, precision and TP size; nothing fitted to the row."""
+    spec = load_preset(f"{row.gpu}x{row.num_gpus}")
+    spec["cluster"]["gpus_per_node"] = min(GPUS_PER_NODE, row.num_gpus)
+    spec["model"] = {k: v for k, v in vars(model_spec(row.model)).items() if v is not None}
+    spec["options"] = {
+        **spec.get("options", {}),
+        **runtime_options(
+            dtype="bf16",
+            distributed_optimizer=True,
+            fp8=row.precision == "fp8",
+            tensor_parallel_size=row.tp,
+        ),
+    }
+    spec["name"] = row.label
+    return spec
+
+
+def row_cost_model(
+    row: PublishedRow, *, spec: dict | None = None, options: dict | None = None
+) -> CostModel:
+    """The ``CostModel`` of ``row_spec(row)`` (or of ``spec``), with ``options`` laid over the
+    GPU preset's (what ``dcp.costmodel.throughput_fit`` varies)."""
+    spec = spec or row_spec(row)
+    if options:
+        spec = {**spec, "options": {**spec["options"], **options}}
+    return CostModel.from_spec(spec)
+
+
+def row_recompute(row: PublishedRow, cost_model: CostModel) -> tuple[str, int | None, bool]:
+    """(recompute level, layers, fits): the row's own, or the least the memory rule fits."""
+    lengths = [row.seq_len] * row.micro_batch
+    if row.recompute is not None:
+        fits = cost_model.fits(lengths, row.cp, row.recompute, row.recompute_layers)
+        return row.recompute, row.recompute_layers, fits
+    for level in (Recompute.NONE, Recompute.SELECTIVE):
+        if cost_model.fits(lengths, row.cp, level):
+            return level.value, None, True
+    layers = cost_model.num_layers
+    for n in range(1, layers + 1):
+        if cost_model.fits(lengths, row.cp, Recompute.FULL, n):
+            return Recompute.FULL.value, None if n == layers else n, True
+    return Recompute.FULL.value, None, False
+
+
+PipelineModel = Callable[[PublishedRow, CostModel], float]
+"""Seconds of one training step of a pipeline-parallel row (a pipeline cost model)."""
+
+
+def predict_row(
+    row: PublishedRow,
+    *,
+    pipeline: PipelineModel | None = None,
+    cost_model: CostModel | None = None,
+) -> dict:
+    """Predicted against published throughput of one row, as a JSON-ready dict: ``modelled``
+    false with a ``reason`` where the cost model cannot predict it. ``cost_model``: the row's
+    (default ``row_cost_model(row)``)."""
+    model = model_spec(row.model)
+    published_tokens = row.tokens_per_s_per_gpu
+    flops_per_token = None
+    if row.attention_flops is not None:
+        flops_per_token = model_flops_per_token(model, row.seq_len, attention=row.attention_flops)
+        if published_tokens is None:
+            published_tokens = row.tflops_per_gpu * 1e12 / flops_per_token
+    out: dict = {
+        "row": row.label,
+        "source": row.source,
+        "published_tokens_per_s_per_gpu": published_tokens,
+        "published_tflops_per_gpu": row.tflops_per_gpu,
+    }
+    if row.pp > 1 and pipeline is None:
+        return {**out, "modelled": False, "reason": "pipeline parallel: no pipeline cost model"}
+    cost_model = cost_model or row_cost_model(row)
+    level, layers, fits = row_recompute(row, cost_model)
+    if row.pp > 1:
+        step_s = pipeline(row, cost_model)
+    else:
+        micro_s = cost_model.step_time_s(
+            [row.seq_len] * row.micro_batch, row.cp, level, recompute_layers=layers
+        )
+        step_s = micro_s * row.micro_batches_per_rank
+    tokens = row.gbs * row.seq_len / (step_s * row.num_gpus)
+    out.update(
+        modelled=True,
+        predicted_step_s=step_s,
+        predicted_tokens_per_s_per_gpu=tokens,
+        predicted_tflops_per_gpu=(
+            None if flops_per_token is None else tokens * flops_per_token / 1e12
+        ),
+        rel_error=tokens / published_tokens - 1.0,
+        recompute=level if layers is None else f"{level}/{layers}",
+        recompute_published=row.recompute is not None,
+        fits_memory=fits,
+    )
+    return out
+
+
+def summarize(per_row: list[dict]) -> dict:
+    """Row counts and |relative error| statistics over the modelled rows of ``per_row``."""
+    errors = [abs(r["rel_error"]) for r in per_row if r["modelled"]]
+    return {
+        "rows": len(per_row),
+        "modelled": len(errors),
+        "median_abs_rel_error": statistics.median(errors) if errors else None,
+        "worst_abs_rel_error": max(errors) if errors else None,
+    }
+
+
+def check_published(rows: list[PublishedRow], *, pipeline: PipelineModel | None = None) -> dict:
+    """Every row predicted with its GPU preset; the summary ``tools.costmodel_check`` prints as
+    its last line (``per_row`` in table order)."""
+    per_row = [predict_row(row, pipeline=pipeline) for row in rows]
+    return {**summarize(per_row), "per_row": per_row}
+
+
+def preset_check(gpu: str, tables: list[Path] | None = None) -> dict | None:
+    """How closely the published rows a GPU preset's coefficients stand on (``CHECKED_ON``) are
+    reproduced: ``summarize`` of those rows of ``tables`` (default: the shipped ones), with
+    ``preset`` and ``checked_on``; None for a GPU without published rows."""
+    checked_on = CHECKED_ON.get(gpu)
+    paths = tables if tables is not None else sorted(PUBLISHED_DIR.glob("*.jsonl"))
+    rows = [row for path in paths for row in read_published(path) if row.gpu == checked_on]
+    if not rows:
+        return None
+    per_row = [predict_row(row) for row in rows]
+    return {"preset": gpu, "checked_on": checked_on, **summarize(per_row)}
+
+
+def describe_check(check: dict | None, *, precision: str = "bf16") -> str:
+    """One line for a simulation's output: which published rows the preset was checked on and
+    how closely (``preset_check``), and what they leave unchecked."""
+    if check is None:
+        return "cost model: not checked against published throughput (no GPU preset's rows)"
+    line = (
+        f"cost model: the {check['preset']} preset, checked against {check['modelled']} "
+        f"published {check['checked_on'].upper()} training rows (python -m "
+        f"tools.costmodel_check): median |error| {100 * check['median_abs_rel_error']:.1f}%, "
+        f"worst {100 * check['worst_abs_rel_error']:.1f}%"
+    )
+    if precision == "bf16":
+        line += "; its bf16 linear layers are unchecked (every row in the check is FP8)"
+    return line
