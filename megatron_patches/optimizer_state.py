@@ -148,8 +148,7 @@ def param_pieces(optimizer):
                     for bucket_map in bucket_maps:
                         for param, ranges in bucket_map["param_map"].items():
                             r = ranges["param"]
-                            tensors = opt._get_main_param_and_optimizer_states(param)
-                            yield param, r.start, r.end, _flat_states(tensors)
+                            yield param, r.start, r.end, _flat_states(_shard_states(opt, param))
         elif isinstance(opt, Float16OptimizerWithFloat16Params):
             pairs = [
                 (model, main)
@@ -171,6 +170,18 @@ def param_pieces(optimizer):
                 for p in group["params"]:
                     state = opt.optimizer.state.get(p, {})
                     yield p, 0, p.numel(), _flat_states({"param": p, **state})
+
+
+def _shard_states(opt, param) -> dict:
+    """The main parameter shard and its moments, like megatron's
+    ``_get_main_param_and_optimizer_states`` but without creating an empty state entry (torch's
+    optimizer state is a ``defaultdict``: merely looking one up would make megatron's
+    ``load_state_dict`` believe the state is allocated and skip allocating it)."""
+    if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        return opt._get_main_param_and_optimizer_states(param)
+    group_index, group_order = opt.model_param_group_index_map[param]
+    main = opt.optimizer.param_groups[group_index]["params"][group_order]
+    return {"param": main, **opt.optimizer.state.get(main, {})}
 
 
 def _flat_states(tensors: dict) -> dict[str, torch.Tensor]:

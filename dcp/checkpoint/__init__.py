@@ -9,6 +9,7 @@ background, if asked), and a checkpoint loads at another world size and TP size.
 - ``rng``: RNG state as tensors and plain numbers;
 - ``save``: staging, the parallel (and asynchronous) write, publishing;
 - ``load``: reading at the same or another layout, each tensor checked as it is read;
+- ``restore``: what a rank read, put into its model and optimizer;
 - ``legacy``: checkpoints of the earlier ``torch.save`` format;
 - ``hf``: Hugging Face weights in and out, streaming;
 - ``config``, ``policy``: the trainer's ``checkpoint`` section and when it saves.
@@ -31,13 +32,8 @@ from dcp.checkpoint.layout import (
     read_manifest,
     step_dir_name,
 )
-from dcp.checkpoint.load import (
-    Checkpoint,
-    CorruptCheckpointError,
-    RankState,
-    apply,
-    open_checkpoint,
-)
+from dcp.checkpoint.load import Checkpoint, open_checkpoint
+from dcp.checkpoint.restore import CorruptCheckpointError, RankState, apply
 from dcp.checkpoint.rng import capture_rng_state, restore_rng_state
 from dcp.checkpoint.save import CheckpointSaveError, CheckpointSaver
 from dcp.checkpoint.tensorfile import TensorFileError

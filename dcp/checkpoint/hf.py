@@ -23,7 +23,6 @@ from dcp.checkpoint.save import CheckpointSaver
 from dcp.checkpoint.state import LocalTensor
 from dcp.model import ModelConfig
 from dcp.schema import from_dict, to_dict
-from dcp.weights.canonical import canonical_names
 from dcp.weights.convert import (
     DEFAULT_MAX_SHARD_BYTES,
     TOKENIZER_FILES,
@@ -33,7 +32,7 @@ from dcp.weights.convert import (
     iter_canonical_from_hf,
     tokenizer_dir,
 )
-from dcp.weights.hf import canonical_to_hf
+from dcp.weights.hf import canonical_names, canonical_to_hf
 from dcp.weights.hf_config import (
     hf_config_from_model,
     model_type,

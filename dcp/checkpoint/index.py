@@ -225,7 +225,8 @@ class _Checker:
         for name, entry in data.items():
             where = f"model {self.name(name, 'model')}"
             self.need(isinstance(entry, dict), f"{where}: not an object")
-            self.need(entry.get("dtype") in DTYPES, f"{where}: unknown dtype")
+            dtype = entry.get("dtype")
+            self.need(isinstance(dtype, str) and dtype in DTYPES, f"{where}: unknown dtype")
             shape = self.shape(entry.get("shape"), where)
             split = self.split(entry.get("split"), shape, tp, where)
             shards = entry.get("shards")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dcp.checkpoint.index import Layout
-from dcp.checkpoint.load import CorruptCheckpointError, RankState
+from dcp.checkpoint.restore import CorruptCheckpointError, RankState
 from dcp.weights.canonical import canonical_state, model_names
 from dcp.weights.tensor_parallel import local_slice, tp_coordinates
 
@@ -154,27 +154,6 @@ class LegacyCheckpoint:
             rng=self.component("rng_state", rank=rank) if layout == self.layout else None,
             legacy_optimizer=self.component("optimizer_state", rank=rank),
         )
-
-
-def load_legacy_optimizer(optimizer, saved) -> None:
-    """Megatron's optimizer state dict of the earlier format (this run's hyperparameters kept;
-    only parameter state and step counts come from ``saved``)."""
-    from megatron_patches.cpu_optimizer import cuda_on_cpu
-    from megatron_patches.optimizer_state import (
-        adopt_current_hyperparameters,
-        is_distributed,
-        load_distributed,
-    )
-
-    distributed = is_distributed(optimizer)
-    shard = saved.get("optimizer") if distributed and isinstance(saved, dict) else saved
-    if shard is not None:
-        adopt_current_hyperparameters(shard, optimizer)
-    with cuda_on_cpu():
-        if distributed:
-            load_distributed(optimizer, saved)
-        else:
-            optimizer.load_state_dict(saved)
 
 
 def _sha256(path: Path) -> str:

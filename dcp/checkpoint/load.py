@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +30,15 @@ import torch
 
 from dcp.checkpoint.index import OPTIMIZER_STATES, Index, Layout, ModelEntry, OptimizerEntry
 from dcp.checkpoint.layout import SHARED, is_complete, read_manifest
+from dcp.checkpoint.legacy import LegacyCheckpoint
+from dcp.checkpoint.restore import CorruptCheckpointError, RankState, canonical_params
 from dcp.checkpoint.rng import from_tensors
 from dcp.checkpoint.tensorfile import TensorFile, TensorFileError
 from dcp.files import load_json, parse_json, reading
 from dcp.weights.canonical import EXTRA_STATE, VOCAB_TENSORS, model_names, repad_vocab
 from dcp.weights.tensor_parallel import cut, join, split_spec, tp_coordinates
-from megatron_patches.optimizer_state import allocate_state, param_pieces
 
 logger = logging.getLogger(__name__)
-
-
-class CorruptCheckpointError(ValueError):
-    """Bytes a checkpoint's index vouches for are not there: a file is damaged or was changed
-    (``"<file>: <what>"``)."""
 
 
 def open_checkpoint(path: str | os.PathLike[str]):
@@ -57,26 +52,8 @@ def open_checkpoint(path: str | os.PathLike[str]):
             "incomplete); it may be a save that crashed"
         )
     if manifest["format_version"] != 3:
-        from dcp.checkpoint.legacy import LegacyCheckpoint
-
         return LegacyCheckpoint(p, manifest)
     return Checkpoint(p, Index.check(manifest, p))
-
-
-@dataclass
-class RankState:
-    """What one rank read from a checkpoint, checked, in host memory: applied by ``apply``."""
-
-    model: dict[str, torch.Tensor]
-    """The module's own state-dict names → its local tensors."""
-    optimizer: list[tuple[str, int, int, dict[str, torch.Tensor]]] | None
-    """(canonical name, start, end, state → values) for every piece this rank's optimizer
-    holds, or None when the checkpoint has no optimizer state."""
-    optimizer_groups: list | None
-    rng: dict[str, Any] | None
-    legacy_optimizer: Any = None
-    """An earlier-format checkpoint's optimizer state (megatron's own state dict, at the layout
-    it was written at) instead of ``optimizer``."""
 
 
 class Checkpoint:
@@ -259,7 +236,7 @@ class Checkpoint:
         from dcp.checkpoint.state import optimizer_pieces
 
         tp_rank, tp_size = tp_coordinates()
-        params = {n: p for n, p in _canonical_params(module)}
+        params = {n: p for n, p in canonical_params(module)}
         missing = sorted(set(params) - set(self.index.optimizer))
         if missing:
             raise ValueError(f"{self.path}: no optimizer state for {missing[:5]}")
@@ -304,40 +281,6 @@ class Checkpoint:
             optimizer_groups=self.index.optimizer_groups,
             rng=self.rng(rank, layout),
         )
-
-
-def apply(state: RankState, module: torch.nn.Module, optimizer) -> None:
-    """Put ``state`` into ``module`` and ``optimizer`` (megatron's, freshly built)."""
-    module.load_state_dict({**module.state_dict(keep_vars=True), **state.model}, strict=True)
-    if optimizer is None:
-        return
-    if state.legacy_optimizer is not None:
-        from dcp.checkpoint.legacy import load_legacy_optimizer
-
-        load_legacy_optimizer(optimizer, state.legacy_optimizer)
-        return
-    if state.optimizer is None:
-        if hasattr(optimizer, "reload_model_params"):  # fp32 main copies of the new weights
-            optimizer.reload_model_params()
-        return
-    from megatron_patches.cpu_optimizer import cuda_on_cpu
-
-    with cuda_on_cpu():
-        allocate_state(optimizer, state.optimizer_groups)
-    values = {(n, a, b): v for n, a, b, v in state.optimizer}
-    names = {id(p): n for n, p in _canonical_params(module)}
-    with torch.no_grad():
-        for param, start, end, tensors in param_pieces(optimizer):
-            saved = values[(names[id(param)], start, end)]
-            for key, target in tensors.items():
-                target.copy_(saved[key])
-
-
-def _canonical_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    from dcp.weights.canonical import canonical_name
-
-    for name, param in module.named_parameters():
-        yield canonical_name(name), param
 
 
 class _LazyState(Mapping):

@@ -139,10 +139,11 @@ def stage(
         for piece in pieces:
             split = splits[piece.name]
             slice_rank = tp_rank if split is not None else 0
-            if split is None and tp_rank != 0:
-                continue  # TP rank 0 holds the same state of a replicated parameter
-            if optimizer_kind == "replicated" and owner[(piece.name, slice_rank)] != rank:
-                continue  # every data-parallel replica holds it: the slice's writer saves it
+            if optimizer_kind == "replicated":
+                if owner[(piece.name, slice_rank)] != rank:
+                    continue  # every data-parallel replica holds it: the slice's writer saves it
+            elif split is None and tp_rank != 0:
+                continue  # TP rank 0's shards hold the same state of a replicated parameter
             keys = {s: Index.piece_key(piece.name, s) for s in OPTIMIZER_STATES}
             for s, key in keys.items():
                 live[key] = piece.tensors[s]

@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import struct
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -175,7 +176,8 @@ class TensorFile:
     def _entry(self, name: str, entry) -> tuple[torch.dtype, tuple[int, ...], int, int]:
         if not isinstance(entry, dict):
             raise self._error(f"{name}: entry is not an object")
-        dtype = DTYPES.get(entry.get("dtype"))
+        name_of_dtype = entry.get("dtype")
+        dtype = DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
         if dtype is None:
             raise self._error(f"{name}: unknown dtype {entry.get('dtype')!r}")
@@ -205,7 +207,9 @@ class TensorFile:
         view = memoryview(self._map)[begin:end]
         if sha256 is not None and hashlib.sha256(view).hexdigest() != sha256:
             raise self._error(f"{name}: bytes differ from the checkpoint's index (corrupt)")
-        return torch.frombuffer(view, dtype=dtype).view(shape)
+        with warnings.catch_warnings():  # read-only on purpose: callers copy what they keep
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(view, dtype=dtype).view(shape)
 
     def close(self) -> None:
         if self._map is not None:

@@ -1,68 +1,150 @@
-"""Checkpoints on 2 live gloo ranks: per-rank RNG shards, rank-0 common files, one manifest."""
+"""Sharded checkpoints on live gloo ranks: every rank writes its own file, and a checkpoint
+written at one layout continues training at another with the same losses and weights as the
+uninterrupted run (model, fp32 main parameters and Adam's moments resharded), for the
+distributed optimizer and the replicated one; an asynchronous save publishes only once every
+rank's writer finished."""
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
 
 from tests.distributed.harness import run_on_ranks
+from tests.distributed.tiny import OPTIM, SEED, TINY, cleanup, make_docs, to_numpy
+
+LENGTHS = [90, 17, 200, 33, 5, 140, 61, 8]
+DOCS = make_docs(LENGTHS, seed=3)
+STEPS_BEFORE, STEPS_AFTER = 2, 2
 
 
-def _save_and_load(root: str) -> dict:
-    import torch.distributed as dist
+def _plan(num_planner_ranks: int):
+    """Sequence i on planner rank i mod P at CP = 1 (uneven counts), the longest at CP = 2."""
+    from dcp.plan import MicroStep, Plan, Recompute
 
-    from dcp.checkpoint import (
-        CheckpointState,
-        capture_rng_state,
-        load_latest,
-        restore_rng_state,
-        save_checkpoint,
-    )
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(100 + rank)  # RNG differs per rank, as in a real run
-    model_state = {"w": torch.arange(6.0).reshape(2, 3)}  # replicated across DP ranks
-    rng = capture_rng_state()
-    expected = torch.rand(5)
-    path = save_checkpoint(
-        root,
-        7,
-        CheckpointState(
-            model_state=model_state,
-            optimizer_state={"lr": 0.1},
-            sampler_state={"batch_index": 7},
-            rng_state=rng,
-        ),
-        rank=rank,
-        world_size=world,
-        barrier_fn=dist.barrier,
-        keep_last=1,
-    )
-    loaded = load_latest(root, rank=rank, world_size=world)
-    restore_rng_state(loaded.rng_state)
-    return {
-        "path": str(path),
-        "step": loaded.step,
-        "same_model": bool(torch.equal(loaded.model_state["w"], model_state["w"])),
-        "rng_reproduces": bool(torch.equal(torch.rand(5), expected)),
-        "draw": expected.tolist(),
-        "files": sorted(p.name for p in path.iterdir()),
-    }
-
-
-def test_two_rank_save_and_load(tmp_path):
-    r0, r1 = run_on_ranks(2, _save_and_load, str(tmp_path), timeout_s=120)
-    assert r0["path"] == r1["path"] == str(tmp_path / "step_000007")
-    assert r0["step"] == r1["step"] == 7
-    assert r0["same_model"] and r1["same_model"]
-    assert r0["rng_reproduces"] and r1["rng_reproduces"]
-    assert r0["draw"] != r1["draw"]  # each rank got its own RNG stream back
-    assert r0["files"] == [
-        "extra.pt",
-        "manifest.json",
-        "model.pt",
-        "optimizer.pt",
-        "rng.rank00000.pt",
-        "rng.rank00001.pt",
-        "sampler.pt",
-        "scheduler.pt",
+    steps = [
+        MicroStep(ranks=(i % num_planner_ranks,), seq_ids=(i,), recompute=Recompute.NONE)
+        for i in range(len(LENGTHS))
+        if i != 2
     ]
+    if num_planner_ranks >= 2:
+        steps.append(MicroStep(ranks=(0, 1), seq_ids=(2,), recompute=Recompute.FULL))
+    else:
+        steps.append(MicroStep(ranks=(0,), seq_ids=(2,), recompute=Recompute.FULL))
+    return Plan(steps=tuple(steps), planner="test")
+
+
+def _runtime(tp: int, distributed: bool):
+    import dataclasses
+
+    from dcp.model import ModelConfig
+    from dcp.runtime.runtime import Runtime
+
+    optim = dataclasses.replace(OPTIM, distributed=distributed, decay_steps=8)
+    return Runtime.from_config(
+        ModelConfig(**TINY, make_vocab_size_divisible_by=8),
+        optim,
+        seed=SEED,
+        tensor_parallel_size=tp,
+    )
+
+
+def _steps(runtime, tp: int, n: int) -> list[float]:
+    from dcp.runtime.dispatch import InMemorySource
+
+    plan = _plan(dist.get_world_size() // tp)
+    return [runtime.train_step(plan, InMemorySource(DOCS)).loss for _ in range(n)]
+
+
+def train_save_continue(root: str, tp: int, distributed: bool, asynchronous: bool) -> dict:
+    """``STEPS_BEFORE`` steps, a checkpoint, ``STEPS_AFTER`` more: losses and final weights."""
+    from dcp.checkpoint import CheckpointSaver, Layout
+    from dcp.checkpoint.state import runtime_parts
+
+    try:
+        runtime = _runtime(tp, distributed)
+        before = _steps(runtime, tp, STEPS_BEFORE)
+        saver = CheckpointSaver(
+            Path(root), layout=Layout(dist.get_world_size(), tp), rank=dist.get_rank()
+        )
+        shared = {"sampler": None, "scheduler": {"step": STEPS_BEFORE}, "extra": {}}
+        saver.save(
+            STEPS_BEFORE,
+            weights_finite=True,
+            asynchronous=asynchronous,
+            **runtime_parts(
+                runtime.model.module,
+                runtime.optimizer,
+                shared=shared if dist.get_rank() == 0 else None,
+            ),
+        )
+        published_early = (Path(root) / "step_000002").exists()
+        after = _steps(runtime, tp, STEPS_AFTER)  # the writers work meanwhile
+        saver.wait()
+        files = sorted(p.name for p in (Path(root) / "step_000002").iterdir())
+        return {
+            "before": before,
+            "after": after,
+            "weights": to_numpy(runtime.weights().items()),
+            "published_early": published_early,
+            "files": files,
+        }
+    finally:
+        cleanup()
+
+
+def resume_and_continue(root: str, tp: int, distributed: bool) -> dict:
+    """A fresh runtime at (this world, ``tp``) resumed from the checkpoint: the next losses."""
+    from dcp.checkpoint import Layout, apply, open_checkpoint, resolve_checkpoint
+
+    try:
+        runtime = _runtime(tp, distributed)
+        ckpt = open_checkpoint(resolve_checkpoint(root))
+        layout = Layout(dist.get_world_size(), tp)
+        state = ckpt.read(
+            runtime.model.module, runtime.optimizer, rank=dist.get_rank(), layout=layout
+        )
+        apply(state, runtime.model.module, runtime.optimizer)
+        runtime.step = ckpt.step
+        return {
+            "after": _steps(runtime, tp, STEPS_AFTER),
+            "weights": to_numpy(runtime.weights().items()),
+            "rng_carried": state.rng is not None,
+            "saved_layout": (ckpt.layout.world_size, ckpt.layout.tensor_parallel_size),
+        }
+    finally:
+        cleanup()
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "replicated"])
+def test_a_checkpoint_at_tp2_on_4_ranks_continues_at_other_layouts(tmp_path, distributed):
+    saved = run_on_ranks(4, train_save_continue, str(tmp_path), 2, distributed, True, timeout_s=300)
+    reference = saved[0]
+    assert not reference["published_early"]  # published only after every writer finished
+    assert reference["files"] == [
+        "manifest.json",
+        *(f"rank{r:05d}.safetensors" for r in range(4)),
+        "shared.json",
+    ]
+    # The same layout, then TP 1 on 4 ranks and on 2 ranks, and TP 2 on 2 ranks.
+    for world, tp in ((4, 2), (4, 1), (2, 1), (2, 2)):
+        resumed = run_on_ranks(
+            world, resume_and_continue, str(tmp_path), tp, distributed, timeout_s=300
+        )[0]
+        assert resumed["saved_layout"] == (4, 2)
+        assert resumed["rng_carried"] == ((world, tp) == (4, 2))
+        assert _close(reference["after"], resumed["after"]), (world, tp, reference, resumed)
+        for name, value in reference["weights"].items():
+            np.testing.assert_allclose(
+                resumed["weights"][name],
+                value,
+                rtol=1e-5,
+                atol=1e-7,
+                err_msg=f"{name} {world} {tp}",
+            )

@@ -199,25 +199,29 @@ def _loss_and_grads(runtime: Runtime, plan_dict: dict) -> dict:
 def train_then_save(docs, plans, root: str, tp: int, model: dict = MODEL) -> dict | None:
     """Train one step on ``plans[0]``, checkpoint (the trainer's way), then evaluate loss and
     gradients of ``plans[-1]`` on the trained weights."""
-    from dcp.checkpoint import CheckpointState, save_checkpoint
+    from dcp.checkpoint import CheckpointSaver, Layout
+    from dcp.checkpoint.state import runtime_parts
 
     try:
         runtime = _runtime(tp, model)
         stats = runtime.train_step(Plan.from_dict(plans[0]), InMemorySource(docs))
-        state = runtime.state_dict()
-        save_checkpoint(
-            Path(root),
+        saver = CheckpointSaver(
+            Path(root), layout=Layout(dist.get_world_size(), tp), rank=dist.get_rank()
+        )
+        shared = {
+            "sampler": None,
+            "scheduler": {"step": 1},
+            "extra": {"config": {"parallel": {"tensor_parallel_size": tp}}},
+        }
+        saver.save(
             1,
-            CheckpointState(
-                model_state=state["model"],
-                optimizer_state=state["optimizer"],
-                scheduler_state={"step": 1},
-                extra={"config": {"parallel": {"tensor_parallel_size": tp}}},
+            weights_finite=True,
+            asynchronous=False,
+            **runtime_parts(
+                runtime.model.module,
+                runtime.optimizer,
+                shared=shared if dist.get_rank() == 0 else None,
             ),
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            barrier_fn=dist.barrier,
-            per_rank=("rng_state", "optimizer_state"),
         )
         weights = to_numpy(runtime.weights().items())
         out = {
@@ -235,15 +239,13 @@ def load_and_evaluate(
 ) -> dict | None:
     """A fresh runtime at ``tp`` started from the checkpoint's weights (re-padding the
     vocabulary when ``vocab_size`` is given); loss and gradients of ``plan_dict``."""
-    from dcp.checkpoint import load_component, resolve_checkpoint
-    from dcp.weights.canonical import load_canonical
+    from dcp.checkpoint import open_checkpoint, resolve_checkpoint
+    from dcp.checkpoint.load import weights_for
 
     try:
         runtime = _runtime(tp)
-        state = load_component(resolve_checkpoint(root), "model_state")
-        runtime.load_model_weights(
-            lambda module: load_canonical(module, state, vocab_size=vocab_size)
-        )
+        ckpt = open_checkpoint(resolve_checkpoint(root))
+        runtime.load_model_weights(lambda module: weights_for(module, ckpt, vocab_size=vocab_size))
         out = {
             "weights": to_numpy(runtime.weights().items()),
             "next": _loss_and_grads(runtime, plan_dict),

@@ -155,18 +155,38 @@ def _read_tokenizer_dir(run_config):
 def _manifest(tmp: Path):
     import torch
 
-    from dcp.checkpoint import CheckpointState, save_checkpoint
+    from dcp.checkpoint import CheckpointSaver, Layout
+    from dcp.checkpoint.state import LocalTensor
 
-    step = save_checkpoint(
-        tmp / "ckpt", 2, CheckpointState(model_state={"w": torch.zeros(2)}, sampler_state={})
+    saver = CheckpointSaver(tmp / "ckpt", layout=Layout(1), rank=0)
+    saver.save(
+        2,
+        weights_finite=True,
+        asynchronous=False,
+        tensors=[LocalTensor("w", torch.zeros(2), None)],
+        pieces=None,
+        optimizer_kind=None,
+        optimizer_groups=None,
+        rng=None,
+        shared={"sampler": {}, "scheduler": {"step": 2}, "extra": {}},
     )
-    return step / "manifest.json", step
+    return saver.last_saved / "manifest.json", saver.last_saved
 
 
 def _resolve(step_dir):
-    from dcp.checkpoint import load_checkpoint, resolve_checkpoint
+    from dcp.checkpoint import open_checkpoint, resolve_checkpoint
 
-    return load_checkpoint(resolve_checkpoint(step_dir), rank=0, world_size=1)
+    ckpt = open_checkpoint(resolve_checkpoint(step_dir))
+    ckpt.shared()
+    return [ckpt.whole(name) for name in ckpt.names()]
+
+
+def _manifest_sample() -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        file, _ = _manifest(Path(tmp))
+        return json.loads(file.read_text())
 
 
 def _records(tmp: Path):
@@ -274,7 +294,7 @@ READERS: dict[str, Reader] = {
     "Hugging Face config.json": Reader(_hf, _read_hf, sample=HF_CONFIG),
     "dataset metadata": Reader(_meta, _read_meta, sample=META),
     "dataset metadata (tokenizer for dcp-to-hf)": Reader(_tokenizer_meta, _read_tokenizer_dir),
-    "checkpoint manifest": Reader(_manifest, _resolve),
+    "checkpoint manifest": Reader(_manifest, _resolve, sample=_manifest_sample()),
     "micro-step records": Reader(_records, _read_records, kind="jsonl", sample=RECORD),
     "metrics (compare_runs)": Reader(_metrics, _compare, kind="jsonl", sample=METRICS_LINE),
     "run config (dashboard)": Reader(_dashboard_run, _read_dashboard_run, "yaml", RUN_CONFIG),

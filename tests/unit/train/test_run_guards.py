@@ -18,7 +18,7 @@ import pytest
 from dcp.schema import load_config
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock, RunLockedError
-from dcp.train.resume import check_resume_config, check_resume_parallelism, config_changes
+from dcp.train.resume import check_resume_config, config_changes
 from dcp.train.trainer import _check_writable
 
 
@@ -173,13 +173,17 @@ def test_resume_refuses_trajectory_changes_unless_allowed():
     check_resume_config({**old, "planning": {"planner": "dcp"}}, free)
 
 
-def test_resume_refuses_another_tp_size_and_names_the_way_to_keep_the_weights():
-    tp2 = {"parallel": {"tensor_parallel_size": 2}}
-    check_resume_parallelism(tp2, tp2, path="ckpt/step_000010")  # same TP: fine
-    check_resume_parallelism({}, {"parallel": {"tensor_parallel_size": 1}}, path="p")  # old file
-    with pytest.raises(ValueError, match="parallel.tensor_parallel_size=2, this run has 1") as err:
-        check_resume_parallelism(tp2, {}, path="ckpt/step_000010")
-    assert "init.from_checkpoint=ckpt/step_000010" in str(err.value)
+def test_the_layout_is_no_trajectory_change_a_resume_refuses():
+    """A checkpoint loads at any world size, TP size and optimizer sharding (dcp.checkpoint
+    reshards), so a resume that changes them is accepted."""
+    old = {"parallel": {"tensor_parallel_size": 2}, "optim": {"distributed": True, "lr": 0.1}}
+    new = {"parallel": {"tensor_parallel_size": 1}, "optim": {"distributed": False, "lr": 0.1}}
+    assert set(check_resume_config(old, new)) == {
+        "parallel.tensor_parallel_size",
+        "optim.distributed",
+    }
+    with pytest.raises(ValueError, match="optim.lr"):
+        check_resume_config(old, {**new, "optim": {"distributed": False, "lr": 0.2}})
 
 
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "", ".hidden", "x y"])

@@ -1,6 +1,7 @@
 """Every entry point that reads a checkpoint someone else may have written refuses a pickle
-payload, runs none of it, and names the file: init.from_checkpoint (reached while the config
-loads, so also by tools.memory_budget --config), dcp-to-hf, and the resume checks."""
+payload in place of its shared state, runs none of it, and names the file in one line:
+init.from_checkpoint (reached while the config loads, so also by tools.memory_budget --config),
+dcp-to-hf, and the resume checks."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from dcp.checkpoint.hf import hf_to_dcp
 from dcp.schema import load_config
 from dcp.train.config import PretrainConfig
-from dcp.train.resume import check_checkpoint_owner, check_resume_parallelism
-from dcp.weights.convert import hf_to_dcp
+from dcp.train.resume import check_checkpoint_owner
 from tests.hf_models import make_hf_model
 from tests.payload import plant_payload
 from tools import convert_checkpoint, memory_budget
@@ -21,16 +22,17 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.fixture
 def hostile(tmp_path) -> tuple[Path, Path]:
-    """(a DCP checkpoint whose extra.pt runs code when unpickled, the marker that code makes)."""
+    """(a DCP checkpoint whose shared.json is a pickle that runs code when unpickled, the marker
+    that code makes)."""
     checkpoint = hf_to_dcp(make_hf_model("llama", tmp_path / "hf"), tmp_path / "dcp")
     marker = tmp_path / "pwned"
-    plant_payload(checkpoint, "extra.pt", marker)
+    plant_payload(checkpoint, "shared.json", marker)
     return checkpoint, marker
 
 
 def test_init_from_checkpoint_refuses_the_payload_while_the_config_loads(hostile):
     checkpoint, marker = hostile
-    with pytest.raises(ValueError, match=rf"{checkpoint / 'extra.pt'}: refused to load"):
+    with pytest.raises(ValueError, match=rf"{checkpoint / 'shared.json'}: not UTF-8 text"):
         load_config(PretrainConfig, None, [f"init.from_checkpoint={checkpoint}"])
     assert not marker.exists()
 
@@ -40,14 +42,14 @@ def test_memory_budget_refuses_the_payload(hostile, capsys):
     config = str(REPO / "pretrain/configs/tiny_cpu.yaml")
     assert memory_budget.main(["--config", config, f"init.from_checkpoint={checkpoint}"]) == 2
     err = capsys.readouterr().err
-    assert f"{checkpoint / 'extra.pt'}: refused to load" in err and len(err.splitlines()) == 1
+    assert f"{checkpoint / 'shared.json'}: not UTF-8 text" in err and len(err.splitlines()) == 1
     assert not marker.exists()
 
 
 def test_dcp_to_hf_refuses_the_payload(hostile, tmp_path, capsys):
     checkpoint, marker = hostile
     assert convert_checkpoint.main(["dcp-to-hf", str(checkpoint), str(tmp_path / "out")]) == 2
-    assert f"{checkpoint / 'extra.pt'}: refused to load" in capsys.readouterr().err
+    assert f"{checkpoint / 'shared.json'}: not UTF-8 text" in capsys.readouterr().err
     assert not marker.exists()
 
 
@@ -59,12 +61,3 @@ def test_a_checkpoint_directory_belongs_to_the_run_that_wrote_it():
         check_checkpoint_owner(old, new, path="ckpt/step_000008", allow=())
     assert "init.from_checkpoint=ckpt/step_000008" in str(err.value)
     check_checkpoint_owner(old, new, path="ckpt/step_000008", allow=("name",))  # taken over
-
-
-def test_resume_refuses_a_switched_optimizer_layout():
-    sharded, whole = {"optim": {"distributed": True}}, {"optim": {"distributed": False}}
-    check_resume_parallelism(sharded, sharded, path="p")
-    check_resume_parallelism({}, whole, path="p")  # a config-less checkpoint: nothing to compare
-    with pytest.raises(ValueError, match="optim.distributed=true, this run has false") as err:
-        check_resume_parallelism(sharded, whole, path="ckpt/step_000004")
-    assert "init.from_checkpoint=ckpt/step_000004" in str(err.value)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dcp.weights.convert import SAFETENSORS_INDEX, dcp_to_hf, hf_shards, hf_to_dcp
+from dcp.checkpoint.hf import dcp_to_hf, hf_to_dcp
+from dcp.weights.convert import SAFETENSORS_INDEX, hf_shards
 from dcp.weights.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
 from tests.hf_models import ARCH_CONFIGS, make_hf_model
 
@@ -55,11 +56,10 @@ def test_hf_dcp_hf_round_trip_is_bit_identical_and_loads_cleanly(arch, hf_dirs, 
 
 
 def test_vocab_padding_rows_are_zero_in_dcp_and_dropped_on_export(hf_dirs, tmp_path):
-    from dcp.checkpoint import load_component
+    from dcp.checkpoint import open_checkpoint
 
     ckpt = hf_to_dcp(hf_dirs["llama"], tmp_path / "dcp", make_vocab_size_divisible_by=128)
-    state = load_component(ckpt, "model_state")
-    emb = state["embedding.word_embeddings.weight"]
+    emb = open_checkpoint(ckpt).whole("embedding.word_embeddings.weight")
     assert emb.shape[0] == 384  # 300 rounded up to 128s
     assert torch.count_nonzero(emb[300:]) == 0
     assert torch.count_nonzero(emb[:300]) > 0
@@ -160,7 +160,7 @@ def test_derived_model_configs(hf_dirs):
 
 
 def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
-    from dcp.checkpoint import CheckpointState, load_component, save_checkpoint
+    import shutil
 
     tok = tmp_path / "tokenizer"
     tok.mkdir()
@@ -169,14 +169,15 @@ def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
     prefix = tmp_path / "corpus"
     (tmp_path / "corpus.meta.json").write_text(json.dumps({"tokenizer": f"hf:{tok}"}))
     converted = hf_to_dcp(hf_dirs["llama"], tmp_path / "dcp")
-    extra = load_component(converted, "extra")
-    extra["config"]["data"] = {"indexed": {"prefixes": [str(prefix)]}}
-    ckpt = save_checkpoint(
-        tmp_path / "run",
-        5,
-        CheckpointState(model_state=load_component(converted, "model_state"), extra=extra),
-        barrier_fn=lambda: None,
-    )
+    # The run that trained on the tokenized corpus records it in its shared state.
+    ckpt = tmp_path / "run" / "step_000005"
+    shutil.copytree(converted, ckpt)
+    shared = json.loads((ckpt / "shared.json").read_text())
+    shared["extra"]["config"]["data"] = {"indexed": {"prefixes": [str(prefix)]}}
+    (ckpt / "shared.json").write_text(json.dumps(shared))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["shared.json"] = (ckpt / "shared.json").stat().st_size
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
     out = dcp_to_hf(ckpt.parent, tmp_path / "hf")
     assert (out / "tokenizer.json").read_text() == '{"model": {}}'
     assert (out / "tokenizer_config.json").is_file()

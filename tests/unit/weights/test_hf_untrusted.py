@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dcp.checkpoint.hf import hf_to_dcp
 from dcp.weights import convert
-from dcp.weights.convert import SAFETENSORS_INDEX, SINGLE_FILE, hf_to_dcp, load_hf_weights
+from dcp.weights.convert import SAFETENSORS_INDEX, SINGLE_FILE, load_hf_weights
 from dcp.weights.hf_config import model_config_from_hf, read_hf_config
 from tests.hf_models import make_hf_model
 from tools import convert_checkpoint

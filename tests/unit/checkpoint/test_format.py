@@ -1,0 +1,315 @@
+"""The checkpoint format on one process: a round trip, what counts as complete, pruning,
+digests, and everything a checkpoint someone else wrote may do wrong."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dcp.checkpoint import (
+    CheckpointIndexError,
+    CheckpointSaver,
+    CorruptCheckpointError,
+    Layout,
+    TensorFileError,
+    capture_rng_state,
+    find_latest,
+    is_complete,
+    open_checkpoint,
+    restore_rng_state,
+)
+from dcp.checkpoint.load import weights_for
+from dcp.checkpoint.state import LocalTensor, writers
+from dcp.checkpoint.tensorfile import TensorFile, TensorFileWriter
+from dcp.weights.tensor_parallel import cut, join
+from tests.payload import plant_payload
+
+
+def _module(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _save(root, step: int, module: torch.nn.Module, *, keep_last: int = 0, **shared):
+    saver = CheckpointSaver(root, layout=Layout(1), rank=0, keep_last=keep_last)
+    saver.save(
+        step,
+        weights_finite=True,
+        asynchronous=False,
+        tensors=[LocalTensor(n, t.detach(), None) for n, t in module.state_dict().items()],
+        pieces=None,
+        optimizer_kind=None,
+        optimizer_groups=None,
+        rng=capture_rng_state(),
+        shared={"sampler": {"step": step}, "scheduler": {"step": step}, "extra": shared},
+    )
+    return saver.last_saved
+
+
+def test_round_trip_of_weights_shared_state_and_rng(tmp_path):
+    module = _module(0)
+    path = _save(tmp_path, 3, module, note="unit")
+    random.random(), np.random.rand(), torch.rand(1)  # draws the restored state must undo
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    ckpt = open_checkpoint(path)
+    assert ckpt.step == 3 and ckpt.layout == Layout(1)
+    assert ckpt.shared() == {
+        "sampler": {"step": 3},
+        "scheduler": {"step": 3},
+        "extra": {"note": "unit"},
+    }
+    fresh = _module(1)
+    weights_for(fresh, ckpt)
+    for (name, a), b in zip(module.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    restore_rng_state(ckpt.rng(0, Layout(1)))
+    random.random(), np.random.rand(), torch.rand(1)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+    assert (tmp_path / "latest").read_text().strip() == "step_000003"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "manifest.json",
+        "rank00000.safetensors",
+        "shared.json",
+    ]
+
+
+def test_the_files_are_safetensors_any_reader_opens(tmp_path):
+    from safetensors import safe_open
+
+    module = _module(0)
+    path = _save(tmp_path, 1, module)
+    with safe_open(str(path / "rank00000.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("model/0.weight"), module.state_dict()["0.weight"])
+
+
+def test_a_crashed_save_is_never_loaded_and_the_newest_complete_wins(tmp_path, caplog):
+    _save(tmp_path, 2, _module(0))
+    _save(tmp_path, 4, _module(0))
+    # A save that died before its manifest: files, no manifest.
+    crashed = tmp_path / ".tmp-step_000006"
+    shutil.copytree(tmp_path / "step_000004", crashed)
+    (crashed / "manifest.json").unlink()
+    # A step directory missing a file the manifest lists is no checkpoint either.
+    shutil.copytree(tmp_path / "step_000004", tmp_path / "step_000005")
+    (tmp_path / "step_000005" / "shared.json").unlink()
+    assert not is_complete(tmp_path / "step_000005")
+    (tmp_path / "latest").write_text("step_000002\n")
+    with caplog.at_level("WARNING"):
+        assert find_latest(tmp_path) == tmp_path / "step_000004"
+    assert "is not the newest complete checkpoint" in caplog.text
+
+
+def test_keep_last_prunes_older_checkpoints_and_dead_saves(tmp_path):
+    (tmp_path / ".tmp-step_000001").mkdir(parents=True)
+    for step in (2, 4, 6):
+        _save(tmp_path, step, _module(0), keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004", "step_000006"]
+
+
+def test_same_size_corruption_of_a_tensor_is_caught_when_it_is_read(tmp_path):
+    path = _save(tmp_path, 1, _module(0))
+    file = path / "rank00000.safetensors"
+    _, _, begin, _ = TensorFile(file).entries["model/0.weight"]
+    data = bytearray(file.read_bytes())
+    data[begin + 3] ^= 0xFF  # a byte of one weight
+    file.write_bytes(bytes(data))
+    assert is_complete(path)  # sizes still match: the digests catch it
+    ckpt = open_checkpoint(path)
+    with pytest.raises(CorruptCheckpointError, match="bytes differ"):
+        [ckpt.whole(name) for name in ckpt.names()]
+
+
+def _manifest(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _rewrite(path, manifest):
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda m: m["model"]["0.weight"]["shards"][0].update(file="../shared.json"), "plain name"),
+        (
+            lambda m: m["model"]["0.weight"]["shards"][0].update(file="other.safetensors"),
+            "not among the manifest's files",
+        ),
+        (lambda m: m["model"]["0.weight"].update(shards=[]), "a hole"),
+        (
+            lambda m: m["model"]["0.weight"]["shards"].append(
+                dict(m["model"]["0.weight"]["shards"][0])
+            ),
+            "overlap",
+        ),
+        (
+            lambda m: (
+                m["model"]["0.weight"].update(split=[0, 1])
+                or m["layout"].update(tensor_parallel_size=3, world_size=3)
+            ),
+            "does not split",
+        ),
+        (lambda m: m["model"]["0.weight"].update(dtype="PICKLE"), "unknown dtype"),
+        (lambda m: m["model"]["0.weight"].update(shape=[1] * 9), "not a list of sizes"),
+    ],
+)
+def test_an_index_that_points_outside_overlaps_or_leaves_holes_is_refused(
+    tmp_path, change, message
+):
+    path = _save(tmp_path, 1, _module(0))
+    manifest = _manifest(path)
+    change(manifest)
+    _rewrite(path, manifest)
+    with pytest.raises(CheckpointIndexError, match=message):
+        open_checkpoint(path)
+
+
+def test_optimizer_ranges_that_overlap_or_leave_holes_are_refused(tmp_path):
+    path = _save(tmp_path, 1, _module(0))
+    manifest = _manifest(path)
+    piece = {
+        "tp_rank": 0,
+        "file": "rank00000.safetensors",
+        "sha256": {s: "0" * 64 for s in ("param", "exp_avg", "exp_avg_sq")},
+    }
+    manifest["optimizer"] = {
+        "kind": "distributed",
+        "groups": [],
+        "params": {
+            "0.weight": {
+                "split": None,
+                "local_shape": [8, 4],
+                "pieces": [{**piece, "start": 0, "end": 20}, {**piece, "start": 16, "end": 32}],
+            }
+        },
+    }
+    _rewrite(path, manifest)
+    with pytest.raises(CheckpointIndexError, match="an overlap at element 20"):
+        open_checkpoint(path)
+    manifest["optimizer"]["params"]["0.weight"]["pieces"][1]["start"] = 24
+    _rewrite(path, manifest)
+    with pytest.raises(CheckpointIndexError, match="a hole at element 20"):
+        open_checkpoint(path)
+
+
+def test_a_shape_that_disagrees_with_the_model_is_refused_before_reading(tmp_path):
+    path = _save(tmp_path, 1, _module(0))
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 9), torch.nn.ReLU(), torch.nn.Linear(9, 2))
+    with pytest.raises(
+        ValueError, match=r"0.bias has shape \[8\], the model's is \[9\]; a checkpoint of another"
+    ):
+        open_checkpoint(path).read_model(wider)
+
+
+def test_a_huge_declared_size_is_refused_before_anything_is_allocated(tmp_path):
+    path = _save(tmp_path, 1, _module(0))
+    manifest = _manifest(path)
+    manifest["model"]["0.weight"]["shape"] = [2**40, 2**20]  # 8 EiB of fp32
+    _rewrite(path, manifest)
+    ckpt = open_checkpoint(path)
+    with pytest.raises(CorruptCheckpointError, match=r"has shape \[8, 4\], the index says"):
+        ckpt.whole("0.weight")
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b"\xff" * 8, "declares a"),
+        (b"\x05\x00\x00\x00\x00\x00\x00\x00{nope", "not JSON"),
+        (
+            json.dumps({"t": {"dtype": "OBJ", "shape": [1], "data_offsets": [0, 1]}}),
+            "unknown dtype",
+        ),
+        (
+            json.dumps({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}),
+            "needs 16 bytes",
+        ),
+        (
+            json.dumps({"t": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}),
+            "outside the data",
+        ),
+        (
+            json.dumps(
+                {
+                    "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                    "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
+                }
+            ),
+            "share bytes",
+        ),
+    ],
+)
+def test_a_tensor_file_is_checked_before_it_is_mapped(tmp_path, header, message):
+    file = tmp_path / "x.safetensors"
+    if isinstance(header, str):
+        raw = header.encode()
+        header = len(raw).to_bytes(8, "little") + raw
+    file.write_bytes(header + b"\0" * 16)
+    with pytest.raises(TensorFileError, match=message):
+        TensorFile(file)
+
+
+def test_a_pickle_in_place_of_a_tensor_file_runs_nothing(tmp_path):
+    path = _save(tmp_path, 1, _module(0))
+    marker = tmp_path / "pwned"
+    plant_payload(path, "rank00000.safetensors", marker)
+    with pytest.raises((CorruptCheckpointError, ValueError)):
+        ckpt = open_checkpoint(path)
+        ckpt.whole("0.weight")
+    assert not marker.exists()
+
+
+def test_tensor_files_round_trip_every_dtype_with_their_digests(tmp_path):
+    tensors = {
+        str(dtype): (torch.arange(6) % 2).to(dtype).reshape(2, 3)
+        for dtype in (
+            torch.float64,
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+            torch.int64,
+            torch.int32,
+            torch.uint8,
+            torch.bool,
+        )
+    }
+    writer = TensorFileWriter(tmp_path / "t.safetensors", tensors, metadata={"k": "v"})
+    writer.write()
+    f = TensorFile(tmp_path / "t.safetensors")
+    assert f.metadata == {"k": "v"}
+    for name, t in tensors.items():
+        assert torch.equal(f.read(name, sha256=writer.digests[name]), t)
+    assert writer.size == (tmp_path / "t.safetensors").stat().st_size
+
+
+def test_every_slice_has_one_writer_and_the_bytes_are_spread():
+    layout = Layout(8, tensor_parallel_size=2)
+    tensors = [LocalTensor(f"w{i}", torch.empty(64 * (i + 1), 4), (0, 1)) for i in range(12)]
+    tensors += [LocalTensor(f"norm{i}", torch.empty(4), None) for i in range(5)]
+    owner = writers(tensors, layout)
+    assert set(owner) == {(t.name, r) for t in tensors[:12] for r in (0, 1)} | {
+        (f"norm{i}", 0) for i in range(5)
+    }
+    assert all(layout.tp_rank(rank) == r for (name, r), rank in owner.items() if "w" in name)
+    given = [0] * 8
+    for (name, _), rank in owner.items():
+        t = next(x for x in tensors if x.name == name)
+        given[rank] += t.tensor.numel()
+    assert max(given) <= 1.3 * sum(given) / 8
+    assert owner == writers(list(reversed(tensors)), layout)  # the same answer on every rank
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_cut_and_join_are_inverses(stride, tp):
+    whole = torch.arange(16 * 6).reshape(16, 6)
+    for dim in (0, 1) if stride == 1 else (0,):
+        if whole.shape[dim] % (tp * stride):
+            continue
+        slices = [cut(whole, dim=dim, stride=stride, tp_rank=r, tp_size=tp) for r in range(tp)]
+        assert torch.equal(join(slices, dim=dim, stride=stride), whole)
