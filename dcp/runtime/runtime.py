@@ -302,7 +302,9 @@ class Runtime:
             if self.lr_schedule:
                 set_lr(self.optimizer, lr)
             if self.megatron_optimizer:  # clips with its own config.clip_grad
-                with cuda_on_cpu():
+                # megatron's collectives (the gradient norm, the distributed optimizer's
+                # parameter all-gather): a rank stuck here is named as such.
+                with cuda_on_cpu(), phase(f"the optimizer step of step {self.step + 1}"):
                     _, grad_norm, _ = self.optimizer.step()
             else:
                 params = [p for p in self.parameters() if p.requires_grad]

@@ -81,7 +81,7 @@ def test_trainer_collectives_use_the_run_device_and_sync_twice_per_step(tmp_path
             reduces = {k: v for k, v in step["collectives"].items() if k.startswith("all_reduce")}
             assert sorted(reduces.values()) == [1, 2], (rank, step["collectives"])
         # The checkpoints' collectives (two saves) and the TP gathers ran and were checked.
-        assert any(k.startswith("barrier from dcp/checkpoint.py") for k in report["collectives"])
+        assert any("from dcp/checkpoint/" in k for k in report["collectives"])
     assert any(k.startswith("gather from dcp/weights") for k in reports[0]["collectives"])
 
 

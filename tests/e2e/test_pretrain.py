@@ -186,9 +186,7 @@ def test_online_calibration_records_microsteps_and_refits(tmp_path):
     assert announced, "no exploration in this run"
     for step, label in announced:
         assert rows[int(step) - 1]["exploration"] == label, (step, rows[int(step) - 1])
-    import torch
+    from dcp.checkpoint import open_checkpoint
 
-    extra = torch.load(
-        run_dir / "checkpoints" / f"step_{STEPS:06d}" / "extra.pt", weights_only=True
-    )
+    extra = open_checkpoint(run_dir / "checkpoints" / f"step_{STEPS:06d}").shared()["extra"]
     assert extra["calibration"]["version"] == versions[-1]

@@ -194,13 +194,19 @@ def test_resume_guards_changed_settings_and_corrupt_checkpoints(reference, tmp_p
     assert "optim.lr: 0.003 -> 0.1" in out and "resume.allow_changes" in out
     assert "exitcode  : 2" in out  # the workers' own exit code: a user error
 
-    # The newest checkpoint is corrupted in place (same size): the one before it is used.
-    newest = run_dir / "checkpoints" / f"step_{STEPS:06d}" / "model.pt"
+    # The newest checkpoint is corrupted in place (same size) in a tensor rank 1 reads: every
+    # rank falls back to the one before it.
+    from dcp.checkpoint.tensorfile import TensorFile
+
+    newest = run_dir / "checkpoints" / f"step_{STEPS:06d}" / "rank00001.safetensors"
+    optim = next(k for k in TensorFile(newest).entries if k.startswith("optim/"))
+    _, _, begin, _ = TensorFile(newest).entries[optim]
     data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[begin] ^= 0xFF
     newest.write_bytes(bytes(data))
     allowed = ["optim.lr=0.1", "resume.allow_changes=[optim.lr]"]
     out = finish(launch(tmp_path, "reference", *more, *allowed))
-    assert "model.pt corrupt" in out
+    assert f"{newest}: {optim}: bytes differ from the checkpoint's index (corrupt)" in out
+    assert "is corrupt on some rank; falling back to an older one" in out
     assert f"(step {STEPS - 2})" in out, out[-3000:]
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 3))

@@ -38,18 +38,32 @@ def _rerun(tmp_path: Path, name: str, *extra: str) -> tuple[int, str, float]:
     return proc.returncode, out, time.monotonic() - start
 
 
-@pytest.mark.parametrize("file_name", ["extra.pt", "optimizer.rank00001.pt"])
-def test_a_pickle_payload_in_the_resumed_checkpoint_runs_nothing(finished, tmp_path, file_name):
+def test_a_pickle_payload_in_the_resumed_checkpoint_runs_nothing(finished, tmp_path):
     run_dir = _copy(finished, tmp_path)
     marker = tmp_path / "pwned"
     newest = run_dir / "checkpoints" / f"step_{STEPS:06d}"
-    plant_payload(newest, file_name, marker)
+    plant_payload(newest, "shared.json", marker)
     code, out, elapsed = _rerun(tmp_path, "done")
     assert code != 0 and "exitcode  : 2" in out, out[-3000:]
-    assert f"[rank0] error: {newest / file_name}: refused to load" in out, out[-3000:]
-    # optimizer.rank00001.pt is read by rank 1 alone: rank 0 learns of it from the status
-    # exchange, well within the 600 s start-up timeout it would otherwise wait out.
+    assert f"error: {newest / 'shared.json'}: not UTF-8 text" in out, out[-3000:]
     assert elapsed < 120, elapsed
+    assert not marker.exists()
+
+
+def test_a_pickle_in_place_of_a_rank_file_is_refused_and_an_older_checkpoint_used(
+    finished, tmp_path
+):
+    """rank00001.safetensors holds slices other ranks read too: a file that is not what the
+    index says is corrupt for every rank, which fall back together (the status exchange) to the
+    checkpoint before it; nothing is unpickled."""
+    run_dir = _copy(finished, tmp_path)
+    marker = tmp_path / "pwned"
+    newest = run_dir / "checkpoints" / f"step_{STEPS:06d}"
+    plant_payload(newest, "rank00001.safetensors", marker)
+    code, out, elapsed = _rerun(tmp_path, "done")
+    assert code == 0, out[-3000:]
+    assert f"{newest / 'rank00001.safetensors'}: declares a" in out, out[-3000:]
+    assert f"(step {STEPS - 2})" in out and "falling back to an older one" in out
     assert not marker.exists()
 
 
@@ -57,10 +71,11 @@ def test_a_pickle_payload_in_init_from_checkpoint_runs_nothing(finished, tmp_pat
     source = _copy(finished, tmp_path)
     marker = tmp_path / "pwned"
     newest = source / "checkpoints" / f"step_{STEPS:06d}"
-    plant_payload(newest, "model.pt", marker)
+    plant_payload(newest, "rank00000.safetensors", marker)
     proc = launch(tmp_path, "fresh", *FAST, f"init.from_checkpoint={newest}")
     out = proc.communicate(timeout=240)[0]
-    assert proc.returncode != 0 and "model.pt: refused to load" in out, out[-3000:]
+    assert proc.returncode != 0, out[-3000:]
+    assert "rank00000.safetensors: declares a" in out, out[-3000:]
     assert not marker.exists()
 
 
@@ -150,9 +165,11 @@ def test_nonfinite_gradients_never_reach_the_weights(tmp_path):
     assert [r["skipped"] for r in rows][-3:] == [True, True, True]
     checkpoints = sorted((tmp_path / "blowup" / "checkpoints").glob("step_*"))
     assert checkpoints
+    from dcp.checkpoint import open_checkpoint
+
     for path in checkpoints:
-        state = torch.load(path / "model.pt", weights_only=True)
-        assert all(torch.isfinite(t).all() for t in state.values() if torch.is_tensor(t)), path
+        ckpt = open_checkpoint(path)
+        assert all(torch.isfinite(ckpt.whole(n)).all() for n in ckpt.names()), path
 
 
 def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
