@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 
 from dcp.model import ModelConfig
+from dcp.observability.host import HostStats
 from dcp.observability.memory import max_peak_memory_bytes
 from dcp.observability.record import PlanStats, StepRecord, model_flops
+from dcp.runtime.dispatch import compute_device
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.train.batches import BatchPlanner, PlannedBatch
 
@@ -65,6 +67,7 @@ class StepRecorder:
                 predicted_imbalance=planned.predicted_imbalance,
             ),
             mfu=mfu,
+            host=HostStats.now(device=compute_device().type),
         )
 
     def _optimizer_state_bytes(self) -> list[int] | None:
