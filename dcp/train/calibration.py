@@ -139,17 +139,19 @@ class OnlineCalibrator:
         dcp_cfg,
         *,
         spec: dict,
-        run_dir: Path,
+        records_path: Path,
         records: list[MicroStepRecord],
         state: dict | None = None,
     ) -> None:
-        """``records``: the run's records so far (``restore_records``, the same on every rank);
-        ``state``: a checkpoint's ``state_dict()`` (the refitted spec and its version)."""
+        """``records_path``: the file rank 0 appends the run's micro-step records to (a run
+        directory's ``RECORDS_FILENAME``); ``records``: the run's records so far
+        (``restore_records``, the same on every rank); ``state``: a checkpoint's
+        ``state_dict()`` (the refitted spec and its version)."""
         self.cfg = dcp_cfg
         self.prior = spec
         self.spec = dict(state["spec"]) if state else spec
         self.version = int(state["version"]) if state else 0
-        self.path = Path(run_dir) / RECORDS_FILENAME
+        self.path = Path(records_path)
         self.rank = dist.get_rank()
         self.records = list(records)
 

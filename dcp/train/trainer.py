@@ -134,7 +134,7 @@ class Trainer:
         self.calibrator = OnlineCalibrator(
             cfg.planning,
             spec=self.planner.spec,  # the configured spec: every refit starts from it
-            run_dir=self.run_dir,
+            records_path=self.run_dir / RECORDS_FILENAME,
             records=box[0],
             state=extra.get("calibration"),
         )
