@@ -24,6 +24,7 @@ import yaml
 from wandb_workspaces import expr
 from wandb_workspaces.workspaces import internal
 
+from dcp.observability.host import DEVICE_KEY
 from dcp.observability.metrics import MetricsConfig, flatten, read_metrics
 from dcp.observability.run_info import CONFIG_FILENAME
 from dcp.plan import PLANNERS
@@ -50,6 +51,8 @@ class PanelSpec:
     series: tuple[str, ...]
     x: str = "Step"
     stacked: bool = False
+    cpu_title: str | None = None
+    """The title when any run computed on CPU, where the quantity means something else."""
 
 
 PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
@@ -98,6 +101,8 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "peak memory per step (max over ranks) and the plan's budget per rank (bytes)",
                 ("peak_mem_bytes", "mem_budget_bytes"),
+                cpu_title="CPU runs: peak resident set (Python and torch included) and the "
+                "plans' emulated budget (not comparable; bytes)",
             ),
             PanelSpec("optimizer state bytes per rank", ("optimizer_state_bytes/*",)),
         ),
@@ -130,6 +135,8 @@ class RunSummary:
     """The run's offline W&B directories (``wandb/offline-run-*``), oldest first."""
     keys: frozenset[str]
     """Every numeric metric key the run logged, as W&B names it."""
+    on_cpu: bool = False
+    """The run computed on CPU (its records' ``host/device``; old records do not say)."""
 
     @property
     def run_id(self) -> str | None:
@@ -168,6 +175,7 @@ def read_run(path: str | Path) -> RunSummary:
         planner=(config.get("planning") or {}).get("planner") or records[-1].get("planner"),
         offline_runs=tuple(offline),
         keys=frozenset(keys),
+        on_cpu=any(r.get(DEVICE_KEY) == "cpu" for r in records),
     )
 
 
@@ -188,16 +196,18 @@ def _series(wanted: str, logged: frozenset[str] | None) -> tuple[list[str], str 
         if logged is None:
             return [], f"^{re.escape(prefix)}.*"
         found = [k for k in logged if k.startswith(prefix)]
-        return sorted(found, key=_natural), None
+        return sorted(found, key=natural_sort_key), None
     return ([wanted] if logged is None or wanted in logged else []), None
 
 
-def _natural(key: str) -> list[Any]:
+def natural_sort_key(key: str) -> list[Any]:
     """Sort key: ``plan/cp_hist/2`` before ``plan/cp_hist/16``."""
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("/")]
 
 
-def _panel(spec: PanelSpec, logged: frozenset[str] | None) -> wr.LinePlot | None:
+def _panel(
+    spec: PanelSpec, logged: frozenset[str] | None, *, on_cpu: bool = False
+) -> wr.LinePlot | None:
     keys: list[str] = []
     regexes: list[str] = []
     for wanted in spec.series:
@@ -207,7 +217,7 @@ def _panel(spec: PanelSpec, logged: frozenset[str] | None) -> wr.LinePlot | None
     if not keys and not regexes:
         return None
     return wr.LinePlot(
-        title=spec.title,
+        title=spec.cpu_title if on_cpu and spec.cpu_title else spec.title,
         x=wr.Metric(spec.x),
         y=[wr.Metric(k) for k in keys],
         metric_regex="|".join(regexes) or None,
@@ -224,17 +234,26 @@ def build_workspace(
     name: str | None = None,
 ) -> tuple[ws.Workspace, list[str]]:
     """The workspace over ``runs`` (their names, and their group when they share one) or, with
-    no runs, over W&B group ``group``; and the panels left out because no run logged them, plus
-    ``NOT_LOGGED``. Panels show only keys the runs logged (every key the trainer writes when no
-    run was read). Runs are grouped by ``planning.planner`` and coloured by planner."""
+    no runs, over W&B group ``group``; and the panels left out because no run logged them (or,
+    for MFU, because every run is a CPU run), plus ``NOT_LOGGED``. Panels show only keys the
+    runs logged (every key the trainer writes when no run was read). Runs are grouped by
+    ``planning.planner`` and coloured by planner."""
     if not runs and not group:
         raise ValueError("give run directories or a W&B group")
     logged = frozenset().union(*(r.keys for r in runs)) if runs else None
+    cpu_only = bool(runs) and all(r.on_cpu for r in runs)
+    any_cpu = any(r.on_cpu for r in runs)
     sections, missing = [], []
     for section_name, specs in PANELS:
         panels = []
         for spec in specs:
-            panel = _panel(spec, logged)
+            if cpu_only and spec.series == ("mfu",):
+                missing.append(
+                    f"{section_name} / {spec.title}: CPU runs (the CPU presets' peak_tflops is "
+                    "a nominal figure, not the machine's)"
+                )
+                continue
+            panel = _panel(spec, logged, on_cpu=any_cpu)
             if panel is None:
                 missing.append(f"{section_name} / {spec.title}: not logged by these runs")
             else:
