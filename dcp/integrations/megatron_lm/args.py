@@ -2,7 +2,8 @@
 
 ``parse_args`` is megatron's ``parse_and_validate_args`` with ``add_dcp_args`` added to the
 parser (an ``extra_args_provider``, usable on its own). ``check_args`` refuses, before anything
-is built, the Megatron settings DCP cannot honour, each with the flag to change.
+is built, the Megatron settings DCP cannot honour, each with the flag to change;
+``overridden_flags`` names those it accepts but replaces with its plans.
 """
 
 from __future__ import annotations

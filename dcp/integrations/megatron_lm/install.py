@@ -13,7 +13,9 @@ Inside the block:
   ``DCPForwardBackward``: Megatron's ``train_step`` then runs DCP's plan in place of its schedule
   and keeps everything else (optimizer step, grad clipping, LR schedule, logging, timers,
   checkpoints, W&B);
-- with ``--dcp-metrics`` every ``train_step`` is timed and recorded.
+- with ``--dcp-metrics`` every ``train_step`` is timed and recorded;
+- under ``--dcp`` rank 0 names, one line each, the Megatron settings DCP's plans replace
+  (``overridden_flags``), and the last rank prints each step's plan at ``--log-interval``.
 
 Everything is restored on exit. The model must use an attention that follows per-micro-step CP
 groups: ``with_dcp_attention(layer_spec)``.
