@@ -5,10 +5,10 @@
     python -m tools.wandb_dashboard RUN_DIRS... --online [--entity ENTITY] [--report]
     python -m tools.wandb_dashboard --publish runs/wandb_workspace.json [--entity ENTITY] [--report]
 
-Sections: loss against step and wall-clock time; tokens/s and MFU; step time predicted against
-measured and the cost model's calibration version; the plan (sequences per CP degree, share of
-tokens recomputed, micro-steps per rank, imbalance); memory; padding. Runs are grouped and
-coloured by planner. The project and group come from the runs' resolved config
+Sections: loss against step and wall-clock time; tokens/s, MFU and the host's load average; step
+time predicted against measured and the cost model's calibration version; the plan (sequences
+per CP degree, share of tokens recomputed, micro-steps per rank, imbalance); memory; padding.
+Runs are grouped and coloured by planner. The project and group come from the runs' resolved config
 (``runs/<name>/config.yaml``). Offline (the default) nothing touches the network: the workspace
 is written as JSON beside the runs (``<runs dir>/wandb_workspace.json``, or ``--out``) with the
 commands that publish it once the offline runs are synced, and next to it a local preview

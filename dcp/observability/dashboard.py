@@ -68,6 +68,10 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         (
             PanelSpec("tokens/s", ("tokens_per_s",)),
             PanelSpec("MFU", ("mfu",)),
+            PanelSpec(
+                "host load average (1 min, rank 0's host; step times move with it)",
+                ("host/load_1m",),
+            ),
         ),
     ),
     (

@@ -202,6 +202,7 @@ def logged_keys_of_schema() -> list[str]:
     """Every key a StepRecord writes (optional ones set)."""
     fields = {f: 0 for f in StepRecord.__dataclass_fields__}
     fields["plan"] = {f: 0 for f in PlanStats.__dataclass_fields__}
+    fields["host"] = {f: 0 for f in HostStats.__dataclass_fields__}
     return list(flatten(fields))
 
 
