@@ -19,9 +19,9 @@ from typing import Any
 BUSY_LOAD_PER_CPU = 1.25
 """A host is busy when its median 1-minute load average exceeds this many runnable tasks per
 CPU: the run's own ranks then share cores with other work (or with each other)."""
-DIFFERENT_LOAD_PER_CPU = 0.25
-"""Two runs ran under different loads when their median load averages differ by more than
-this share of the host's CPUs."""
+DIFFERENT_CONTENTION = 0.25
+"""Two runs ran under different loads when one's contention (``RunLoad.contention``: runnable
+tasks per CPU, at least 1) exceeds the other's by more than this fraction."""
 LOAD_KEY = "host/load_1m"
 CPUS_KEY = "host/cpus"
 DEVICE_KEY = "host/device"
@@ -70,6 +70,14 @@ class RunLoad:
         )
 
     @property
+    def contention(self) -> float | None:
+        """How many runnable tasks shared each CPU (at least 1: a host with spare CPUs slows no
+        one down); a rough factor by which waiting for cores stretched the run's step times."""
+        if self.median_load_1m is None or not self.cpus:
+            return None
+        return max(1.0, self.median_load_1m / self.cpus)
+
+    @property
     def busy(self) -> bool:
         if self.median_load_1m is None or not self.cpus:
             return False
@@ -87,17 +95,16 @@ def load_warnings(runs: Sequence[RunLoad]) -> list[str]:
                 f"{run.median_load_1m:.1f} on {run.cpus} CPUs): its step times include waiting "
                 "for other work; rerun on a quieter machine before trusting a ratio"
             )
-    measured = [r for r in runs if r.median_load_1m is not None and r.cpus]
+    measured = [r for r in runs if r.contention is not None]
     if len(measured) > 1:
-        low = min(measured, key=lambda r: r.median_load_1m)
-        high = max(measured, key=lambda r: r.median_load_1m)
-        cpus = max(r.cpus for r in measured)
-        if high.median_load_1m - low.median_load_1m > DIFFERENT_LOAD_PER_CPU * cpus:
+        low = min(measured, key=lambda r: r.contention)
+        high = max(measured, key=lambda r: r.contention)
+        if high.contention > (1 + DIFFERENT_CONTENTION) * low.contention:
             lines.append(
                 f"warning: the runs ran under different host loads ({low.label} "
-                f"{low.median_load_1m:.1f}, {high.label} {high.median_load_1m:.1f}; "
-                f"{cpus} CPUs): their step-time ratio mixes the planners' difference with "
-                "the machine's"
+                f"{low.median_load_1m:.1f} on {low.cpus} CPUs, {high.label} "
+                f"{high.median_load_1m:.1f} on {high.cpus}): their step-time ratio mixes the "
+                "planners' difference with the machine's"
             )
     unknown = [r.label for r in runs if r.median_load_1m is None]
     if unknown and len(runs) > 1:

@@ -185,7 +185,14 @@ def test_metrics_files_of_one_directory_are_labelled_by_their_stems(tmp_path, ca
                 "busy ran on a busy host (median load average 4.2 on 2 CPUs)",
             ],
         ),
-        ((1.0, 2.2), ["ran under different host loads (quiet 1.0, busy 2.2; 2 CPUs)"]),
+        (
+            (2.0, 4.0),
+            [
+                "busy ran on a busy host (median load average 4.0 on 2 CPUs)",
+                "ran under different host loads (quiet 2.0 on 2 CPUs, busy 4.0 on 2)",
+            ],
+        ),
+        ((15.4, 16.9), ["quiet ran on a busy host", "busy ran on a busy host"]),  # alike
         ((None, 2.0), ["no host load recorded for quiet"]),
     ],
 )

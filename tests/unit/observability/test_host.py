@@ -47,6 +47,12 @@ def test_a_busy_host_is_more_runnable_tasks_than_its_cpus_allow():
     assert not RunLoad("r", 2.0, 2).busy  # two ranks on two cores
     assert RunLoad("r", BUSY_LOAD_PER_CPU * 2 + 0.1, 2).busy
     assert not RunLoad("r", 9.0, None).busy  # CPU count unknown: no verdict
+    # Contention: tasks per CPU, at least 1 (spare cores slow no one down).
+    assert RunLoad("r", 1.0, 2).contention == RunLoad("r", 2.0, 2).contention == 1.0
+    assert RunLoad("r", 16.0, 2).contention == 8.0
+    # Two runs on one equally crowded host are compared alike; a quiet and a busy one are not.
+    assert len(load_warnings([RunLoad("a", 15.4, 2), RunLoad("b", 16.9, 2)])) == 2  # busy, busy
+    assert "different host loads" in load_warnings([RunLoad("a", 2.0, 2), RunLoad("b", 4, 2)])[-1]
 
 
 def test_the_benchmarks_summary_carries_the_load_warnings():
@@ -64,4 +70,4 @@ def test_the_benchmarks_summary_carries_the_load_warnings():
     warnings = summary["load_warnings"]
     assert len(warnings) == 2, warnings
     assert warnings[0].startswith("warning: dcp ran on a busy host (median load average 4.0")
-    assert "different host loads (static-cp1-none 2.0, dcp 4.0; 2 CPUs)" in warnings[1]
+    assert "different host loads (static-cp1-none 2.0 on 2 CPUs, dcp 4.0 on 2)" in warnings[1]
