@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dcp.data.sampler import GlobalBatch
+from dcp.observability.host import RunLoad
 from dcp.observability.record import StepRecord
 from dcp.planning import StaticOptions, fixed_static_config, plan_static
 from dcp.train.batches import BatchPlanner, seq_lengths
@@ -41,6 +42,8 @@ class FixedComparison:
     fixed_step_time_s: float | None
     """Mean predicted step time at ``fixed_config``."""
     reason: str | None = None
+    load: RunLoad | None = None
+    """The host's load over the compared steps (``None``: the records carry none)."""
 
 
 def compare_with_fixed(
@@ -74,7 +77,13 @@ def compare_with_fixed(
         )
     except ValueError as exc:  # no fixed configuration holds the longest sequence
         config, reason = None, str(exc)
+    loads = [r.host.load_1m for r in records if r.host and r.host.load_1m is not None]
+    load = None
+    if loads:
+        cpus = max(r.host.cpus for r in records if r.host)
+        load = RunLoad("this run", statistics.median(loads), cpus)
     return FixedComparison(
+        load=load,
         first_step=records[0].step,
         last_step=records[-1].step,
         planner=records[-1].planner,
@@ -96,7 +105,13 @@ def summary_lines(c: FixedComparison, *, run_name: str) -> list[str]:
     )
     lines = [
         f"step time, mean over steps {c.first_step}-{c.last_step} (the same batches for each):",
-        f"  measured, this run (planner {c.planner}): {c.measured_step_time_s:.3f} s",
+        f"  measured, this run (planner {c.planner}): {c.measured_step_time_s:.3f} s"
+        + (
+            f" on a busy host (median load average {c.load.median_load_1m:.1f} on "
+            f"{c.load.cpus} CPUs: the time includes waiting for other work)"
+            if c.load and c.load.busy
+            else ""
+        ),
         f"  predicted by the cost model ({model}), this run's plans: "
         f"{c.predicted_step_time_s:.3f} s",
     ]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dcp.data.sampler import GlobalBatchSampler, SamplerConfig
+from dcp.observability.host import HostStats
 from dcp.observability.record import PlanStats, StepRecord
 from dcp.planning import StaticOptions, fixed_static_config, plan_static
 from dcp.train.batches import BatchPlanner, seq_lengths
@@ -26,7 +27,9 @@ def _batches(start: int = 0, stop: int | None = None):
     return itertools.islice(sampler, start, stop)
 
 
-def _records(planner: BatchPlanner, steps: range, step_time_s) -> list[StepRecord]:
+def _records(
+    planner: BatchPlanner, steps: range, step_time_s, load: float | None = None
+) -> list[StepRecord]:
     out = []
     for step, batch in zip(steps, _batches(steps.start - 1), strict=False):
         planned = planner.plan(batch)
@@ -52,6 +55,7 @@ def _records(planner: BatchPlanner, steps: range, step_time_s) -> list[StepRecor
                 plan=PlanStats.of(
                     planned.plan, planned.lengths, num_ranks=2, predicted_imbalance=1
                 ),
+                host=None if load is None else HostStats(load_1m=load, cpus=2, device="cpu"),
             )
         )
     return out
@@ -99,3 +103,19 @@ def test_a_resumed_session_compares_its_own_steps():
     expected = statistics.fmean(planner.plan(b).predicted_step_time_s for b in _batches(5, 8))
     assert c.predicted_step_time_s == pytest.approx(expected)
     assert compare_with_fixed([], _batches(), planner) is None
+
+
+def test_a_busy_host_is_named_next_to_the_measured_time():
+    planner = BatchPlanner(PlanningConfig(spec=SPEC, calibration="fixed"), world_size=2)
+    busy = compare_with_fixed(
+        _records(planner, range(1, 5), lambda s: 3.0, 23.0), _batches(), planner
+    )
+    line = summary_lines(busy, run_name="demo")[1]
+    assert line == (
+        "  measured, this run (planner dcp): 3.000 s on a busy host (median load average 23.0 "
+        "on 2 CPUs: the time includes waiting for other work)"
+    )
+    quiet = compare_with_fixed(
+        _records(planner, range(1, 5), lambda s: 3.0, 2.1), _batches(), planner
+    )
+    assert summary_lines(quiet, run_name="demo")[1].endswith(": 3.000 s")
