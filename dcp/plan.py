@@ -42,11 +42,33 @@ class Recompute(StrEnum):
         ``megatron_patches.recompute.use_recompute`` takes it."""
         return _MEGATRON_GRANULARITY[self]
 
+    @property
+    def megatron_settings(self) -> str:
+        """The megatron-core ``TransformerConfig`` settings this level runs with, in a
+        Megatron user's words (``use_recompute`` applies them per micro-step)."""
+        return _MEGATRON_SETTINGS[self]
+
 
 _MEGATRON_GRANULARITY: dict[Recompute, str | None] = {
     Recompute.NONE: None,
     Recompute.SELECTIVE: "selective",
     Recompute.FULL: "full",
+}
+SELECTIVE_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "mlp")
+"""What ``selective`` recomputes: megatron-core's ``recompute_modules`` (its own default is
+``["core_attn"]`` alone); ``megatron_patches.recompute.SELECTIVE_MODULES`` must match."""
+_MEGATRON_SETTINGS: dict[Recompute, str] = {
+    Recompute.NONE: "recompute_granularity=None: every activation kept",
+    Recompute.SELECTIVE: (
+        'recompute_granularity="selective", recompute_modules='
+        f"{list(SELECTIVE_RECOMPUTE_MODULES)}: core attention and the MLP recomputed "
+        "(megatron's default modules are ['core_attn'] alone)"
+    ),
+    Recompute.FULL: (
+        'recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1: '
+        "only each layer's input kept; a partial full recompute of the first N layers is "
+        'recompute_method="block", recompute_num_layers=N'
+    ),
 }
 RECOMPUTE_LEVELS: tuple[str, ...] = tuple(level.value for level in Recompute)
 """The ``Recompute`` levels as plain strings, cheapest memory last."""

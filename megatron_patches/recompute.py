@@ -29,6 +29,8 @@ from megatron_patches._util import unwrap
 from megatron_patches._version import require_pinned_megatron
 
 GRANULARITIES = (None, "selective", "full")
+SELECTIVE_MODULES = ("core_attn", "mlp")
+"""``recompute_modules`` under ``"selective"`` (megatron-core's default is ``["core_attn"]``)."""
 _CONFIG_FIELDS = (
     "recompute_granularity",
     "recompute_method",
@@ -95,7 +97,7 @@ def use_recompute(model, granularity: str | None, num_layers: int | None = None)
             config.recompute_granularity = "selective"
             config.recompute_method = None
             config.recompute_num_layers = None
-            config.recompute_modules = ["core_attn", "mlp"]
+            config.recompute_modules = list(SELECTIVE_MODULES)
         else:
             config.recompute_granularity = None
             config.recompute_method = None

@@ -23,6 +23,8 @@ workspace over these runs, and, as the last line of stdout, one JSON object:
                                               shared CP groups off (planning.partial_recompute,
                                               planning.share_cp_groups = false)
     max_abs_loss_diff                         max |loss_dcp - loss_static| over the same steps
+    load_warnings                             runs measured on a busy host or under different
+                                              host loads (also printed above the speedups)
     step_time_prediction_error                median |predicted - measured| / measured, DCP steps
                                               (measured = slowest rank's micro-step phase)
     planners                                  per planner: tokens_per_s, step_time_s, losses, ...
@@ -127,6 +129,8 @@ def report(results: dict[str, dict], args) -> dict:
     speedups = {
         k: summary[k] for k in ("speedup_vs_static", "speedup_vs_megatron", "speedup_vs_dcp_3level")
     }
+    for line in summary["load_warnings"]:
+        print(line)
     print(
         "DCP speedup: "
         + ", ".join(f"{k[8:]} {v:.3f}x" if v else f"{k[8:]} n/a" for k, v in speedups.items())

@@ -25,7 +25,9 @@ included; the end of the report gives the ``tools.wandb_dashboard`` command for 
 records (``--dcp-metrics``) land in ``<out>/<run>/metrics.jsonl``. Prints a table and, as the
 last line of stdout, one JSON object: ``speedup_vs_static``, ``speedup_vs_megatron`` (DCP's
 tokens/s over each baseline's, warm-up steps excluded), ``max_abs_loss_diff`` (DCP against the
-static baseline, same steps), ``runs`` (per run: tokens_per_s, step_time_s, losses, ...).
+static baseline, same steps), ``load_warnings`` (runs measured on a busy host or under
+different host loads, also printed above the speedups), ``runs`` (per run: tokens_per_s,
+step_time_s, losses, host_load_1m, ...).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import time
 from pathlib import Path
 
 from dcp import console
+from dcp.observability.host import RunLoad, load_warnings
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS_FILE = REPO / "pretrain/configs/megatron_lm_cpu.args"
@@ -176,6 +179,7 @@ def summarize(rounds: list[list[dict]], warmup: int) -> dict:
     seconds = sum(r["step_time_s"] for r in timed)
     plans = [r for r in timed if "plan/num_micro_steps" in r]  # --dcp runs
     errors = [r["prediction_error"] for r in timed if "prediction_error" in r]
+    load = RunLoad.of("", timed)
     return {
         "tokens_per_s": tokens / seconds,
         "step_time_s": seconds / len(timed),
@@ -187,6 +191,8 @@ def summarize(rounds: list[list[dict]], warmup: int) -> dict:
             sum(p["plan/recompute_fraction"] for p in plans) / len(plans) if plans else None
         ),
         "step_time_prediction_error": sorted(errors)[len(errors) // 2] if errors else None,
+        "host_load_1m": load.median_load_1m,
+        "host_cpus": load.cpus,
     }
 
 
@@ -222,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{label:>44} {row['tokens_per_s']:9.0f} {row['step_time_s']:8.3f} {micro:>7} "
             f"{recomp:>7} {row['losses'][-1]:10.4f}"
         )
+    warnings = load_warnings(
+        [RunLoad(name, row["host_load_1m"], row["host_cpus"]) for name, row in rows.items()]
+    )
+    for line in warnings:
+        print(line)
     summary = {
         "speedup_vs_static": dcp["tokens_per_s"] / static["tokens_per_s"],
         "speedup_vs_megatron": dcp["tokens_per_s"] / megatron["tokens_per_s"],
@@ -231,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "load_warnings": warnings,
         "runs": rows,
     }
     print(

@@ -8,7 +8,9 @@ under ``plan/``), ``report/comparison.html`` (the PNG embedded, a summary table 
 time-to-loss table), ``report/comparison.json`` (the table's numbers) and
 ``report/time_to_loss.json`` (training seconds and tokens until each run's 5-step mean loss
 reaches a few levels, and the speedup). Ratios and loss differences are relative to the first
-run. Each argument is a run directory holding ``metrics.jsonl`` or the file itself.
+run. Each argument is a run directory holding ``metrics.jsonl`` or the file itself (a
+``--dcp-metrics`` file of a Megatron-loop run: labelled by its stem). Warnings come first: runs
+measured on a busy host or under different loads, CPU runs left out of the MFU panel.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
     parser.add_argument("--out", required=True, help="output directory for the report")
-    parser.add_argument("--labels", nargs="+", help="names for the runs (default: dir names)")
+    parser.add_argument(
+        "--labels",
+        nargs="+",
+        help="names for the runs (default: the run directory's name, or a metrics file's stem)",
+    )
     parser.add_argument(
         "--skip-first-steps",
         type=int,
@@ -45,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"compare_runs: error: {exc}", file=sys.stderr)
         return 2
+    for line in result["notes"]:
+        print(line)
     headers = list(result["rows"][0])
     print("  ".join(headers))
     for row in result["rows"]:

@@ -3,13 +3,17 @@
     python -m tools.memory_budget --config pretrain/configs/llama3_8b_h200.yaml [key=value ...]
 
 Prints the static bytes per GPU (weights, main grads, optimizer shard; split over TP) and, for
-the recipe's longest training sequence, the activation and total bytes at every CP size (in
-planner ranks, one per TP group) and recompute level against the per-GPU budget of the recipe's
+the recipe's longest training sequence (``model.max_seq_len``, or the data's document cap when
+that is shorter; the line says which, and a ``model.max_seq_len=N`` override the data cap keeps
+sequences from reaching is refused with the key to raise), the activation and total bytes at
+every CP size (in planner ranks, one per TP group) and recompute level (each named by the
+megatron-core settings it runs with) against the per-GPU budget of the recipe's
 cost-model spec (``planning.spec``), for the recipe's model, dtype, TP size and optimizer
 sharding laid over the spec as the trainer's planner does; then, at each CP size, the least
 number of layers a partial full recompute must cover to fit (JSON ``partial``).
 The last stdout line is a JSON object: ``fits`` (the longest sequence has a placement within the
-budget), ``static_bytes_per_gpu``, ``budget_bytes_per_gpu``, the breakdown, every cell,
+budget), ``longest_seq_len`` and ``longest_seq_len_from`` (the setting that caps it),
+``static_bytes_per_gpu``, ``budget_bytes_per_gpu``, the breakdown, every cell,
 ``tensor_parallel_size``, ``num_planner_ranks`` and ``model_matches_spec`` (the spec was written
 for the recipe's model; when it was not, its calibrated terms are scaled to it analytically).
 Exit code 1 when the recipe cannot fit.
@@ -25,6 +29,7 @@ from dcp import console
 from dcp.costmodel import load_cost_model, load_spec, with_model, with_runtime_options
 from dcp.costmodel.budget import memory_budget
 from dcp.costmodel.spec import runtime_options
+from dcp.plan import Recompute
 from dcp.runtime.dispatch import train_len
 from dcp.schema import load_config
 from dcp.train.config import PretrainConfig
@@ -32,13 +37,32 @@ from dcp.train.config import PretrainConfig
 GB = 1e9
 
 
-def longest_seq_len(cfg: PretrainConfig) -> int:
-    """The longest sequence the recipe trains: the data's document cap, within the model's."""
+def longest_seq_len(cfg: PretrainConfig) -> tuple[int, str]:
+    """The longest sequence the recipe trains (the data's document cap, within the model's) and
+    the setting that makes it so (``key=value``)."""
     data = cfg.data
+    key = "data.indexed.max_doc_len" if data.source == "indexed" else "data.synthetic.max_len"
     cap = data.indexed.max_doc_len if data.source == "indexed" else data.synthetic.max_len
-    if cap is None:
-        return cfg.model.max_seq_len
-    return min(cfg.model.max_seq_len, train_len(cap))
+    if cap is None or train_len(cap) >= cfg.model.max_seq_len:
+        return cfg.model.max_seq_len, f"model.max_seq_len={cfg.model.max_seq_len}"
+    return train_len(cap), f"{key}={cap}"
+
+
+def check_asked_length(cfg: PretrainConfig, overrides: list[str]) -> None:
+    """Refuse, naming the key to change, when the command line asks about a
+    ``model.max_seq_len`` the recipe's data cap keeps its sequences from reaching (a document
+    of n tokens trains n - 1, so a cap of exactly the model's length is the same question)."""
+    if not any(o.split("=", 1)[0].strip() == "model.max_seq_len" for o in overrides):
+        return
+    asked = cfg.model.max_seq_len
+    longest, source = longest_seq_len(cfg)
+    if longest < asked - 1:
+        key = source.split("=", 1)[0]
+        raise ValueError(
+            f"model.max_seq_len={asked} asks about {asked:,}-token sequences, but {source} caps "
+            f"the recipe's longest at {longest:,}; to ask about {asked:,} tokens also set "
+            f"{key}={asked + 1}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         spec, reshaped = with_model(spec, cfg.model.shape)
         matches = not reshaped and "tied_embeddings" not in retied
         cost_model = load_cost_model(spec, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
+        check_asked_length(cfg, args.overrides)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    longest = longest_seq_len(cfg)
+    longest, source = longest_seq_len(cfg)
     budget = memory_budget(cost_model, longest)
 
     parts = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in budget.static_parts.items())
@@ -77,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{budget.budget_bytes_per_gpu / GB:.1f} GB per GPU")  # fmt: skip
     print(f"static {budget.static_bytes_per_gpu / GB:.1f} GB per GPU ({parts}"
           f"{'; calibrated total' if budget.static_calibrated else ''})")  # fmt: skip
-    print(f"longest sequence {longest:,} tokens:")
+    print(f"longest sequence {longest:,} tokens ({source}):")
+    print("recompute levels, as megatron-core TransformerConfig settings:")
+    for level in Recompute:
+        print(f"  {level.value:<10} {level.megatron_settings}")
     print(f"{'cp':>4} {'recompute':>10} {'activations GB':>15} {'total GB':>9}  fits")
     for c in budget.cells:
         print(f"{c.cp_size:>4} {c.recompute:>10} {c.activation_bytes_per_gpu / GB:>15.1f} "
@@ -100,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the longest sequence fits no CP size and recompute level: raise the GPU count, "
               "shorten data max_doc_len or shrink the model", file=sys.stderr)  # fmt: skip
     print(json.dumps({
-        **budget.to_json(), "spec": cost_model.name, "model_matches_spec": matches,
+        **budget.to_json(), "longest_seq_len_from": source,
+        "spec": cost_model.name, "model_matches_spec": matches,
         "tensor_parallel_size": tp, "num_planner_ranks": cost_model.num_ranks,
     }))  # fmt: skip
     return 0 if budget.fits else 1

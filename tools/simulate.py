@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from dcp import console
-from dcp.costmodel.load import gpu_preset_of
+from dcp.costmodel.load import PROFILES_DIR, gpu_preset_of
 from dcp.costmodel.throughput import describe_check, preset_check
 from dcp.planning.sweep import BASELINES, SWEEP_PLANNERS, run_sweep
 from dcp.planning.workloads import WORKLOADS
@@ -150,7 +150,13 @@ def write_chart(results: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama3-8b", help="model preset in dcp/profiles")
+    profiles = PROFILES_DIR.relative_to(Path(__file__).resolve().parents[1])
+    parser.add_argument(
+        "--model",
+        default="llama3-8b",
+        help=f"model preset of {profiles}, laid over each h200x<N> cluster preset "
+        "(llama3-8b, llama3-70b)",
+    )
     parser.add_argument("--clusters", default="8,32,64,256,1024", help="H200 counts (presets)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
     parser.add_argument("--planners", default=",".join(SWEEP_PLANNERS))

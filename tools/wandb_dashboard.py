@@ -5,13 +5,15 @@
     python -m tools.wandb_dashboard RUN_DIRS... --online [--entity ENTITY] [--report]
     python -m tools.wandb_dashboard --publish runs/wandb_workspace.json [--entity ENTITY] [--report]
 
-Sections: loss against step and wall-clock time; tokens/s and MFU; step time predicted against
-measured and the cost model's calibration version; the plan (sequences per CP degree, share of
-tokens recomputed, micro-steps per rank, imbalance); memory; padding. Runs are grouped and
-coloured by planner. The project and group come from the runs' resolved config
+Sections: loss against step and wall-clock time; tokens/s, MFU and the host's load average; step
+time predicted against measured and the cost model's calibration version; the plan (sequences
+per CP degree, share of tokens recomputed, micro-steps per rank, imbalance); memory; padding.
+Runs are grouped and coloured by planner. The project and group come from the runs' resolved config
 (``runs/<name>/config.yaml``). Offline (the default) nothing touches the network: the workspace
 is written as JSON beside the runs (``<runs dir>/wandb_workspace.json``, or ``--out``) with the
-commands that publish it once the offline runs are synced. ``--online`` saves it to W&B (needs
+commands that publish it once the offline runs are synced, and next to it a local preview
+(``wandb_workspace.preview.html`` and ``.png``): the same panels drawn from the runs'
+``metrics.jsonl``, to look at before publishing. ``--online`` saves it to W&B (needs
 an API key: ``wandb login``) and prints its URL. See docs/operations.md.
 """
 
@@ -88,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         workspace_from_json,
         workspace_to_json,
     )
+    from dcp.observability.preview import write_preview
 
     if args.publish:
         data = json.loads(Path(args.publish).read_text(encoding="utf-8"))
@@ -127,10 +130,20 @@ def run(args: argparse.Namespace) -> int:
     sync = _sync_command(runs)
     entity_arg = "" if entity else " --entity <your W&B entity>"
     report_arg = " --report" if args.report else ""
+    publish = [
+        *([sync] if sync else []),
+        f"python -m tools.wandb_dashboard --publish {out}{entity_arg}{report_arg}",
+    ]
+    if runs:
+        # Drawn from the file just written, so the preview shows what --publish will send.
+        saved = workspace_from_json(json.loads(out.read_text(encoding="utf-8")))
+        png, page = write_preview(
+            saved, runs, workspace_json=out, left_out=missing, publish=publish
+        )
+        print(f"preview: {page} (and {png.name}): the panels drawn from the runs' metrics.jsonl")
     print("to publish it:")
-    if sync:
-        print(f"  {sync}")
-    print(f"  python -m tools.wandb_dashboard --publish {out}{entity_arg}{report_arg}")
+    for command in publish:
+        print(f"  {command}")
     return 0
 
 

@@ -208,6 +208,8 @@ class IndexedDocumentDataset:
                 int(self._lengths[self._src == k].sum()) for k in range(len(self._sources))
             ],
         )
+        if config.weights:
+            logger.info("%s", self.blend_summary(source_tokens=[int(n.sum()) for n in lens]))
 
     def content_fingerprint(self) -> list[str]:
         """One ``dcp.data.idx.content_digest`` per prefix, in config order: what a resume
@@ -270,6 +272,25 @@ class IndexedDocumentDataset:
             total += n
             picks.append(int(offsets[k]) + idx)
         return np.asarray(picks, dtype=np.int64)
+
+    def blend_summary(self, *, source_tokens: list[int]) -> str:
+        """One line: each source's share of the blended tokens against its normalised weight,
+        and how many passes over the source that share takes (``source_tokens``: each source's
+        own token count)."""
+        total = max(1, self._stats["num_tokens"])
+        weights = np.asarray(self.config.weights) / sum(self.config.weights)
+        parts = [
+            f"{prefix} {taken / total:.1%} (weight {weight:.1%}, {taken / max(1, own):.2f} "
+            "passes)"
+            for prefix, taken, weight, own in zip(
+                self.config.prefixes,
+                self._stats["tokens_per_source"],
+                weights,
+                source_tokens,
+                strict=True,
+            )
+        ]
+        return f"blend of {len(parts)} sources, {total:,} tokens by share: " + ", ".join(parts)
 
     def _perm(self, source: int, pass_id: int, n: int) -> np.ndarray:
         return np.random.default_rng([self.config.seed, source, pass_id]).permutation(n)

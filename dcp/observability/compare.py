@@ -1,13 +1,15 @@
 """Compare runs' metrics without a W&B server: one PNG, one self-contained HTML page, one JSON.
 
 ``compare_runs`` writes ``comparison.png`` (loss vs step, tokens/s, step time with the predicted
-step time dashed, MFU and peak memory when logged, and every plan stat under ``plan/``),
-``comparison.html`` (the PNG embedded, a summary table and the time-to-loss table),
-``comparison.json`` (the summary's numbers) and ``time_to_loss.json``: the loss against training
-time and against tokens, and how long each run took to reach a few loss levels
-(``time_to_loss``). Ratios and loss differences are relative to the first run. Each run is a run
-directory holding ``metrics.jsonl`` or the file itself. ``python -m tools.compare_runs`` is the
-command line.
+step time dashed, MFU and peak memory (with the plans' budget dashed) when logged, and every plan
+stat under ``plan/``), ``comparison.html`` (the PNG embedded, the report's notes, a summary table
+and the time-to-loss table), ``comparison.json`` (the summary's numbers) and
+``time_to_loss.json``: the loss against training time and against tokens, and how long each run
+took to reach a few loss levels (``time_to_loss``). Ratios and loss differences are relative to
+the first run. Each run is a run directory holding ``metrics.jsonl`` or the file itself. The
+notes (``report_notes``) warn when runs ran on a busy host or under different loads, and say what
+the MFU panel leaves out; the page says what the memory panel's two lines are.
+``python -m tools.compare_runs`` is the command line.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dcp.observability.host import DEVICE_KEY, RunLoad, load_warnings
 from dcp.observability.metrics import METRICS_FILENAME, read_metrics
 
 # Panels drawn whenever any run logs the key (plan/* keys are discovered from the data).
@@ -29,8 +32,20 @@ _FIXED_PANELS = (
     ("loss", "loss"),
     ("tokens_per_s", "tokens/s"),
     ("step_time_s", "step time (s)"),
-    ("mfu", "MFU"),
-    ("peak_mem_bytes", "peak memory (bytes)"),
+    ("mfu", "MFU (model FLOPs / the spec's peak_tflops)"),
+    ("peak_mem_bytes", "peak memory, max over ranks; dashed: the plans' budget (bytes)"),
+)
+_DASHED = {
+    "step_time_s": ("predicted_step_time_s", "predicted"),
+    "peak_mem_bytes": ("mem_budget_bytes", "plan's budget"),
+}
+"""A line panel's dashed companion series: (key, legend suffix)."""
+MEMORY_NOTE = (
+    "Peak memory: on GPU torch.cuda.max_memory_allocated; on CPU the process's resident-set "
+    "high-water mark, which includes Python, torch, megatron and gloo. The dashed line is the "
+    "per-rank budget the plans were made against (mem_budget_bytes: model state plus "
+    "activations by the cost model); the CPU presets emulate an accelerator's limit with it, "
+    "so on CPU the two are not comparable and nothing enforces the budget."
 )
 
 
@@ -39,6 +54,11 @@ class RunMetrics:
     label: str
     path: Path
     records: list[dict[str, Any]]
+
+    @property
+    def on_cpu(self) -> bool:
+        """The run computed on CPU (its records say so; old records say nothing)."""
+        return any(r.get(DEVICE_KEY) == "cpu" for r in self.records)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """``(steps, values)`` where ``key`` holds a number (non-finite values kept)."""
@@ -65,8 +85,36 @@ def load_run(path: str | Path, *, label: str | None = None) -> RunMetrics:
         raise ValueError(f"{file} holds no per-step records; did the run log any step?")
     # A resumed run may have logged a step twice; the later record wins.
     by_step = {r["step"]: r for r in records}
-    name = label or (p.name if p.is_dir() else p.parent.name)
-    return RunMetrics(label=name, path=file, records=[by_step[s] for s in sorted(by_step)])
+    return RunMetrics(
+        label=label or default_label(p), path=file, records=[by_step[s] for s in sorted(by_step)]
+    )
+
+
+def default_label(path: str | Path) -> str:
+    """A run's name: its directory's, for a run directory or its ``metrics.jsonl``; the file's
+    stem for any other metrics file (``runs/m/dcp.jsonl`` -> ``dcp``)."""
+    p = Path(path)
+    if p.is_dir():
+        return p.name
+    return p.parent.name if p.name == METRICS_FILENAME else p.stem
+
+
+def distinct_labels(paths: Sequence[str | Path]) -> list[str]:
+    """``default_label`` of each path, made distinct: labels two paths share gain their parent
+    directory (``a/dcp``, ``b/dcp``), then a number."""
+    labels = [default_label(p) for p in paths]
+    shared = {label for label in labels if labels.count(label) > 1}
+    for i, p in enumerate(map(Path, paths)):
+        if labels[i] in shared:
+            parent = p.parent if p.is_dir() or p.name != METRICS_FILENAME else p.parent.parent
+            labels[i] = f"{parent.name}/{labels[i]}" if parent.name else labels[i]
+    shared = {label for label in labels if labels.count(label) > 1}
+    seen: dict[str, int] = {}
+    for i, label in enumerate(labels):
+        if label in shared:
+            seen[label] = seen.get(label, 0) + 1
+            labels[i] = f"{label} ({seen[label]})"
+    return labels
 
 
 SMOOTH_STEPS = 5
@@ -187,9 +235,23 @@ def summarize(runs: Sequence[RunMetrics], *, skip_first_steps: int = 0) -> list[
                 ),
                 "common_steps": len(common),
                 "throughput_steps": len(timed),
+                "median_host_load": RunLoad.of(run.label, run.records).median_load_1m,
             }
         )
     return rows
+
+
+def report_notes(runs: Sequence[RunMetrics]) -> list[str]:
+    """What a reader must know before trusting the report: host-load warnings
+    (``dcp.observability.host.load_warnings``) and CPU runs left out of the MFU panel."""
+    notes = load_warnings([RunLoad.of(run.label, run.records) for run in runs])
+    cpu_mfu = [run.label for run in runs if run.on_cpu and run.series("mfu")[0]]
+    if cpu_mfu:
+        notes.append(
+            f"note: MFU not drawn for {', '.join(cpu_mfu)}: CPU runs, and the CPU presets' "
+            "peak_tflops is a nominal figure, not the machine's"
+        )
+    return notes
 
 
 def _plan_panels(runs: Sequence[RunMetrics]) -> tuple[list[str], list[str]]:
@@ -228,6 +290,16 @@ def _group_means(run: RunMetrics, group: str) -> dict[str, float]:
     return {k: totals[k] / n for k in sorted(totals, key=lambda m: (len(m), m))}
 
 
+def line_panels_of(runs: Sequence[RunMetrics]) -> list[tuple[str, str]]:
+    """``(key, title)`` of each line panel ``plot`` draws: the fixed panels some run logged,
+    then the scalar plan stats. MFU against a CPU preset's nominal peak means nothing, so CPU
+    runs do not count for (and are not drawn in) the MFU panel."""
+    present = {k for run in runs for r in run.records for k in r}
+    present -= {"mfu"} - {k for run in runs if not run.on_cpu for r in run.records for k in r}
+    panels = [(k, t) for k, t in _FIXED_PANELS if k in present]
+    return panels + [(k, k) for k in _plan_panels(runs)[0]]
+
+
 def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
     import matplotlib
 
@@ -235,9 +307,8 @@ def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     present = {k for run in runs for r in run.records for k in r}
-    line_panels = [(k, t) for k, t in _FIXED_PANELS if k in present]
-    plan_scalars, plan_groups = _plan_panels(runs)
-    line_panels += [(k, k) for k in plan_scalars]
+    line_panels = line_panels_of(runs)
+    plan_groups = _plan_panels(runs)[1]
     progress = [Progress.of(run) for run in runs]
     progress_panels = (
         [("seconds", "training time (s, sum of step times)"), ("tokens", "tokens")]
@@ -252,17 +323,20 @@ def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, title) in zip(flat_axes, line_panels, strict=False):
         for i, run in enumerate(runs):
+            if key == "mfu" and run.on_cpu:
+                continue
             color = colors[i % len(colors)]
             ax.plot(*run.series(key), label=run.label, color=color, linewidth=1.2)
-            if key == "step_time_s" and "predicted_step_time_s" in present:
-                pred = run.series("predicted_step_time_s")
-                if pred[0]:
+            dashed = _DASHED.get(key)
+            if dashed and dashed[0] in present:
+                series = run.series(dashed[0])
+                if series[0]:
                     ax.plot(
-                        *pred,
+                        *series,
                         color=color,
                         linestyle="--",
                         linewidth=1.0,
-                        label=f"{run.label} (predicted)",
+                        label=f"{run.label} ({dashed[1]})",
                     )
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -303,6 +377,8 @@ def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
 
 
 def format_value(value: Any) -> str:
+    if value is None:
+        return "n/a"
     if isinstance(value, float):
         if math.isnan(value):
             return "n/a"
@@ -334,7 +410,7 @@ def _time_to_loss_table(levels: list[dict[str, Any]], runs) -> str:
 
 
 def write_html(
-    rows: list[dict[str, Any]], png_path: Path, html_path: Path, runs, levels=()
+    rows: list[dict[str, Any]], png_path: Path, html_path: Path, runs, levels=(), notes=()
 ) -> None:
     image = base64.b64encode(png_path.read_bytes()).decode("ascii")
     headers = list(rows[0])
@@ -343,6 +419,8 @@ def write_html(
         for row in rows
     )
     sources = "".join(f"<li>{html.escape(r.label)}: {html.escape(str(r.path))}</li>" for r in runs)
+    remarks = "".join(f"<li>{html.escape(line)}</li>" for line in notes)
+    memory = any(run.series("peak_mem_bytes")[0] for run in runs)
     html_path.write_text(
         f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>DCP run comparison</title>
@@ -352,12 +430,15 @@ td,th{{border:1px solid #bbb;padding:4px 8px;text-align:right}} td:first-child{{
 <h1>Run comparison</h1>
 <p>Ratios and loss differences are relative to the first run, <b>{html.escape(rows[0]["run"])}
 </b>. max_abs_loss_diff is over the steps both runs logged (common_steps); throughput and step
-time are means over the steps every run logged (throughput_steps).</p>
+time are means over the steps every run logged (throughput_steps); median_host_load is the
+median 1-minute load average of the host while the run stepped.</p>
+{f"<ul>{remarks}</ul>" if remarks else ""}
 <table><tr>{"".join(f"<th>{html.escape(h)}</th>" for h in headers)}</tr>
 {table}
 </table>
 {_time_to_loss_table(list(levels), runs)}
 <p><img alt="comparison plots" src="data:image/png;base64,{image}"></p>
+{f"<p>{html.escape(MEMORY_NOTE)}</p>" if memory else ""}
 <h2>Sources</h2><ul>{sources}</ul>
 </body></html>
 """,
@@ -373,19 +454,23 @@ def compare_runs(
     skip_first_steps: int = 0,
 ) -> dict[str, Any]:
     """Write the PNG/HTML/JSON report into ``out_dir``; return ``{"rows", "png", "html",
-    "time_to_loss"}``."""
+    "time_to_loss", "notes"}``. Runs are labelled ``labels`` or ``distinct_labels``."""
     if not run_paths:
         raise ValueError("give at least one run directory or metrics.jsonl file")
     if labels is not None and len(labels) != len(run_paths):
         raise ValueError(f"got {len(labels)} labels for {len(run_paths)} runs")
-    runs = [load_run(p, label=labels[i] if labels else None) for i, p in enumerate(run_paths)]
+    if labels is not None and len(set(labels)) != len(labels):
+        raise ValueError(f"--labels must differ from each other, got {list(labels)}")
+    names = list(labels) if labels is not None else distinct_labels(run_paths)
+    runs = [load_run(p, label=name) for p, name in zip(run_paths, names, strict=True)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(runs, skip_first_steps=skip_first_steps)
     levels = time_to_loss(runs)
     png, page = out / "comparison.png", out / "comparison.html"
+    notes = report_notes(runs)
     plot(runs, png)
-    write_html(rows, png, page, runs, levels)
+    write_html(rows, png, page, runs, levels, notes)
     (out / "time_to_loss.json").write_text(json.dumps(levels, indent=1), encoding="utf-8")
     # JSON has no NaN: write null for "not available".
     clean = [
@@ -393,4 +478,4 @@ def compare_runs(
         for row in rows
     ]
     (out / "comparison.json").write_text(json.dumps(clean, indent=1), encoding="utf-8")
-    return {"rows": rows, "png": png, "html": page, "time_to_loss": levels}
+    return {"rows": rows, "png": png, "html": page, "time_to_loss": levels, "notes": notes}

@@ -24,6 +24,7 @@ from wandb_workspaces import expr
 from wandb_workspaces.workspaces import internal
 
 from dcp.files import reading
+from dcp.observability.host import DEVICE_KEY
 from dcp.observability.metrics import MetricsConfig, flatten, read_metrics
 from dcp.observability.run_info import CONFIG_FILENAME, read_run_config
 from dcp.plan import PLANNERS
@@ -50,6 +51,8 @@ class PanelSpec:
     series: tuple[str, ...]
     x: str = "Step"
     stacked: bool = False
+    cpu_title: str | None = None
+    """The title when any run computed on CPU, where the quantity means something else."""
 
 
 PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
@@ -65,6 +68,10 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         (
             PanelSpec("tokens/s", ("tokens_per_s",)),
             PanelSpec("MFU", ("mfu",)),
+            PanelSpec(
+                "host load average (1 min, rank 0's host; step times move with it)",
+                ("host/load_1m",),
+            ),
         ),
     ),
     (
@@ -98,6 +105,8 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "peak memory per step (max over ranks) and the plan's budget per rank (bytes)",
                 ("peak_mem_bytes", "mem_budget_bytes"),
+                cpu_title="CPU runs: peak resident set (Python and torch included) and the "
+                "plans' emulated budget (not comparable; bytes)",
             ),
             PanelSpec("optimizer state bytes per rank", ("optimizer_state_bytes/*",)),
         ),
@@ -130,6 +139,8 @@ class RunSummary:
     """The run's offline W&B directories (``wandb/offline-run-*``), oldest first."""
     keys: frozenset[str]
     """Every numeric metric key the run logged, as W&B names it."""
+    on_cpu: bool = False
+    """The run computed on CPU (its records' ``host/device``; old records do not say)."""
 
     @property
     def run_id(self) -> str | None:
@@ -175,6 +186,7 @@ def read_run(path: str | Path) -> RunSummary:
         planner=planner if isinstance(planner, str) else None,
         offline_runs=tuple(offline),
         keys=frozenset(keys),
+        on_cpu=any(r.get(DEVICE_KEY) == "cpu" for r in records),
     )
 
 
@@ -207,16 +219,18 @@ def _series(wanted: str, logged: frozenset[str] | None) -> tuple[list[str], str 
         if logged is None:
             return [], f"^{re.escape(prefix)}.*"
         found = [k for k in logged if k.startswith(prefix)]
-        return sorted(found, key=_natural), None
+        return sorted(found, key=natural_sort_key), None
     return ([wanted] if logged is None or wanted in logged else []), None
 
 
-def _natural(key: str) -> list[Any]:
+def natural_sort_key(key: str) -> list[Any]:
     """Sort key: ``plan/cp_hist/2`` before ``plan/cp_hist/16``."""
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("/")]
 
 
-def _panel(spec: PanelSpec, logged: frozenset[str] | None) -> wr.LinePlot | None:
+def _panel(
+    spec: PanelSpec, logged: frozenset[str] | None, *, on_cpu: bool = False
+) -> wr.LinePlot | None:
     keys: list[str] = []
     regexes: list[str] = []
     for wanted in spec.series:
@@ -226,7 +240,7 @@ def _panel(spec: PanelSpec, logged: frozenset[str] | None) -> wr.LinePlot | None
     if not keys and not regexes:
         return None
     return wr.LinePlot(
-        title=spec.title,
+        title=spec.cpu_title if on_cpu and spec.cpu_title else spec.title,
         x=wr.Metric(spec.x),
         y=[wr.Metric(k) for k in keys],
         metric_regex="|".join(regexes) or None,
@@ -243,17 +257,26 @@ def build_workspace(
     name: str | None = None,
 ) -> tuple[ws.Workspace, list[str]]:
     """The workspace over ``runs`` (their names, and their group when they share one) or, with
-    no runs, over W&B group ``group``; and the panels left out because no run logged them, plus
-    ``NOT_LOGGED``. Panels show only keys the runs logged (every key the trainer writes when no
-    run was read). Runs are grouped by ``planning.planner`` and coloured by planner."""
+    no runs, over W&B group ``group``; and the panels left out because no run logged them (or,
+    for MFU, because every run is a CPU run), plus ``NOT_LOGGED``. Panels show only keys the
+    runs logged (every key the trainer writes when no run was read). Runs are grouped by
+    ``planning.planner`` and coloured by planner."""
     if not runs and not group:
         raise ValueError("give run directories or a W&B group")
     logged = frozenset().union(*(r.keys for r in runs)) if runs else None
+    cpu_only = bool(runs) and all(r.on_cpu for r in runs)
+    any_cpu = any(r.on_cpu for r in runs)
     sections, missing = [], []
     for section_name, specs in PANELS:
         panels = []
         for spec in specs:
-            panel = _panel(spec, logged)
+            if cpu_only and spec.series == ("mfu",):
+                missing.append(
+                    f"{section_name} / {spec.title}: CPU runs (the CPU presets' peak_tflops is "
+                    "a nominal figure, not the machine's)"
+                )
+                continue
+            panel = _panel(spec, logged, on_cpu=any_cpu)
             if panel is None:
                 missing.append(f"{section_name} / {spec.title}: not logged by these runs")
             else:

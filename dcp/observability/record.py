@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from dcp.observability.host import HostStats
 from dcp.plan import Plan
 
 if TYPE_CHECKING:
@@ -22,6 +23,13 @@ def model_flops(lengths: list[int], cfg: ModelConfig) -> float:
     tokens = sum(lengths)
     attn = sum(12 * cfg.num_layers * cfg.hidden_size * n * n / 2 for n in lengths)
     return 6.0 * cfg.num_params() * tokens + attn
+
+
+PLAN_NOTATION = (
+    "plan lines: cp {CP size: sequences run at that size}, recompute = share of the batch's "
+    "tokens in micro-steps that recompute activations, micro-steps [count per planner rank]"
+)
+"""What ``PlanStats.summary`` means, printed once before the first plan line of a run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +72,8 @@ class PlanStats:
         )
 
     def summary(self) -> str:
-        """One compact line: ``cp {1:7, 2:1} recompute 6% micro-steps [4,3]``."""
+        """One compact line, ``cp {1:7, 2:1} recompute 6% micro-steps [4,3]``
+        (``PLAN_NOTATION`` says what it means)."""
         hist = ", ".join(f"{k}:{v}" for k, v in self.cp_hist.items())
         counts = ",".join(str(c) for c in self.micro_steps_per_rank)
         return f"cp {{{hist}}} recompute {self.recompute_fraction:.0%} micro-steps [{counts}]"
@@ -103,7 +112,8 @@ class StepRecord:
     planner: str
     plan: PlanStats
     mfu: float | None = None
-    """Model FLOPs utilisation against the spec's peak (absent when the spec has none)."""
+    """Model FLOPs utilisation against the spec's peak (absent when the spec has none). On CPU
+    the presets' ``peak_tflops`` is a nominal figure, so the reports leave CPU runs' MFU out."""
     optimizer_state_bytes: list[int] | None = None
     """Optimizer state bytes held by each rank, by rank (``Runtime.optimizer_state_bytes``)."""
     exploration: str | None = None
@@ -118,10 +128,13 @@ class StepRecord:
     """Seconds the step waited for its plan: planning runs in the background while the previous
     step trains, and only a plan slower than that step (or planned again after a refit) delays
     this one."""
+    host: HostStats | None = None
+    """Rank 0's host at the end of the step: load average, CPUs, device (``host/...`` in the
+    file; absent in files written before it existed)."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        for key in ("mfu", "optimizer_state_bytes", "exploration", "mem_budget_bytes"):
+        for key in ("mfu", "optimizer_state_bytes", "exploration", "mem_budget_bytes", "host"):
             if out[key] is None:
                 del out[key]
         return out

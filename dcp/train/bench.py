@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dcp.collectives import barrier
 from dcp.costmodel import load_cost_model
+from dcp.observability.host import RunLoad, load_warnings
 from dcp.observability.record import StepRecord
 from dcp.planning import THREE_LEVEL_OPTIONS, static_configs
 from dcp.planning.sweep import THREE_LEVEL
@@ -109,6 +110,7 @@ def summarize(name: str, rounds: list[list[StepRecord]], warmup: int) -> dict:
     tokens = sum(r.tokens for r in measured)
     seconds = sum(r.step_time_s for r in measured)
     errors = [r.prediction_error for r in measured if r.compute_time_s > 0]
+    loads = [r.host.load_1m for r in measured if r.host and r.host.load_1m is not None]
     return {
         "planner": name,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
@@ -123,6 +125,8 @@ def summarize(name: str, rounds: list[list[StepRecord]], warmup: int) -> dict:
         "recompute_fraction": statistics.fmean(r.plan.recompute_fraction for r in measured),
         "peak_mem_gb": max(r.peak_mem_bytes for r in records) / 1e9,
         "losses": [r.loss for r in records],
+        "host_load_1m": statistics.median(loads) if loads else None,
+        "host_cpus": max((r.host.cpus for r in measured if r.host), default=None),
     }
 
 
@@ -192,6 +196,11 @@ def bench_summary(results: dict[str, dict], *, steps: int, warmup: int, rounds: 
     loss_diff = None
     if dcp and static and "error" not in dcp and "error" not in static:
         loss_diff = max(abs(a - b) for a, b in zip(dcp["losses"], static["losses"], strict=True))
+    measured = [
+        RunLoad(name, row.get("host_load_1m"), row.get("host_cpus"))
+        for name, row in results.items()
+        if name != "static" and "error" not in row  # "static" repeats the best static-* row
+    ]
     return {
         "speedup_vs_static": ratio(dcp, static),
         "speedup_vs_megatron": ratio(dcp, results.get("megatron")),
@@ -202,5 +211,6 @@ def bench_summary(results: dict[str, dict], *, steps: int, warmup: int, rounds: 
         "steps": steps,
         "warmup": warmup,
         "rounds": rounds,
+        "load_warnings": load_warnings(measured),
         "planners": results,
     }

@@ -139,12 +139,14 @@ class OnlineCalibrator:
         dcp_cfg,
         *,
         spec: dict,
-        run_dir: Path,
+        records_path: Path,
         records: list[MicroStepRecord],
         state: dict | None = None,
     ) -> None:
-        """``records``: the run's records so far (``restore_records``, the same on every rank);
-        ``state``: a checkpoint's ``state_dict()`` (the refitted spec and its version)."""
+        """``records_path``: the file rank 0 appends the run's micro-step records to (a run
+        directory's ``RECORDS_FILENAME``); ``records``: the run's records so far
+        (``restore_records``, the same on every rank); ``state``: a checkpoint's
+        ``state_dict()`` (the refitted spec and its version)."""
         self.cfg = dcp_cfg
         self.prior = spec
         self.spec = dict(state["spec"]) if state else spec
@@ -152,7 +154,7 @@ class OnlineCalibrator:
         self.records_since = int(state.get("records_since", 0)) if state else 0
         """The first step whose records describe this run's layout (a resume at another
         world or TP size starts a new series)."""
-        self.path = Path(run_dir) / RECORDS_FILENAME
+        self.path = Path(records_path)
         self.rank = dist.get_rank()
         self.records = [r for r in records if r.step >= self.records_since]
 

@@ -6,7 +6,9 @@ import torch.distributed as dist
 
 from dcp.collectives import all_gather_ints
 from dcp.model import ModelConfig
+from dcp.observability.host import HostStats
 from dcp.observability.record import PlanStats, StepRecord, model_flops
+from dcp.runtime.dispatch import compute_device
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.train.batches import BatchPlanner, PlannedBatch
 
@@ -72,6 +74,7 @@ class StepRecorder:
                 predicted_imbalance=planned.predicted_imbalance,
             ),
             mfu=mfu,
+            host=HostStats.now(device=compute_device().type),
         )
 
     def _optimizer_state_bytes(self) -> list[int] | None:

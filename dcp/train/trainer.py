@@ -10,6 +10,7 @@ docs/operations.md for resume, signals, timeouts and non-finite values."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import tempfile
@@ -45,7 +46,7 @@ from dcp.data.sampler import GlobalBatchSampler
 from dcp.files import reading
 from dcp.model import check_model_fits
 from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
-from dcp.observability.record import StepRecord
+from dcp.observability.record import PLAN_NOTATION, StepRecord
 from dcp.observability.run_info import write_run_config
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.schema import rename_sections, to_dict
@@ -68,6 +69,7 @@ from dcp.train.resume import (
     check_data_content,
     check_resume_config,
 )
+from dcp.train.run_summary import compare_with_fixed, summary_lines
 from dcp.train.signals import StopRequest
 from dcp.weights.convert import check_hf_checkpoint, load_hf_weights
 
@@ -157,7 +159,7 @@ class Trainer:
         self.calibrator = OnlineCalibrator(
             cfg.planning,
             spec=self.planner.spec,  # the configured spec: every refit starts from it
-            run_dir=self.run_dir,
+            records_path=self.run_dir / RECORDS_FILENAME,
             records=broadcast_object(restored, src=0),
             state=calibration,
         )
@@ -367,7 +369,7 @@ class Trainer:
         finally:
             self.close()
         if self.rank == 0 and self.cfg.metrics.progress_bar:
-            self._where_things_went()
+            self._where_things_went(records)
         return records
 
     def _loop(self) -> list[StepRecord]:
@@ -384,6 +386,7 @@ class Trainer:
         stop = StopRequest()
         skips = _SkipLimit(cfg.train.max_consecutive_skips)
         step = self.start_step
+        self.metrics.note(PLAN_NOTATION)
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
                 batch, planned, plan_time_s, sampler_state = plans.next()
@@ -446,9 +449,16 @@ class Trainer:
             plans.close()
         return records
 
-    def _where_things_went(self) -> None:
-        """The end of the console output: where everything went, and what to run next."""
-        lines = [
+    def _where_things_went(self, records: list[StepRecord]) -> None:
+        """The end of the console output: the run against the best fixed configuration, where
+        everything went, and what to run next."""
+        # A fresh sampler replays the run's batches (a resumed run's start after start_step).
+        batches = GlobalBatchSampler(self.dataset.doc_lengths, self.cfg.data.sampler)
+        compared = compare_with_fixed(
+            records, itertools.islice(batches, self.start_step, None), self.planner
+        )
+        lines = [] if compared is None else summary_lines(compared, run_name=self.cfg.name)
+        lines += [
             f"metrics:     {self.run_dir / METRICS_FILENAME}",
             f"micro-steps: {self.run_dir / RECORDS_FILENAME}",
             f"config:      {self.run_dir / 'config.yaml'}",

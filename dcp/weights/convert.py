@@ -250,6 +250,13 @@ def load_hf_model(hf_dir: str | os.PathLike, **overrides: Any):
     return model
 
 
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less this process's umask."""
+    umask = os.umask(0)  # the only portable way to read it; set back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 class ShardWriter:
     """Writes tensors into ``model-0000i-of-0000N.safetensors`` files of at most about
     ``max_shard_bytes`` each, plus ``model.safetensors.index.json``."""
@@ -276,6 +283,9 @@ class ShardWriter:
     def _flush(self) -> None:
         path = self.out_dir / f".shard-{len(self._files):05d}.safetensors"
         _safetensors().torch.save_file(self._buffer, str(path), metadata={"format": "pt"})
+        # safetensors' save_file (0.8, Rust) creates its file with mode 0600 whatever the umask;
+        # an exported model is shared like the config.json beside it.
+        os.chmod(path, _new_file_mode())
         self._files.append((path, list(self._buffer)))
         self._buffer, self._buffer_bytes = {}, 0
 

@@ -66,6 +66,8 @@ def test_bench_prints_table_and_json_contract(tmp_path):
         assert "error" not in runs[name], runs[name]
         assert len(runs[name]["losses"]) == 3
         assert (tmp_path / f"t-{runs[name]['planner']}" / "metrics.jsonl").is_file()
+        assert runs[name]["host_load_1m"] >= 0 and runs[name]["host_cpus"] >= 1
+    assert isinstance(summary["load_warnings"], list)  # printed above the speedups when any
     tps = {name: runs[name]["tokens_per_s"] for name in ("static", "megatron", "dcp-3level", "dcp")}
     assert summary["speedup_vs_static"] == tps["dcp"] / tps["static"]
     assert summary["speedup_vs_megatron"] == tps["dcp"] / tps["megatron"]

@@ -65,6 +65,8 @@ def run(argv: list[str], *, data: Path, out: Path, extra: list[str]) -> list[dic
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "console.txt").write_text(proc.stdout)
     return read_metrics(metrics)
 
 
@@ -99,6 +101,7 @@ def runs(corpus, tmp_path_factory) -> dict:
             extra=["--save", str(ckpt), "--save-interval", str(RESUME_FROM)],
         )
         result[f"{mode}-ckpt"] = ckpt
+    result["root"] = root
     # Resume the DCP run from its step-5 checkpoint, in a copy that holds only that one.
     resumed = root / "dcp-resume-ckpt"
     resumed.mkdir()
@@ -125,6 +128,15 @@ def test_dcp_plans_give_megatron_static_losses_and_weights(runs):
     assert cp_sizes >= {"1", "2"}, cp_sizes
     assert any(r["plan/recompute_fraction"] > 0 for r in dcp)
     assert all(r["planner"] == "static" for r in static)  # Megatron's own schedule
+    # Megatron's console: the settings DCP overrides, named at start (the static run names
+    # none), and the plan at --log-interval 5 (and the first step's).
+    root = runs["root"]
+    console = (root / "dcp" / "console.txt").read_text()
+    assert "DCP overrides --context-parallel-size 1: " in console
+    assert "DCP overrides --global-batch-size 2: " in console
+    assert "DCP overrides" not in (root / "static" / "console.txt").read_text()
+    steps = re.findall(r"^DCP step (\d+): cp \{", console, re.M)
+    assert steps == ["1", "5", "10"], steps
     w_static = weights(runs["static-ckpt"], STEPS)
     w_dcp = weights(runs["dcp-ckpt"], STEPS)
     assert w_static.keys() == w_dcp.keys() and len(w_static) >= 9

@@ -2,7 +2,8 @@
 
 ``parse_args`` is megatron's ``parse_and_validate_args`` with ``add_dcp_args`` added to the
 parser (an ``extra_args_provider``, usable on its own). ``check_args`` refuses, before anything
-is built, the Megatron settings DCP cannot honour, each with the flag to change.
+is built, the Megatron settings DCP cannot honour, each with the flag to change;
+``overridden_flags`` names those it accepts but replaces with its plans.
 """
 
 from __future__ import annotations
@@ -119,6 +120,44 @@ def _apex_or_te() -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
     return bool(distrib_optimizer.HAVE_APEX_OR_TE)
+
+
+_RECOMPUTE_FLAGS = (
+    ("recompute_granularity", "--recompute-granularity"),
+    ("recompute_method", "--recompute-method"),
+    ("recompute_num_layers", "--recompute-num-layers"),
+    ("recompute_modules", "--recompute-modules"),
+)
+
+
+def overridden_flags(args: argparse.Namespace) -> list[str]:
+    """Under ``--dcp``, one line for each Megatron setting DCP's plans replace (printed at the
+    start of the run, so no flag is silently ignored); empty without ``--dcp``."""
+    if not args.dcp:
+        return []
+    lines = [
+        f"--context-parallel-size {args.context_parallel_size}: the model is built without "
+        "context parallelism; DCP groups ranks into a CP group of its own size for every "
+        "micro-step (the plan lines' cp {size: sequences})",
+        f"--global-batch-size {args.global_batch_size}: each step trains the documents of "
+        f"{args.global_batch_size} packed micro-batches of up to --seq-length "
+        f"{args.seq_length} tokens; how many micro-steps each rank runs is the plan's, not "
+        "global batch / (micro-batch size x data-parallel size)",
+    ]
+    given = [
+        f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        for name, flag in _RECOMPUTE_FLAGS
+        if (value := getattr(args, name, None)) is not None
+    ]
+    if getattr(args, "recompute_activations", False):  # before validation turns it into
+        given.insert(0, "--recompute-activations")  # --recompute-granularity selective
+    if given:
+        lines.append(
+            f"{' '.join(given)}: not applied; DCP sets the recompute level of every micro-step "
+            "(the plan lines' recompute share); for one level for the whole run use "
+            "--dcp-planner static --dcp-static-recompute {none,selective,full}"
+        )
+    return lines
 
 
 def check_args(args: argparse.Namespace) -> None:

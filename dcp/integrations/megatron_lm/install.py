@@ -13,7 +13,9 @@ Inside the block:
   ``DCPForwardBackward``: Megatron's ``train_step`` then runs DCP's plan in place of its schedule
   and keeps everything else (optimizer step, grad clipping, LR schedule, logging, timers,
   checkpoints, W&B);
-- with ``--dcp-metrics`` every ``train_step`` is timed and recorded.
+- with ``--dcp-metrics`` every ``train_step`` is timed and recorded;
+- under ``--dcp`` rank 0 names, one line each, the Megatron settings DCP's plans replace
+  (``overridden_flags``), and the last rank prints each step's plan at ``--log-interval``.
 
 Everything is restored on exit. The model must use an attention that follows per-micro-step CP
 groups: ``with_dcp_attention(layer_spec)``.
@@ -25,17 +27,19 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from dcp.integrations.megatron_lm.args import check_args, planning_config
+from dcp.integrations.megatron_lm.args import check_args, overridden_flags, planning_config
 from dcp.integrations.megatron_lm.data import DocumentBatches, document_dataset
-from dcp.integrations.megatron_lm.records import LoopRecorder
+from dcp.integrations.megatron_lm.records import LoopRecorder, microsteps_path
 from dcp.integrations.megatron_lm.steps import (
     DCPForwardBackward,
     PackedMicroBatches,
     packed_forward_step,
 )
+from dcp.train.calibration import RECORDS_FILENAME
 from megatron_patches.megatron_training import training_on_cpu
 
 logger = logging.getLogger(__name__)
@@ -95,18 +99,20 @@ class MegatronLMRun:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.recorder = LoopRecorder(
-            args.dcp_metrics, planner=args.dcp_planner if args.dcp else "static"
+            args.dcp_metrics,
+            planner=args.dcp_planner if args.dcp else "static",
+            log_interval=args.log_interval,
         )
         self._dataset = None
         self._forward_backward: DCPForwardBackward | None = None
 
     @property
-    def records_dir(self) -> Path:
-        """Where online calibration appends its micro-step records (``microsteps.jsonl``):
-        beside ``--dcp-metrics``, else in ``--save``."""
+    def records_path(self) -> Path:
+        """Where online calibration appends its micro-step records: beside ``--dcp-metrics``,
+        named after it (``microsteps_path``), else ``microsteps.jsonl`` in ``--save``."""
         if self.args.dcp_metrics:
-            return Path(self.args.dcp_metrics).parent
-        return Path(self.args.save)
+            return microsteps_path(self.args.dcp_metrics)
+        return Path(self.args.save) / RECORDS_FILENAME
 
     @property
     def dataset(self):
@@ -193,7 +199,7 @@ class MegatronLMRun:
             calibrator = OnlineCalibrator(
                 planner.cfg,
                 spec=planner.spec,
-                run_dir=self.records_dir,
+                records_path=self.records_path,
                 records=[],  # a resumed run refits from the spec again
             )
         return DCPForwardBackward(
@@ -229,6 +235,9 @@ def install(args: argparse.Namespace) -> Iterator[MegatronLMRun]:
     from megatron.training import training
 
     check_args(args)
+    if os.environ.get("RANK", "0") == "0":  # before torch.distributed is initialised
+        for line in overridden_flags(args):
+            print(f"DCP overrides {line}", flush=True)
     run = MegatronLMRun(args)
     saved = [
         (training, "train_step", training.train_step),

@@ -7,10 +7,15 @@ flat ``plan/...`` keys, non-finite values marked; ``read_metrics`` reads them), 
 backward and optimizer), ``tokens_per_s``, ``lr``, ``grad_norm``, ``skipped``, ``planner`` and,
 for ``--dcp`` runs, ``compute_time_s``, ``predicted_step_time_s``, ``prediction_error``,
 ``plan_time_s``, ``mem_budget_bytes``, ``local_padding_tokens`` (the writing rank's) and the
-plan (``PlanStats`` under ``plan/``), so ``tools.compare_runs`` reads these files too. With
+plan (``PlanStats`` under ``plan/``), and ``host/`` (``HostStats``: load average, CPUs, device),
+so ``tools.compare_runs`` reads these files too. Under ``--dcp`` the last rank prints each
+step's plan at Megatron's ``--log-interval``, before Megatron's own line for the step. With
 Megatron's ``--wandb-project`` the same record goes into Megatron's own W&B run (on the rank that
 holds it), flattened as DCP's trainer logs it (``plan/cp_hist/2``, ...), so
 ``tools.wandb_dashboard``'s panels work on Megatron-loop runs.
+
+Online calibration's micro-step records go beside the step records, named after them
+(``microsteps_path``), so two runs writing into one directory keep theirs apart.
 """
 
 from __future__ import annotations
@@ -24,8 +29,21 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dcp.integrations.megatron_lm.data import DocumentBatch
-from dcp.observability.metrics import encode_record, flatten
-from dcp.observability.record import PlanStats
+from dcp.observability.host import HostStats
+from dcp.observability.metrics import METRICS_FILENAME, encode_record, flatten
+from dcp.observability.record import PLAN_NOTATION, PlanStats
+from dcp.runtime.dispatch import compute_device
+from dcp.train.calibration import RECORDS_FILENAME
+
+
+def microsteps_path(metrics_path: str | Path) -> Path:
+    """Where a ``--dcp-metrics`` run's micro-step records go: beside its step records, named
+    after them (``runs/x/dcp.jsonl`` -> ``runs/x/dcp.microsteps.jsonl``); a file named as a run
+    directory's (``metrics.jsonl``) gets the run directory's ``microsteps.jsonl``."""
+    path = Path(metrics_path)
+    if path.name == METRICS_FILENAME:
+        return path.with_name(RECORDS_FILENAME)
+    return path.with_name(f"{path.stem}.{RECORDS_FILENAME}")
 
 
 def plan_fields(
@@ -64,14 +82,17 @@ def plan_fields(
 
 
 class LoopRecorder:
-    """Times Megatron's ``train_step`` and writes one record per step (global rank 0 writes)."""
+    """Times Megatron's ``train_step`` and writes one record per step (global rank 0 writes);
+    the last rank prints the plan of every ``log_interval``-th step."""
 
-    def __init__(self, path: str | None, *, planner: str) -> None:
+    def __init__(self, path: str | None, *, planner: str, log_interval: int = 1) -> None:
         self.path = Path(path) if path else None
         self.planner = planner
+        self.log_interval = max(1, log_interval)
         self._batch: DocumentBatch | None = None
         self._plan: dict = {}
         self._file = None
+        self._explained = False
 
     def on_batch(self, batch: DocumentBatch) -> None:
         self._batch = batch
@@ -99,12 +120,18 @@ class LoopRecorder:
         loss_reduced, skipped, grad_norm = out[0], out[1], out[5]
         wandb = get_wandb_writer()
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if self._batch is None or not loss_reduced or not ((self.path and rank0) or wandb):
+        if self._batch is None or not loss_reduced:
+            return
+        step = (iteration or 0) + 1
+        if self._plan:
+            self._print_plan(step, self._plan, step_time_s)
+        if not ((self.path and rank0) or wandb):
+            self._plan = {}
             return
         batch = self._batch
         tokens = batch.num_loss_tokens
         record = {
-            "step": (iteration or 0) + 1,
+            "step": step,
             "loss": float(loss_reduced["lm loss"]),
             "tokens": tokens,
             "sequences": len(batch.doc_ids),
@@ -115,6 +142,7 @@ class LoopRecorder:
             "skipped": bool(skipped),
             "planner": self.planner,
             **self._plan,
+            "host": asdict(HostStats.now(device=compute_device().type)),
         }
         self._plan = {}
         if wandb is not None:
@@ -129,6 +157,24 @@ class LoopRecorder:
         line, _ = encode_record(record["step"], record)
         self._file.write(line + "\n")
         self._file.flush()
+
+    def _print_plan(self, step: int, fields: dict, step_time_s: float) -> None:
+        """The plan line of ``step`` on the last rank (where Megatron prints its own log line),
+        at Megatron's ``--log-interval`` and for the first step of the run."""
+        last = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+        if not last or (self._explained and step % self.log_interval):
+            return
+        if not self._explained:
+            print(f"DCP {PLAN_NOTATION}", flush=True)
+            self._explained = True
+        stats = PlanStats(**fields["plan"])
+        print(
+            f"DCP step {step}: {stats.summary()}; micro-steps predicted "
+            f"{fields['predicted_step_time_s']:.2f} s, measured {fields['compute_time_s']:.2f} s "
+            f"(rank {dist.get_rank() if dist.is_initialized() else 0}); "
+            f"train_step {step_time_s:.2f} s",
+            flush=True,
+        )
 
     def close(self) -> None:
         if self._file is not None:

@@ -111,6 +111,22 @@ def test_blend_follows_token_weights_and_is_deterministic(tmp_path):
     )
 
 
+def test_a_weighted_blend_logs_each_sources_share(tmp_path, caplog):
+    a = _write(tmp_path / "a", [_doc(i, 50) for i in range(40)])  # 2,000 tokens
+    b = _write(tmp_path / "b", [_doc(i, 100) for i in range(5)])  # 500 tokens
+    with caplog.at_level("INFO", logger="dcp.data.indexed"):
+        ds = _open(a, b, weights=(0.5, 0.5), blend_num_tokens=2_000, seed=0)
+    (line,) = [r.getMessage() for r in caplog.records if "blend" in r.getMessage()]
+    shares = [n / ds.num_tokens for n in ds.stats["tokens_per_source"]]
+    assert line.startswith(f"blend of 2 sources, {ds.num_tokens:,} tokens by share: ")
+    # b holds 500 tokens, so its half of ~2,000 takes about two passes over it.
+    assert f"{a} {shares[0]:.1%} (weight 50.0%, " in line
+    assert f"{b} {shares[1]:.1%} (weight 50.0%, 2.00 passes)" in line
+    with caplog.at_level("INFO", logger="dcp.data.indexed"):
+        _open(a, b)
+    assert sum("blend" in r.getMessage() for r in caplog.records) == 1  # unweighted: no line
+
+
 def test_config_validation_and_tokenizer_mismatch(tmp_path):
     with pytest.raises(ValueError, match="IndexedDataConfig.prefixes"):
         IndexedDataConfig(prefixes=())

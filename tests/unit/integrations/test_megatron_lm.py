@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dcp.integrations import megatron_lm as dcp_mlm
-from dcp.integrations.megatron_lm.args import planning_config
-from dcp.integrations.megatron_lm.data import DocumentBatches
+from dcp.integrations.megatron_lm.args import overridden_flags, planning_config
+from dcp.integrations.megatron_lm.data import DocumentBatch, DocumentBatches
+from dcp.integrations.megatron_lm.records import LoopRecorder, microsteps_path
+from dcp.observability.metrics import read_metrics
+from dcp.observability.record import PLAN_NOTATION
 
 
 def megatron_args(*argv: str) -> argparse.Namespace:
@@ -178,3 +182,78 @@ def test_a_distributed_optimizer_resume_without_apex_or_te_is_refused(tmp_path):
     else:
         with pytest.raises(ValueError, match="cannot resume its distributed optimizer"):
             dcp_mlm.check_args(args)
+
+
+def test_megatron_flags_dcp_overrides_are_named_one_line_each():
+    args = megatron_args(
+        *GOOD,
+        "--dcp",
+        "--global-batch-size",
+        "4",
+        "--seq-length",
+        "4096",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    )
+    cp, batch, recompute = overridden_flags(args)
+    assert cp.startswith("--context-parallel-size 1: the model is built without context")
+    assert batch.startswith("--global-batch-size 4: each step trains the documents of 4 packed")
+    assert recompute.startswith(
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1: "
+        "not applied; DCP sets the recompute level of every micro-step"
+    )
+    assert "--dcp-planner static --dcp-static-recompute" in recompute
+    # Megatron's shorthand for selective recompute is named as given.
+    shorthand = megatron_args(*GOOD, "--dcp", "--recompute-activations")
+    assert overridden_flags(shorthand)[-1].startswith("--recompute-activations: not applied")
+    # Without recompute flags only the two lines DCP always overrides; without --dcp, none.
+    assert len(overridden_flags(megatron_args(*GOOD, "--dcp"))) == 2
+    assert overridden_flags(megatron_args(*GOOD, "--recompute-granularity", "full")) == []
+
+
+def test_microstep_records_are_named_after_the_metrics_file():
+    """Two runs writing step records into one directory keep their micro-step records apart."""
+    assert microsteps_path("runs/m/dcp.jsonl") == Path("runs/m/dcp.microsteps.jsonl")
+    assert microsteps_path("runs/m/static.jsonl") == Path("runs/m/static.microsteps.jsonl")
+    assert microsteps_path("runs/m/metrics.jsonl") == Path("runs/m/microsteps.jsonl")
+    run = dcp_mlm.MegatronLMRun(megatron_args(*GOOD, "--dcp", "--dcp-metrics", "r/a.jsonl"))
+    assert run.records_path == Path("r/a.microsteps.jsonl")
+    run = dcp_mlm.MegatronLMRun(megatron_args(*GOOD, "--dcp", "--save", "ckpt"))
+    assert run.records_path == Path("ckpt/microsteps.jsonl")
+
+
+def _train_step(loss):
+    """What megatron's train_step returns: (loss_reduced, skipped, ..., grad_norm, ...)."""
+    return lambda *args, **kwargs: ({"lm loss": loss}, False, False, False, 0, 1.0, None, None)
+
+
+def test_the_plan_is_printed_at_megatrons_log_interval(tmp_path, capsys):
+    recorder = LoopRecorder(str(tmp_path / "dcp.jsonl"), planner="dcp", log_interval=2)
+    step = recorder.wrap(_train_step(2.0))
+    batch = DocumentBatch(doc_ids=(0, 1), lengths=(9, 5), bins=((0,), (1,)), step=0)
+    stats = {
+        "cp_hist": {"1": 1, "2": 1},
+        "recompute_fraction": 0.5,
+        "micro_steps_per_rank": [2, 1],
+        "micro_steps_max": 2,
+        "micro_steps_min": 1,
+        "num_micro_steps": 2,
+        "predicted_imbalance": 1.1,
+    }
+    for iteration in range(4):
+        recorder.on_batch(batch)
+        recorder.on_plan({"predicted_step_time_s": 1.5, "compute_time_s": 1.25, "plan": stats})
+        step(iteration=iteration)
+    recorder.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"DCP {PLAN_NOTATION}"
+    plan = "cp {1:1, 2:1} recompute 50% micro-steps [2,1]; micro-steps predicted 1.50 s"
+    assert [line.split(":")[0] for line in lines[1:]] == ["DCP step 1", "DCP step 2", "DCP step 4"]
+    assert all(line.split(": ", 1)[1].startswith(plan) for line in lines[1:])
+    records = read_metrics(tmp_path / "dcp.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[0]["host/device"] == "cpu" and records[0]["host/cpus"] >= 1

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import html
 import json
 import math
 
 import pytest
 
-from dcp.observability.metrics import MetricsConfig, MetricsLogger
+from dcp.observability.compare import (
+    MEMORY_NOTE,
+    distinct_labels,
+    line_panels_of,
+    load_run,
+    report_notes,
+)
+from dcp.observability.metrics import MetricsConfig, MetricsLogger, encode_record
 from tools.compare_runs import compare_runs, main
 
 
@@ -122,3 +130,102 @@ def test_cli_errors_for_missing_and_empty_metrics(tmp_path, capsys):
     assert "holds no per-step records" in capsys.readouterr().err
     assert main([str(tmp_path / "ok"), "--out", str(tmp_path / "r1")]) == 0
     assert (tmp_path / "r1" / "comparison.html").is_file()
+
+
+def _write_file(path, *, step_time_s, load=None, device=None, mfu=None, steps=12):
+    """A metrics file as a Megatron-loop run's --dcp-metrics writes it (any name, any dir)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for step in range(1, steps + 1):
+            record = {
+                "loss": 6.0 - 0.1 * step,
+                "tokens": 1000,
+                "step_time_s": step_time_s,
+                "tokens_per_s": 1000 / step_time_s,
+                "peak_mem_bytes": 1_280_000_000,
+                "mem_budget_bytes": 98_000_000.0,
+            }
+            if mfu is not None:
+                record["mfu"] = mfu
+            if load is not None:
+                record["host"] = {"load_1m": load, "cpus": 2, "device": device or "cpu"}
+            f.write(encode_record(step, record)[0] + "\n")
+    return path
+
+
+def test_metrics_files_of_one_directory_are_labelled_by_their_stems(tmp_path, capsys):
+    """README's Megatron pair writes runs/megatron-lm/{static,dcp}.jsonl: two labels, two
+    time-to-loss columns (one directory's name for both collapsed them into one)."""
+    static = _write_file(tmp_path / "megatron-lm" / "static.jsonl", step_time_s=2.0)
+    dcp = _write_file(tmp_path / "megatron-lm" / "dcp.jsonl", step_time_s=1.0)
+    result = compare_runs([static, dcp], tmp_path / "r")
+    assert [row["run"] for row in result["rows"]] == ["static", "dcp"]
+    assert all(set(level["seconds"]) == {"static", "dcp"} for level in result["time_to_loss"])
+    assert main([str(static), str(dcp), "--out", str(tmp_path / "r2")]) == 0
+    printed = capsys.readouterr().out
+    assert "static " in printed and "dcp " in printed and "(2.00x)" in printed
+    # A run directory, or its metrics.jsonl, is named after the directory; equal names gain
+    # their parent's.
+    a = _write_file(tmp_path / "a" / "dcp" / "metrics.jsonl", step_time_s=1.0)
+    b = _write_file(tmp_path / "b" / "dcp" / "metrics.jsonl", step_time_s=1.0)
+    assert distinct_labels([a.parent, b]) == ["a/dcp", "b/dcp"]
+    assert distinct_labels([static, a]) == ["static", "dcp"]
+    with pytest.raises(ValueError, match="--labels must differ"):
+        compare_runs([static, dcp], tmp_path / "r3", labels=["x", "x"])
+
+
+@pytest.mark.parametrize(
+    ("loads", "expected"),
+    [
+        ((2.1, 2.3), []),  # two ranks on a quiet 2-core host
+        (
+            (4.0, 4.2),
+            [
+                "quiet ran on a busy host (median load average 4.0 on 2 CPUs)",
+                "busy ran on a busy host (median load average 4.2 on 2 CPUs)",
+            ],
+        ),
+        (
+            (2.0, 4.0),
+            [
+                "busy ran on a busy host (median load average 4.0 on 2 CPUs)",
+                "ran under different host loads (quiet 2.0 on 2 CPUs, busy 4.0 on 2)",
+            ],
+        ),
+        ((15.4, 16.9), ["quiet ran on a busy host", "busy ran on a busy host"]),  # alike
+        ((None, 2.0), ["no host load recorded for quiet"]),
+    ],
+)
+def test_busy_or_different_host_loads_are_warned_before_the_ratios(
+    tmp_path, capsys, loads, expected
+):
+    quiet = _write_file(tmp_path / "quiet.jsonl", step_time_s=1.0, load=loads[0])
+    busy = _write_file(tmp_path / "busy.jsonl", step_time_s=1.5, load=loads[1])
+    assert main([str(quiet), str(busy), "--out", str(tmp_path / "r")]) == 0
+    printed = capsys.readouterr().out
+    notes = [line for line in printed.splitlines() if line.startswith(("warning:", "note:"))]
+    assert len(notes) == len(expected), notes
+    for text in expected:
+        assert any(text in line for line in notes), (text, notes)
+    # Before the table, and on the page.
+    if expected:
+        assert printed.index(notes[0]) < printed.index("mean_tokens_per_s")
+        assert expected[0] in (tmp_path / "r" / "comparison.html").read_text()
+    rows = json.loads((tmp_path / "r" / "comparison.json").read_text())
+    assert [row["median_host_load"] for row in rows] == [
+        None if v is None else pytest.approx(v) for v in loads
+    ]
+
+
+def test_cpu_runs_have_no_mfu_panel_and_the_memory_budget_is_explained(tmp_path):
+    cpu = load_run(_write_file(tmp_path / "cpu.jsonl", step_time_s=1.0, load=2.0, mfu=0.4))
+    gpu = load_run(
+        _write_file(tmp_path / "gpu.jsonl", step_time_s=1.0, load=2.0, mfu=0.4, device="cuda")
+    )
+    assert "mfu" not in [key for key, _ in line_panels_of([cpu])]
+    assert "mfu" in [key for key, _ in line_panels_of([cpu, gpu])]
+    (note,) = report_notes([cpu, gpu])
+    assert note.startswith("note: MFU not drawn for cpu: CPU runs")
+    result = compare_runs([tmp_path / "cpu.jsonl"], tmp_path / "r")
+    page = result["html"].read_text()
+    assert html.escape(MEMORY_NOTE) in page and "MFU not drawn for cpu" in page

@@ -77,3 +77,46 @@ def test_a_recipe_that_cannot_fit_exits_1(capsys):
     captured = capsys.readouterr()
     assert code == 1 and "fits no CP size" in captured.err
     assert json.loads(captured.out.strip().splitlines()[-1])["fits"] is False
+
+
+def test_the_length_asked_is_answered_or_refused_with_the_key_to_change(capsys):
+    """model.max_seq_len=262144 on the 8B recipe used to answer for the data cap's 131,071
+    tokens without saying so."""
+    config = str(REPO / "pretrain/configs/llama3_8b_h200.yaml")
+    assert tool.main(["--config", config, "model.max_seq_len=262144"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: model.max_seq_len=262144 asks about 262,144-token sequences, but "
+        "data.indexed.max_doc_len=131072 caps the recipe's longest at 131,071; to ask about "
+        "262,144 tokens also set data.indexed.max_doc_len=262145"
+    )
+    longer = ["model.max_seq_len=262144", "data.indexed.max_doc_len=262145"]
+    assert tool.main(["--config", config, *longer]) == 0
+    printed = capsys.readouterr().out
+    out = json.loads(printed.strip().splitlines()[-1])
+    assert out["longest_seq_len"] == 262144
+    assert out["longest_seq_len_from"] == "model.max_seq_len=262144"
+    assert "longest sequence 262,144 tokens (model.max_seq_len=262144):" in printed
+    # Without the override the recipe's own cap answers, and the line names it.
+    assert tool.main(["--config", config]) == 0
+    printed = capsys.readouterr().out
+    assert "longest sequence 131,071 tokens (data.indexed.max_doc_len=131072):" in printed
+    # The model's own length with the recipe's cap is the same question (n tokens train n - 1).
+    assert tool.main(["--config", config, "model.max_seq_len=131072"]) == 0
+    capsys.readouterr()
+
+
+def test_recompute_levels_are_named_by_their_megatron_settings(capsys):
+    from dcp.plan import SELECTIVE_RECOMPUTE_MODULES, Recompute
+    from megatron_patches.recompute import SELECTIVE_MODULES
+
+    assert SELECTIVE_MODULES == SELECTIVE_RECOMPUTE_MODULES  # what runs is what is said
+    assert tool.main(["--config", str(REPO / "pretrain/configs/llama3_8b_h200.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index("recompute levels, as megatron-core TransformerConfig settings:")
+    legend = lines[header + 1 : header + 4]
+    assert [line.split()[0] for line in legend] == ["none", "selective", "full"]
+    assert "recompute_modules=['core_attn', 'mlp']" in legend[1]
+    assert "megatron's default modules are ['core_attn'] alone" in legend[1]
+    assert legend[2].endswith(Recompute.FULL.megatron_settings)
+    assert lines[header + 4].split()[:2] == ["cp", "recompute"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ import pytest
 from dcp.data.indexed import megatron_indexed_dataset
 from dcp.data.lengths import corpus_doc_lengths
 from tools import simulate as simulate_cli
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _run(tmp_path, data, *extra) -> dict:
@@ -114,3 +118,12 @@ def test_every_plan_made_is_reported_to_the_progress_display():
     )
     plans = sum(len(v["plan_ms"]) for v in row.values() if isinstance(v, dict) and "plan_ms" in v)
     assert len(made) == plans >= 4 * len(batches)  # dcp, three-level, static, oracle, megatron
+
+
+def test_help_names_folders_that_exist(capsys):
+    """``--help`` named dcp/profiles, a folder that does not exist."""
+    with pytest.raises(SystemExit):
+        simulate_cli.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    folders = re.findall(r"\bdcp/[\w/]+", text)
+    assert folders and all((REPO / f).is_dir() for f in folders), folders

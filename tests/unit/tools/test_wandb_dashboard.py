@@ -20,7 +20,9 @@ from dcp.observability.dashboard import (
     workspace_from_json,
     workspace_to_json,
 )
+from dcp.observability.host import HostStats
 from dcp.observability.metrics import MetricsConfig, MetricsLogger, flatten, read_metrics
+from dcp.observability.preview import RunData, panel_lines, preview_panels
 from dcp.observability.record import PlanStats, StepRecord
 from dcp.observability.run_info import write_run_config
 from dcp.planning import plan_batch, simulate
@@ -36,7 +38,7 @@ RUNS = {
 }
 
 
-def write_run(runs_dir, name, planner, options, mode, *, mfu=True):
+def write_run(runs_dir, name, planner, options, mode, *, mfu=True, device=None):
     """A run directory as the trainer writes it: config.yaml and metrics.jsonl (the project's
     own writer), each step's record built from a real plan of the run's planner."""
     from dcp.planning import planner_options
@@ -80,6 +82,7 @@ def write_run(runs_dir, name, planner, options, mode, *, mfu=True):
                 mfu=0.3 if mfu else None,
                 optimizer_state_bytes=[1000, 1000],
                 padding_tokens=4 * step,
+                host=HostStats(load_1m=1.0, cpus=2, device=device) if device else None,
             )
             log.log(step, record.to_dict())
     return run_dir
@@ -199,6 +202,7 @@ def logged_keys_of_schema() -> list[str]:
     """Every key a StepRecord writes (optional ones set)."""
     fields = {f: 0 for f in StepRecord.__dataclass_fields__}
     fields["plan"] = {f: 0 for f in PlanStats.__dataclass_fields__}
+    fields["host"] = {f: 0 for f in HostStats.__dataclass_fields__}
     return list(flatten(fields))
 
 
@@ -244,3 +248,49 @@ def test_bench_offers_the_dashboard_of_its_runs(bench_runs):
         "tools.wandb_dashboard",
         *[str(d) for d in dirs],
     ]
+
+
+def test_a_local_preview_draws_the_workspaces_panels(bench_runs, no_network, tmp_path, capsys):
+    """Without a W&B account: the panels of the JSON about to be published, drawn from the
+    runs' metrics.jsonl into an HTML page and a PNG beside it."""
+    _, dirs = bench_runs
+    out = tmp_path / "ws.json"
+    assert main([*map(str, dirs), "--out", str(out)]) == 0
+    page, png = tmp_path / "ws.preview.html", tmp_path / "ws.preview.png"
+    assert f"preview: {page} (and {png.name})" in capsys.readouterr().out
+    image = png.read_bytes()
+    assert image.startswith(b"\x89PNG") and len(image) > 50_000
+    html = page.read_text()
+    assert "data:image/png;base64," in html and "--publish" in html
+    workspace = workspace_from_json(json.loads(out.read_text()))
+    panels = preview_panels(workspace)
+    assert len(panels) == sum(len(s.panels) for s in workspace.sections) > 10
+    for panel in panels:  # every panel of the JSON is drawn (each has logged keys)
+        assert f"<td>{panel.section}</td><td>{panel.title}</td>" in html.replace("&#x27;", "'")
+    # The lines are the records: loss against the sum of step times, one line per run.
+    data = [RunData.read(read_run(d)) for d in dirs]
+    wall = next(p for p in panels if p.title == "loss vs wall-clock time (s)")
+    lines = panel_lines(wall, data)
+    assert [line.label for line in lines] == [d.name for d in dirs]
+    for line, run_dir in zip(lines, dirs, strict=True):
+        records = read_metrics(run_dir)
+        assert line.ys == tuple(r["loss"] for r in records)
+        assert line.xs == pytest.approx(
+            [sum(r["step_time_s"] for r in records[: i + 1]) for i in range(len(records))]
+        )
+    cp = next(p for p in panels if p.title == "sequences per CP degree")
+    logged = {k for d in dirs for k in logged_keys(d) if k.startswith("plan/cp_hist/")}
+    assert {line.label.split(": ")[1] for line in panel_lines(cp, data)} == logged
+
+
+def test_cpu_runs_get_no_mfu_panel_and_a_memory_title_that_says_what_it_holds(tmp_path):
+    run = read_run(write_run(tmp_path, "cpu", "dcp", {}, "disabled", device="cpu"))
+    assert run.on_cpu
+    workspace, missing = build_workspace([run], entity="", project="p")
+    titles = {p.title for s in workspace.sections for p in s.panels}
+    assert "MFU" not in titles
+    assert any(m.startswith("Throughput / MFU: CPU runs") for m in missing)
+    assert any(t.startswith("CPU runs: peak resident set") for t in titles)
+    gpu = read_run(write_run(tmp_path, "gpu", "dcp", {}, "disabled", device="cuda"))
+    workspace, _ = build_workspace([gpu], entity="", project="p")
+    assert "MFU" in {p.title for s in workspace.sections for p in s.panels}

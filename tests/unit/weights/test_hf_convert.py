@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import stat
 
 import pytest
 import torch
@@ -65,6 +66,8 @@ def test_vocab_padding_rows_are_zero_in_dcp_and_dropped_on_export(hf_dirs, tmp_p
     assert torch.count_nonzero(emb[:300]) > 0
     out = dcp_to_hf(ckpt, tmp_path / "hf")
     assert _tensors(out)["model.embed_tokens.weight"].shape[0] == 300
+    mode = stat.S_IMODE((out / "model.safetensors").stat().st_mode)
+    assert mode == stat.S_IMODE((out / "config.json").stat().st_mode)  # safetensors: 0600
 
 
 def test_export_shards_and_reimports(hf_dirs, tmp_path):
@@ -73,6 +76,9 @@ def test_export_shards_and_reimports(hf_dirs, tmp_path):
     index = json.loads((out / SAFETENSORS_INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    # Readable as config.json is (safetensors itself writes 0600).
+    modes = {stat.S_IMODE((out / name).stat().st_mode) for name in [*shards, "config.json"]}
+    assert modes == {stat.S_IMODE((out / "config.json").stat().st_mode)}, modes
     assert _tensors(out).keys() == _tensors(hf_dirs["qwen2"]).keys()
     again = dcp_to_hf(hf_to_dcp(out, tmp_path / "dcp2"), tmp_path / "hf2")
     for name, tensor in _tensors(again).items():
