@@ -226,6 +226,8 @@ def barrier(group=None) -> None:
 def all_gather_object(obj: object, *, group=None) -> list:
     """Every member's ``obj`` (pickled by torch). Only for values this process made itself
     (statuses, times): never for anything read from a file."""
+    if not dist.is_initialized():  # a world of one
+        return [obj]
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

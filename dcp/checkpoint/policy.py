@@ -80,8 +80,14 @@ class Checkpointer:
         return self.saver.status()
 
     def observe(self, status: int) -> None:
-        """Act on the step's reduced writer status: publish a finished save, or fail."""
-        self.saver.observe(status)
+        """Act on the step's reduced writer status: publish a finished save, or fail (naming
+        the newest complete checkpoint)."""
+        try:
+            self.saver.observe(status)
+        except CheckpointSaveError as exc:
+            raise CheckpointSaveError(
+                f"{exc}; the newest complete checkpoint is {self.newest()}"
+            ) from exc
 
     def wait(self) -> Path | None:
         """The pending save, finished and published (a collective when one is pending)."""

@@ -52,7 +52,7 @@ from dcp.checkpoint.layout import (
 from dcp.checkpoint.rng import rng_tensors
 from dcp.checkpoint.state import LocalTensor, OptimizerPiece, writers
 from dcp.checkpoint.tensorfile import NAMES, TensorFileWriter
-from dcp.collectives import MAX, all_reduce_int, note_host_wait, phase
+from dcp.collectives import MAX, all_gather_object, all_reduce_int, note_host_wait, phase
 from dcp.files import fsync_dir, load_json, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -328,11 +328,13 @@ class CheckpointSaver:
             return None
         step, self.pending = self.pending, None
         if status >= FAILED:
-            failed = status - FAILED
-            own = f": {self._error}" if failed == self.rank and self._error else ""
+            # Every rank is here in the same step (the status is a max over ranks): each says
+            # what the first rank that failed saw, not only that some rank did.
+            errors = all_gather_object(None if self._error is None else str(self._error))
+            failed, error = next((r, e) for r, e in enumerate(errors) if e is not None)
             raise CheckpointSaveError(
-                f"checkpoint save of step {step} under {self.root} failed on rank {failed}"
-                f"{own}; nothing was published"
+                f"checkpoint save of step {step} under {self.root} failed on rank {failed} "
+                f"({error}); nothing was published"
             )
         if self.rank == 0:
             try:

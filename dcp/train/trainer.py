@@ -403,6 +403,7 @@ class Trainer:
                     skip_nonfinite=cfg.train.on_nonfinite == "skip",
                     scalars=scalars,
                 )
+                self.checkpoints.observe(int(stats.reduced["checkpoint"][0]))
                 with phase(f"the metrics record of step {step}"):
                     record = self.recorder.record(
                         step, stats, planned, plan_time_s, plan_wait_s=plans.wait_s
@@ -415,7 +416,6 @@ class Trainer:
                 self.metrics.log(step, record.to_dict())
                 self.metrics.note(f"step {step}: {record.plan.summary()}")
                 records.append(record)
-                self.checkpoints.observe(int(stats.reduced["checkpoint"][0]))
                 skips.check(step, newest=self.checkpoints.newest)
                 stopping = stats.reduced["stop"][0] > 0
                 if self.checkpoints.due(step) or stopping:

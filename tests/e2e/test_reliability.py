@@ -51,11 +51,21 @@ def kill_job(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s: float = 240):
+def _wait_for_steps(
+    proc: subprocess.Popen,
+    run_dir: Path,
+    steps: int,
+    timeout_s: float = 240,
+    *,
+    checkpoint: bool = False,
+):
+    """Until ``steps`` steps are logged (and, with ``checkpoint``, a checkpoint is published:
+    an asynchronous save is published a step or more after the step it saves)."""
     deadline = time.monotonic() + timeout_s
     path = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= steps:
+        published = not checkpoint or (run_dir / "checkpoints" / "latest").exists()
+        if published and path.exists() and len(path.read_text().splitlines()) >= steps:
             return
         if proc.poll() is not None:
             pytest.fail(f"the run ended before step {steps}:\n{proc.stdout.read()[-3000:]}")
@@ -123,7 +133,7 @@ def test_killed_rank_is_recovered_with_every_step_trained_once(reference, tmp_pa
     supervise = [sys.executable, "-m", "pretrain.supervise", "--max-restarts", "2"]
     proc = start([*supervise, "--delay-s", "1", "--", *command(tmp_path, "recovered", *FAST)])
     run_dir = tmp_path / "recovered"
-    _wait_for_steps(proc, run_dir, 3)
+    _wait_for_steps(proc, run_dir, 3, checkpoint=True)
     torchrun = _children(proc.pid)[0]
     os.kill(_worker(torchrun, rank=1), signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
@@ -150,7 +160,7 @@ def _running(pid: int) -> bool:
 def test_killing_the_launcher_takes_its_workers_along_and_a_rerun_resumes(reference, tmp_path):
     proc = launch(tmp_path, "orphans", *FAST)
     run_dir = tmp_path / "orphans"
-    _wait_for_steps(proc, run_dir, 3)
+    _wait_for_steps(proc, run_dir, 3, checkpoint=True)
     workers = _children(proc.pid)
     assert len(workers) == 2, workers
     os.kill(proc.pid, signal.SIGKILL)  # torchrun alone: its workers run in sessions of their own

@@ -132,7 +132,7 @@ def test_one_checkpoint_directory_has_one_writer(tmp_path):
     shared = f"checkpoint.root_dir={tmp_path / 'shared'}"
     first = launch(tmp_path, "first", *FAST, "train.steps=400", shared)
     try:
-        _wait_for_steps(first, tmp_path / "first", 3)  # step 2's checkpoint is written
+        _wait_for_steps(first, tmp_path / "first", 3, checkpoint=True)
         proc = launch(tmp_path, "second", *FAST, shared)
         out = proc.communicate(timeout=180)[0]
         assert proc.returncode != 0, out[-3000:]
