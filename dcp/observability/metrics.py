@@ -293,8 +293,12 @@ class MetricsLogger:
 
     def _open_jsonl(self, start_step: int) -> None:
         if start_step > 0 and self.metrics_path.exists():
-            lines = self.metrics_path.read_text(encoding="utf-8").split("\n")
-            kept = [ln for ln in lines if (st := _line_step(ln)) is not None and st <= start_step]
+            lines = iter_lines(self.metrics_path, what="metrics file")
+            kept = [
+                ln.rstrip("\n")
+                for _, ln in lines
+                if (st := _line_step(ln)) is not None and st <= start_step
+            ]
             tmp = self.metrics_path.with_name(f".{METRICS_FILENAME}.tmp-{os.getpid()}")
             tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
             os.replace(tmp, self.metrics_path)
@@ -401,9 +405,9 @@ class MetricsLogger:
 
 def _line_step(line: str) -> int | None:
     try:
-        step = json.loads(line).get("step")
+        step = parse_json(line, source="the line").get("step")
     except (ValueError, AttributeError):
-        return None  # a truncated tail line of the crashed run
+        return None  # a truncated tail line of the crashed run, or not a record
     return step if isinstance(step, int) else None
 
 

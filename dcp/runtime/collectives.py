@@ -23,23 +23,33 @@ from datetime import timedelta
 import torch.distributed as dist
 
 _state = threading.local()
+_PHASE_ATTR = "collective_phase"
 
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Within the block, this thread is in collective phase ``name`` (nesting restores)."""
+    """Within the block, this thread is in collective phase ``name`` (nesting restores). An
+    error leaving the block carries the innermost phase it left (``phase_of``): the handler
+    that words a timeout runs after the block has exited."""
     previous = getattr(_state, "phase", None)
     _state.phase = name
     try:
         yield
+    except Exception as exc:
+        exc.__dict__.setdefault(_PHASE_ATTR, name)
+        raise
     finally:
         _state.phase = previous
 
 
-def current_phase() -> str:
-    """Where this thread waits, worded to follow "in" or "outside" a phase."""
-    phase_name = getattr(_state, "phase", None)
-    return f"in {phase_name}" if phase_name else "outside any collective phase"
+def current_phase() -> str | None:
+    """The collective phase this thread is in, if any."""
+    return getattr(_state, "phase", None)
+
+
+def phase_of(exc: BaseException) -> str | None:
+    """The phase ``exc`` was raised in (it left that ``phase`` block), else the current one."""
+    return getattr(exc, _PHASE_ATTR, None) or current_phase()
 
 
 def all_reduce_int(value: int, *, op: dist.ReduceOp = dist.ReduceOp.SUM) -> int:
@@ -68,9 +78,11 @@ class CollectiveTimeout(RuntimeError):
 
     @classmethod
     def from_error(cls, exc: BaseException, *, timeout_s: float, step: int) -> CollectiveTimeout:
+        where = phase_of(exc)
+        where = f"in {where}" if where else "outside any collective phase"
         return cls(
             f"rank {dist.get_rank()} of {dist.get_world_size()}: no answer within "
-            f"{timeout_s:g} s {current_phase()} at step {step}; another rank is stuck or dead "
+            f"{timeout_s:g} s {where} at step {step}; another rank is stuck or dead "
             f"(distributed.timeout_s sets the limit). Backend said: {str(exc).strip()[:300]}"
         )
 
