@@ -265,7 +265,9 @@ def _fsync_dir(path: Path) -> None:
 
 def _default_barrier() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        from dcp.collectives import barrier
+
+        barrier()
 
 
 def save_checkpoint(

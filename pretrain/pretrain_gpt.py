@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import dcp
 from dcp import console
-from dcp.runtime.collectives import CollectiveTimeout
+from dcp.collectives import CollectiveTimeout
 from dcp.schema import load_config
 from dcp.train.agree import ONE_LINE_ERRORS, RankFailure, agree, exit_code, one_line
 from dcp.train.config import DistributedConfig, PretrainConfig

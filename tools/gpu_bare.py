@@ -8,11 +8,17 @@ calibrated spec, under ``--out-dir``:
 - ``versions``: Python, torch, CUDA, cuDNN, megatron-core, the device;
 - ``parity``: a small model's loss and every gradient on the device, fp32 and bf16, recompute
   none / selective / full, against a CPU fp64 reference with the same weights;
-- ``runtime_steps``: ten ``Runtime.train_step`` calls in bf16 at world size 1;
+- ``runtime_steps``: ten ``Runtime.train_step`` calls in bf16 at world size 1, with the host
+  syncs of each step (DCP's own count, and every synchronising CUDA call torch's sync debug
+  mode reports; the last two steps run one micro-step per sequence);
 - ``mfu``: two Llama-3-8B-shaped layers at 16K and 64K tokens of packed mixed-length documents,
   bf16, against the device's dense bf16 peak;
 - ``calibration``: the cost model's compute terms fitted to micro-steps timed here
   (``calibrated_spec.json``) and the fit's error;
+- ``entry_point``: ``pretrain.pretrain_gpt`` launched with torchrun (NCCL, world size 1, bf16):
+  ten steps straight, and the same ten as five, a checkpoint and a resume, with both loss lists;
+- ``megatron_loop``: ``pretrain.pretrain_gpt_megatron --dcp`` (Megatron-LM's loop), four
+  iterations on the standard-library corpus;
 - ``cp2``: CP = 2 with two processes on the one GPU, over NCCL or else gloo, or why neither.
 
 Exit code 0 when every check passed (CP = 2 failing to start is reported, not a failure), 1
@@ -74,6 +80,14 @@ class Sizes:
     calibration_samples: int
     cp_timeout_s: float
     """Per backend: two processes importing megatron-core, then one CP = 2 micro-step."""
+    entry_steps: int = 10
+    """``pretrain.pretrain_gpt`` steps (a checkpoint halfway, then a resume)."""
+    entry_tiny: bool = False
+    """The entry point with the tests' tiny model instead of the demo's."""
+    megatron_iterations: int = 4
+    """``pretrain.pretrain_gpt_megatron --dcp`` iterations."""
+    launch_timeout_s: float = 150.0
+    """Per launch of an entry point (imports included)."""
     seed: int = 11
 
 
@@ -116,6 +130,10 @@ TINY_SIZES = Sizes(
     calibration_shapes=[(16,), (64,), (128,), (8,) * 8, (32, 16, 8)],
     calibration_samples=2,
     cp_timeout_s=180.0,
+    entry_steps=4,
+    entry_tiny=True,
+    megatron_iterations=2,
+    launch_timeout_s=300.0,
 )
 
 
@@ -177,6 +195,7 @@ def _verdicts(results: dict, peak_tflops: float | None) -> list[str]:
     cp2 = results["cp2"]
     if "error" in cp2 or (cp2["backend"] and not cp2["ok"]):
         failed.append("cp2")
+    failed += [name for name in ("entry_point", "megatron_loop") if not results[name]["ok"]]
     return failed
 
 
@@ -184,6 +203,7 @@ def run_checks(*, device: str, sizes: Sizes, out_dir: Path, peak_tflops: float |
     """Every check of the bare path on ``device`` (this process must be rank 0 of a world of
     one, megatron's patches applied); the summary dict, also written to ``summary.json``."""
     from dcp.train.bare_check.cp2 import cp2_on_one_device
+    from dcp.train.bare_check.entry import entry_point, megatron_loop
     from dcp.train.bare_check.parity import device_parity, fp64_reference, runtime_steps
     from dcp.train.bare_check.perf import bf16_peak_tflops, calibrate, measure_mfu
 
@@ -215,6 +235,12 @@ def run_checks(*, device: str, sizes: Sizes, out_dir: Path, peak_tflops: float |
             samples=s.calibration_samples,
             spec_path=out_dir / "calibrated_spec.json",
             device=device,
+        ),
+        "entry_point": lambda: entry_point(
+            device=device, steps=s.entry_steps, tiny=s.entry_tiny, timeout_s=s.launch_timeout_s
+        ),
+        "megatron_loop": lambda: megatron_loop(
+            device=device, iterations=s.megatron_iterations, timeout_s=s.launch_timeout_s
         ),
         "cp2": lambda: cp2_on_one_device(
             s.parity_model,

@@ -7,17 +7,18 @@
 #   python3 -m pip install --no-index --no-deps --find-links FOLDER FOLDER/*.whl
 #   python3 -m tools.gpu_check --bare
 #
-# megatron-core 0.19.2 needs torch, numpy and packaging; the bare check's own imports add pyyaml.
+# megatron-core 0.19.2 needs torch, numpy and packaging; the bare check's own imports add pyyaml,
+# and the entry points it launches (pretrain.pretrain_gpt, pretrain.pretrain_gpt_megatron) tqdm.
 # Every wheel is fetched with --no-deps so that torch (and its CUDA libraries) never is: the GPU
-# machine's own torch stays. wandb, matplotlib, tqdm, safetensors and psutil are not needed by
-# the bare check (tests/distributed/test_gpu_bare.py blocks wandb and matplotlib while it runs).
+# machine's own torch stays. wandb, matplotlib, safetensors and psutil are not needed by the
+# bare check (tests/distributed/test_gpu_bare.py makes them unimportable while it runs).
 # The versions are requirements.txt's pins; packaging is megatron-core's floor.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FOLDER="${1:-.whl}"
 PY="${PYTHON:-.venv/bin/python}"
 pin() { grep -E "^$1==" requirements.txt | head -n1; }
-PACKAGES=("$(pin megatron-core)" "$(pin numpy)" "$(pin pyyaml)" "packaging==25.0")
+PACKAGES=("$(pin megatron-core)" "$(pin numpy)" "$(pin pyyaml)" "$(pin tqdm)" "packaging==25.0")
 for p in "${PACKAGES[@]}"; do
   [[ "$p" == *==* ]] || { echo "error: no pin for a bundled package in requirements.txt" >&2; exit 1; }
 done

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from dcp.attention.layout import ShardLayout
 from dcp.attention.local import LocalKernel, local_attention
+from dcp.collectives import all_gather, reduce_scatter
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -27,17 +28,12 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, cp_size: int) -> torch.Tensor:
         ctx.group, ctx.cp_size = group, cp_size
-        local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(cp_size)]
-        dist.all_gather(parts, local, group=group)
-        return torch.cat(parts, dim=0)  # [cp * t_local, ...] in rank order
+        return torch.cat(all_gather(local, group=group), dim=0)  # [cp * t_local, ...] in rank order
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         parts = [p.contiguous() for p in grad.chunk(ctx.cp_size, dim=0)]
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=ctx.group)
-        return out, None, None
+        return reduce_scatter(torch.empty_like(parts[0]), parts, group=ctx.group), None, None
 
 
 @lru_cache(maxsize=32)

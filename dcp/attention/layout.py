@@ -262,9 +262,12 @@ class ShardLayout:
         import torch
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu = torch.tensor(self.cu_seqlens, dtype=torch.int32, device=device)
-        cu_padded = torch.tensor(self.cu_seqlens_padded, dtype=torch.int32, device=device)
-        return PackedSeqParams(
+        from dcp.collectives import to_device
+
+        target = torch.device(device) if device is not None else torch.device("cpu")
+        cu = to_device(self.cu_seqlens, dtype=torch.int32, device=target)
+        cu_padded = to_device(self.cu_seqlens_padded, dtype=torch.int32, device=target)
+        params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
@@ -274,6 +277,10 @@ class ShardLayout:
             max_seqlen_kv=self.max_seqlen_padded,
             cp_group=cp_group,
         )
+        # The layout rides along on the host, so DCP's attention never reads the device copies
+        # of the lengths back (a host sync per layer on a GPU).
+        params.dcp_layout = self
+        return params
 
     @classmethod
     def aligned(

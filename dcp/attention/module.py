@@ -134,11 +134,14 @@ class DCPCoreAttention(MegatronModule):
                 "use 'thd' (ShardLayout.packed_seq_params)"
             )
         self._check_params(packed_seq_params, group, cp_size)
-        layout = _layout_from_cu(
-            _as_tuple(packed_seq_params.cu_seqlens_q),
-            _as_tuple(packed_seq_params.cu_seqlens_q_padded),
-            cp_size,
-        )
+        layout = getattr(packed_seq_params, "dcp_layout", None)
+        if layout is None or layout.cp_size != cp_size:
+            # Params built elsewhere: the lengths are read back from the device.
+            layout = _layout_from_cu(
+                _as_tuple(packed_seq_params.cu_seqlens_q),
+                _as_tuple(packed_seq_params.cu_seqlens_q_padded),
+                cp_size,
+            )
         if query.dim() == 4:  # [t, 1, h, d] when called outside megatron's Attention
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         out = cp_attention(
@@ -163,7 +166,8 @@ class DCPCoreAttention(MegatronModule):
             ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"),
         ):
             q, kv = getattr(params, q_name), getattr(params, kv_name)
-            if kv is not None and (q is None or not torch.equal(q, kv)):
+            # The same tensor (what ShardLayout builds) needs no comparison on the host.
+            if kv is not None and kv is not q and (q is None or not torch.equal(q, kv)):
                 raise ValueError(f"self attention needs packed_seq_params.{kv_name} == {q_name}")
         other = params.cp_group
         if other is not None and other is not group:

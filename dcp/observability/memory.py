@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from dcp.collectives import MAX, all_reduce_int
+
 _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -41,10 +43,8 @@ def peak_memory_bytes() -> int:
 
 
 def max_peak_memory_bytes() -> int:
-    """This step's peak memory, maximum over all ranks (one scalar all-reduce)."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-    return int(peak.item())
+    """This window's peak memory, maximum over all ranks (one scalar all-reduce; the training
+    step reduces its peak with its other scalars instead, ``Runtime.train_step``)."""
+    if not torch.distributed.is_initialized():
+        return peak_memory_bytes()
+    return all_reduce_int(peak_memory_bytes(), op=MAX)

@@ -98,7 +98,8 @@ class StepRecord:
     """A non-finite loss skipped the optimizer step."""
     dropped_sequences: int
     peak_mem_bytes: int
-    """The step's peak memory, max over ranks (``dcp.observability.memory``)."""
+    """The step's peak memory, max over ranks (``dcp.observability.memory``): from the previous
+    step's reduction to this one's, so the previous optimizer update counts."""
     planner: str
     plan: PlanStats
     mfu: float | None = None
@@ -113,6 +114,10 @@ class StepRecord:
     padding_tokens: int = 0
     """Padding tokens the step ran (zig-zag layout, TE and sequence-parallel alignment), masked
     out of the loss; each planner rank's counted once."""
+    plan_wait_s: float = 0.0
+    """Seconds the step waited for its plan: planning runs in the background while the previous
+    step trains, and only a plan slower than that step (or planned again after a refit) delays
+    this one."""
 
     def to_dict(self) -> dict:
         out = asdict(self)

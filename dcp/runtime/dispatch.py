@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from dcp.attention.layout import ShardLayout
+from dcp.collectives import run_device, to_device
 
 
 class SequenceSource(Protocol):
@@ -31,10 +32,9 @@ class SequenceSource(Protocol):
 
 
 def compute_device() -> torch.device:
-    """Where this rank's batches and activations live: its current CUDA device, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where this rank's batches and activations live: its current CUDA device, else the CPU
+    (``dcp.collectives.run_device``, the one place that decides)."""
+    return run_device()
 
 
 def train_len(doc_len: int) -> int:
@@ -124,7 +124,8 @@ def local_batch(
     assert int(bounds[-1]) == n_local, (bounds[-1], n_local)
 
     def as_tensor(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(x).unsqueeze(0).to(device)
+        # pinned and asynchronous on a GPU: a pageable copy would wait for the queued kernels
+        return to_device(torch.from_numpy(x).unsqueeze(0), device=torch.device(device))
 
     return LocalBatch(
         input_ids=as_tensor(inputs),

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from dcp.attention.layout import ShardLayout
+from dcp.collectives import all_gather, to_device
 from dcp.runtime.dispatch import InMemorySource, compute_device, local_batch
 from dcp.runtime.groups import GroupRegistry
 from megatron_patches.parallel_state import use_cp_group
@@ -69,17 +69,15 @@ def packed_logits(
     if tp > 1:
         from megatron.core import parallel_state as ps
 
-        slices = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(slices, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        slices = all_gather(local, group=ps.get_tensor_model_parallel_group())
         local = torch.cat(slices, dim=-1)  # [t_local, vocab]: TP ranks hold consecutive rows
     if len(ranks) > 1:
-        shards = [torch.empty_like(local) for _ in ranks]
-        dist.all_gather(shards, local.contiguous(), group=group)
+        shards = all_gather(local, group=group)
     else:
         shards = [local]
     real = torch.empty(layout.num_real_tokens, local.size(-1), device=local.device)
     for r, shard in enumerate(shards):
-        src = torch.as_tensor(layout.source_indices(r), device=local.device)
+        src = to_device(torch.as_tensor(layout.source_indices(r)), device=local.device)
         keep = src >= 0
         real[src[keep]] = shard[keep]
     bounds = layout.cu_seqlens.tolist()

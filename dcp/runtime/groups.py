@@ -8,12 +8,30 @@ same TP rank across ``B`` (``{p·tp + t : p ∈ B}``, its *CP group*), and the s
 tensor-and-context group is the union over every TP rank (``{p·tp + t : p ∈ B, t < tp}``). At
 TP = 1 both are ``B`` itself.
 
-``torch.distributed.new_group`` is collective over the default group: every rank must call it, in
-the same order, for every group, including the groups it is not a member of. So groups cannot be
-made lazily when a plan first asks for them; ``GroupRegistry`` builds the whole menu up front.
-The default menu is what the planner produces: power-of-two sized, aligned contiguous blocks of
-planner ranks (for P planner ranks, blocks ``[i*k, (i+1)*k)`` for k = 1, 2, 4, ... up to the
-largest power of two ≤ P), plus all of them when P is not a power of two.
+``GroupRegistry`` builds every group a plan may use at start (a plan must never wait for a group
+to be made): power-of-two sized, aligned contiguous blocks of planner ranks (for P planner ranks,
+blocks ``[i*k, (i+1)*k)`` for k = 1, 2, 4, ... up to the largest power of two ≤ P), plus all of
+them when P is not a power of two: 2P - 1 blocks for a power of two, each with a CP group per TP
+rank and a tensor-and-context group.
+
+How they are made, at 1,024 ranks (torch 2.11-2.14, ``distributed_c10d``):
+
+- By default ``new_group`` must be called by every rank of the world for every group, members or
+  not, in one order: (2P - 1)·(TP + 1) calls on each rank, almost all for groups it is not in.
+- ``new_group(..., use_local_synchronization=True)`` returns at once on non-members
+  (``NON_GROUP_MEMBER``), so each rank creates only its own groups: one block of each size, i.e.
+  (log2 P + 1)·2 calls. Two conditions make that safe. (1) A group's name is a hash of its ranks
+  salted with the caller's count of groups made so far (``_hash_ranks_to_str``), and only members
+  advance that count: the members of a group must have made equally many groups before it.
+  Blocks of one size partition the planner ranks, so every rank makes exactly one CP group and
+  one tensor-and-context group per size, in the same order; a size whose blocks do not cover
+  every rank (P not a power of two) and the world block are made world-wide instead, which
+  advances every rank's count alike. (2) When the default group is bound to a device (NCCL
+  initialised eagerly with ``device_id``), torch makes subgroups with ``ncclCommSplit`` on the
+  parent communicator, which every parent rank must call (``perform_nocolor_split`` on
+  non-members): then every group is made world-wide.
+- NCCL creates a group's communicator lazily, at its first collective, among its members only;
+  gloo connects a group's members when it is made. Neither involves non-members.
 """
 
 from __future__ import annotations
@@ -77,8 +95,26 @@ class Mesh:
         return tuple(p * tp + t for p in block for t in range(tp))
 
 
+def members_only_sizes(num_planner_ranks: int) -> set[int]:
+    """Block sizes whose blocks partition the planner ranks (every rank in exactly one), which
+    is what lets their groups be made by their members alone (module docstring)."""
+    return {
+        len(block)
+        for block in aligned_blocks(num_planner_ranks)
+        if num_planner_ranks % len(block) == 0 and len(block) < num_planner_ranks
+    }
+
+
+def _device_bound_default_group() -> bool:
+    """Whether torch will split subgroups from the default group's communicator (NCCL with
+    ``device_id``), which needs every rank in every ``new_group`` call."""
+    default = dist.distributed_c10d._get_default_group()
+    return getattr(default, "bound_device_id", None) is not None
+
+
 class GroupRegistry:
-    """Process groups by planner-rank block, all created collectively at construction."""
+    """Process groups by planner-rank block, all created at construction: each by its members
+    alone where that is safe (``members_only``, the default), else by every rank."""
 
     def __init__(
         self,
@@ -86,6 +122,7 @@ class GroupRegistry:
         tensor_parallel_size: int = 1,
         backend: str | None = None,
         timeout_s: float | None = None,
+        members_only: bool = True,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupRegistry needs torch.distributed to be initialised first")
@@ -94,23 +131,41 @@ class GroupRegistry:
         self.planner_rank = self.mesh.planner_rank(self.rank)
         self.tp_rank = self.mesh.tp_rank(self.rank)
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        local_sizes = (
+            members_only_sizes(self.mesh.num_planner_ranks)
+            if members_only and not _device_bound_default_group()
+            else set()
+        )
+        self.members_only = bool(local_sizes)
         created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self.new_group_calls = 0
+        """``new_group`` calls this rank made (what start-up time grows with)."""
 
-        def group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-            # Collective: every rank creates every group, in this same order.
-            if ranks not in created:
-                made = dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
-                created[ranks] = made if self.rank in ranks else None
+        def group(ranks: tuple[int, ...], *, local: bool) -> dist.ProcessGroup | None:
+            if ranks in created:
+                return created[ranks]
+            if local and self.rank not in ranks:
+                created[ranks] = None  # its members make it; nothing to call here
+                return None
+            self.new_group_calls += 1
+            made = dist.new_group(
+                ranks=list(ranks),
+                backend=backend,
+                timeout=timeout,
+                use_local_synchronization=local,
+            )
+            created[ranks] = made if self.rank in ranks else None
             return created[ranks]
 
         self._cp: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._tp_cp: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for block in aligned_blocks(self.mesh.num_planner_ranks):
+            local = len(block) in local_sizes
             for t in range(tensor_parallel_size):
-                cp = group(self.mesh.cp_ranks(block, t))
+                cp = group(self.mesh.cp_ranks(block, t), local=local)
                 if t == self.tp_rank:
                     self._cp[block] = cp
-            self._tp_cp[block] = group(self.mesh.tp_cp_ranks(block))
+            self._tp_cp[block] = group(self.mesh.tp_cp_ranks(block), local=local)
         self._created = [g for g in created.values() if g is not None]
 
     @property

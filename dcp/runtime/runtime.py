@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dcp.collectives import MAX, SUM, StepScalars, host_syncs, phase, run_device, to_host
 from dcp.model import ModelConfig
+from dcp.observability.memory import peak_memory_bytes, reset_peak_memory
 from dcp.optim import OptimConfig, lr_at, set_lr
 from dcp.plan import Plan
 from dcp.runtime.builders import build_model_and_optimizer, wrap_ddp
 from dcp.runtime.builders import local_token_multiple as model_token_multiple
-from dcp.runtime.collectives import phase
 from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.schedule import run_plan
@@ -54,6 +55,15 @@ class StepStats:
     skipped: bool = False
     compute_time_s: float = 0.0
     """Slowest rank's wall time for its micro-steps (what the planner predicts)."""
+    slowest_step_times_s: list[float] = field(default_factory=list)
+    """Per plan step, the time of its slowest rank (0 for none): what calibration records."""
+    peak_mem_bytes: int = 0
+    """Peak memory of the step on the rank that used the most: since the previous step's
+    reduction, so the previous optimizer step counts, up to this step's reduction."""
+    reduced: dict[str, list[float]] = field(default_factory=dict)
+    """The caller's own ``StepScalars`` (``train_step(scalars=...)``), reduced with the step's."""
+    host_syncs: int = 0
+    """Host waits for the device during this step (``dcp.collectives.host_syncs``)."""
 
     @property
     def num_micro_steps(self) -> int:
@@ -108,7 +118,7 @@ class Runtime:
                 "the optimizer and DDP disagree on use_distributed_optimizer: wrap the model "
                 "with wrap_ddp(..., distributed_optimizer=...) matching the optimizer"
             )
-        self.on_gpu = torch.cuda.is_available()
+        self._peak_window_open = False
         self.local_token_multiple = math.lcm(
             local_token_multiple or 1, model_token_multiple(self.model)
         )
@@ -177,11 +187,9 @@ class Runtime:
     def global_loss(self, result) -> float:
         """The batch's mean token loss from every rank's ``forward_backward`` result (a
         collective every rank must call)."""
-        total = torch.tensor([self._per_planner_rank(result.loss_sum)], dtype=torch.float64)
-        if self.on_gpu:
-            total = total.cuda()
-        dist.all_reduce(total)
-        return float(total) / result.global_loss_tokens
+        scalars = StepScalars()
+        scalars.add("loss", self._per_planner_rank(result.loss_sum), op=SUM)
+        return scalars.reduce()["loss"][0] / result.global_loss_tokens
 
     def _whole_grads(self, named) -> dict[str, torch.Tensor]:
         """Gradients by parameter name with TP slices gathered whole (collective over the TP
@@ -228,35 +236,49 @@ class Runtime:
         return total
 
     def train_step(
-        self, plan: Plan, source: SequenceSource, *, skip_nonfinite: bool = False
+        self,
+        plan: Plan,
+        source: SequenceSource,
+        *,
+        skip_nonfinite: bool = False,
+        scalars: StepScalars | None = None,
     ) -> StepStats:
         """One optimizer step on the global batch ``source`` executed as ``plan``.
 
         A non-finite global loss or a non-finite gradient on any rank raises
         ``FloatingPointError`` (naming the step) before the optimizer runs, or, with
         ``skip_nonfinite``, leaves the weights untouched and returns ``skipped=True``.
+
+        The step's own scalars (loss, tokens, padding, the non-finite flag, times, peak memory)
+        and the caller's ``scalars`` (a stop request, ...) are reduced in one collective per
+        reduce op and read back once, before the optimizer step (``StepStats.reduced`` holds the
+        caller's). With the plan agreement that makes two host reads per step, whatever the
+        number of micro-steps.
         """
         start = time.perf_counter()
+        syncs_before = host_syncs()
+        if not self._peak_window_open:
+            reset_peak_memory()
+            self._peak_window_open = True
         result = self.forward_backward(plan, source)
+        times = [0.0] * len(plan.steps)
+        for index, seconds in result.step_times_s:
+            times[index] = seconds
+        scalars = scalars or StepScalars()
+        scalars.add("_loss_sum", self._per_planner_rank(result.loss_sum), op=SUM)
+        scalars.add("_tokens_read", result.tokens_read, op=SUM)
+        scalars.add("_padding", self._per_planner_rank(result.padding_tokens), op=SUM)
         # The reduced gradients are checked before the optimizer sees them (megatron's
-        # optimizer only checks with an fp16 loss scaler): one flag per rank rides along with
-        # the loss reduction, so the check costs no extra collective.
-        totals = torch.tensor(
-            [
-                self._per_planner_rank(result.loss_sum),
-                float(result.tokens_read),
-                self._per_planner_rank(result.padding_tokens),
-                0.0 if self._grads_finite() else 1.0,
-            ],
-            dtype=torch.float64,
-        )
-        slowest = torch.tensor([result.compute_time_s], dtype=torch.float64)
-        if self.on_gpu:
-            totals, slowest = totals.cuda(), slowest.cuda()
+        # optimizer only checks with an fp16 loss scaler); the flag rides along on the device.
+        scalars.add("_nonfinite_grads", self._nonfinite_grads(), op=SUM)
+        scalars.add("_compute_time_s", result.compute_time_s, op=MAX)
+        scalars.add_vector("_step_times_s", times, op=MAX)
+        scalars.add("_peak_mem_bytes", peak_memory_bytes(), op=MAX)
         with phase(f"the loss reduction of step {self.step + 1}"):
-            dist.all_reduce(totals)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        loss = float(totals[0]) / result.global_loss_tokens
+            reduced = scalars.reduce()
+        # The next step's peak-memory window opens here, so this step's optimizer update counts.
+        reset_peak_memory()
+        loss = reduced.pop("_loss_sum")[0] / result.global_loss_tokens
         lr = (
             self.lr_schedule(self.step)
             if self.lr_schedule
@@ -265,7 +287,10 @@ class Runtime:
         grad_norm = float("nan")
         nonfinite = [
             what
-            for what, bad in (("loss", not math.isfinite(loss)), ("gradients", totals[3] > 0))
+            for what, bad in (
+                ("loss", not math.isfinite(loss)),
+                ("gradients", reduced["_nonfinite_grads"][0] > 0),
+            )
             if bad
         ]
         skipped = bool(nonfinite)
@@ -296,22 +321,33 @@ class Runtime:
             grad_norm=float(grad_norm),
             step_time_s=time.perf_counter() - start,
             micro_step_times_s=result.step_times_s,
-            tokens_read=int(totals[1]),
-            padding_tokens=round(float(totals[2])),
+            tokens_read=int(reduced.pop("_tokens_read")[0]),
+            padding_tokens=round(reduced.pop("_padding")[0]),
             skipped=skipped,
-            compute_time_s=float(slowest[0]),
+            compute_time_s=reduced.pop("_compute_time_s")[0],
+            slowest_step_times_s=reduced.pop("_step_times_s"),
+            peak_mem_bytes=int(reduced.pop("_peak_mem_bytes")[0]),
+            reduced={k: v for k, v in reduced.items() if not k.startswith("_")},
+            host_syncs=host_syncs() - syncs_before,
         )
 
-    def _grads_finite(self) -> bool:
-        """Whether every gradient this rank holds is finite (a NaN or inf anywhere in a local
-        gradient also reaches the reduced one, so a check on every rank covers the sum)."""
+    def _nonfinite_grads(self) -> torch.Tensor:
+        """1 if any gradient this rank holds has a NaN or inf, else 0, on the device (a NaN or
+        inf anywhere in a local gradient also reaches the reduced one, so a check on every rank
+        covers the sum)."""
         grads = [p.main_grad for p in self.parameters() if p.requires_grad]
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=run_device())
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        return (~finite).to(torch.float64)
 
     def weights_finite(self) -> bool:
-        """Whether every weight this rank holds is finite (local; checkpoints are refused
-        otherwise)."""
-        return all(bool(torch.isfinite(p).all()) for p in self.parameters())
+        """Whether every weight this rank holds is finite (local, one host read; checkpoints are
+        refused otherwise)."""
+        params = list(self.parameters())
+        if not params:
+            return True
+        return bool(to_host(torch.stack([torch.isfinite(p).all() for p in params]).all())[0])
 
     # -- checkpoint state ------------------------------------------------------------------
     def model_state(self) -> dict | None:

@@ -20,22 +20,25 @@ Guards: before the first collective every rank all-reduces (plan checksum, loss-
 any rank holds a different plan or batch, every rank raises ``RuntimeError`` instead of hanging in
 mismatched collectives. Each step's group must exist in the registry. A plan may list step
 indices in ``plan.barriers``: all ranks synchronise before those steps.
+
+No host sync per micro-step: inputs go to the device through pinned, asynchronous copies, the
+loss is summed on the device, and micro-steps are timed with CUDA events read once at the end
+(``dcp.runtime.timing``). The plan agreement is the one host read before the first micro-step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from dcp.attention.layout import ShardLayout
+from dcp.collectives import MAX, all_reduce, barrier, phase, run_device, to_device, to_host
 from dcp.plan import Plan
-from dcp.runtime.collectives import phase
-from dcp.runtime.dispatch import SequenceSource, compute_device, local_batch
+from dcp.runtime.dispatch import SequenceSource, local_batch
 from dcp.runtime.groups import GroupRegistry
+from dcp.runtime.timing import MicroStepTimer
 from megatron_patches.parallel_state import use_cp_group
 from megatron_patches.recompute import use_recompute
 
@@ -44,8 +47,9 @@ from megatron_patches.recompute import use_recompute
 class ScheduleResult:
     """What one rank observed while running its part of a plan."""
 
-    loss_sum: float = 0.0
-    """Sum of this rank's token losses (unnormalised)."""
+    loss_sum: torch.Tensor | float = 0.0
+    """Sum of this rank's token losses (unnormalised): a float64 tensor on the run's device,
+    read on the host only by the step's batched reduction."""
     loss_tokens: int = 0
     """Loss tokens this rank computed (its shards)."""
     global_loss_tokens: int = 0
@@ -57,24 +61,19 @@ class ScheduleResult:
     padding_tokens: int = 0
     """Padding tokens in this rank's shards (layout and alignment), masked out of the loss."""
     compute_time_s: float = 0.0
-    """Wall seconds from the first micro-step to the end of the last (waits included)."""
+    """Seconds from the first micro-step to the end of the last (waits included)."""
 
 
 def verify_plan_agreement(plan: Plan, global_loss_tokens: int, *, group=None) -> None:
     """Raise on every rank unless all ranks hold the same plan and batch size."""
     checksum = plan.checksum()
-    mine = torch.tensor(
-        [checksum, global_loss_tokens, -checksum, -global_loss_tokens], dtype=torch.int64
-    )
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
-    agreed = mine.clone()
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(agreed[:2], -agreed[2:]):
+    mine = [checksum, global_loss_tokens, -checksum, -global_loss_tokens]
+    agreed = to_host(all_reduce(to_device(mine, dtype=torch.int64), op=MAX, group=group))
+    if agreed[:2] != [-v for v in agreed[2:]]:
         raise RuntimeError(
-            f"rank {dist.get_rank()}: ranks disagree on the plan or batch "
+            f"rank {torch.distributed.get_rank()}: ranks disagree on the plan or batch "
             f"(this rank: checksum {checksum}, {global_loss_tokens} loss tokens; "
-            f"max over ranks: checksum {int(agreed[0])}, {int(agreed[1])} tokens). "
+            f"max over ranks: checksum {agreed[0]}, {agreed[1]} tokens). "
             "Every rank must plan the same global batch with the same planner and config."
         )
 
@@ -105,28 +104,26 @@ def run_plan(
     with phase("the plan agreement check before the first micro-step"):
         verify_plan_agreement(plan, result.global_loss_tokens)
 
-    device = compute_device()
+    device = run_device()
     no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
     barriers = set(plan.barriers)
-    # Kernels run asynchronously on a GPU: a wall-clock reading is only a step's time once the
-    # device has finished it (the planner's calibration and the logged times consume these).
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    timer = MicroStepTimer(device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     if hasattr(model, "set_is_first_microbatch"):
         # TE linears cache their FP8 weight casts after the first micro-batch
         # (``is_first_microbatch``); megatron's schedules reset the flag once per step
         # (``schedules.forward_step``), and so must this one, or FP8 runs use stale weights.
         model.set_is_first_microbatch()
-    sync()
-    loop_start = time.perf_counter()
+    timer.begin_loop()
     with no_sync:
         for index, step in enumerate(plan.steps):
             if index in barriers:
                 # A schedule that syncs every rank between rounds (megatron's Hybrid-CP) keeps it.
                 with phase(f"the barrier before plan step {index}"):
-                    dist.barrier()
+                    barrier()
             if me not in step.ranks:
                 continue
-            start = time.perf_counter()
+            timer.begin(index)
             group = registry.get(step.ranks)
             cp_rank = step.ranks.index(me)
             layout = ShardLayout.aligned(
@@ -153,16 +150,15 @@ def run_plan(
                     labels=batch.labels,
                     packed_seq_params=params,
                 )
-                loss_sum = (token_loss.float() * batch.loss_mask).sum()
-                (loss_sum / result.global_loss_tokens).backward()
-            sync()
-            elapsed = time.perf_counter() - start
-            result.loss_sum += float(loss_sum.detach())
+                step_loss = (token_loss.float() * batch.loss_mask).sum()
+                (step_loss / result.global_loss_tokens).backward()
+            timer.end(index)
+            loss_sum += step_loss.detach()
             result.loss_tokens += batch.num_loss_tokens
             result.padding_tokens += layout.local_num_tokens - batch.num_loss_tokens
             result.tokens_read += batch.tokens_read
-            result.step_times_s.append((index, elapsed))
-    result.compute_time_s = time.perf_counter() - loop_start
+    timer.end_loop()
+    result.loss_sum = loss_sum
     if hasattr(model, "finish_grad_sync"):
         from megatron.core.distributed import finalize_model_grads
 
@@ -172,4 +168,7 @@ def run_plan(
             # (``_allreduce_non_tensor_model_parallel_grads``; a no-op at TP = 1). No
             # ``num_tokens``: the loss is already divided by the global token count.
             finalize_model_grads([model])
+    # After the reduction is queued: on a GPU the wait for the last micro-step's event lets the
+    # gradient reduction run meanwhile.
+    result.compute_time_s, result.step_times_s = timer.finish()
     return result

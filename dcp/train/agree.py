@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from dcp.collectives import all_gather_object
 from dcp.train.lock import RunLockedError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RunLockedError)
@@ -62,8 +63,7 @@ def agree[T](what: str, fn: Callable[[], T], *, only_rank0: bool = False) -> T |
         except Exception as exc:  # noqa: BLE001 - every error is reported to every rank
             status = (one_line(exc), exit_code(exc))
             cause = exc
-    statuses: list = [None] * dist.get_world_size()
-    dist.all_gather_object(statuses, status)
+    statuses = all_gather_object(status)
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if failed:
         first_rank, (message, code) = failed[0]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dcp.collectives import barrier
 from dcp.costmodel import load_cost_model
 from dcp.observability.record import StepRecord
 from dcp.planning import THREE_LEVEL_OPTIONS, static_configs
@@ -96,7 +97,7 @@ def run_planner(
     if dist.get_rank() == 0:
         shutil.rmtree(Path(cfg.runs_dir) / name, ignore_errors=True)
     release_memory()
-    dist.barrier()
+    barrier()
     return Trainer(cfg).train()
 
 

@@ -1,7 +1,8 @@
 """Online calibration: the run measures its own micro-steps and the planner learns from them.
 
-Every step, ranks exchange the wall time of each micro-step they ran (one small all-gather);
-the slowest member's time becomes a ``MicroStepRecord`` (``dcp.costmodel.records``), appended
+Every step, the time of each micro-step's slowest rank reaches every rank with the step's batched
+reduction (``Runtime.train_step``: a max over ranks of one vector with a slot per plan step) and
+becomes a ``MicroStepRecord`` (``dcp.costmodel.records``), appended
 by rank 0 to ``runs/<name>/microsteps.jsonl``. With ``planning.calibration=online``, every
 ``refit_interval_steps`` steps each rank refits the run's spec on the same records
 (``dcp.costmodel.online.fit_records``, deterministic, so every rank plans with the same model):
@@ -36,7 +37,6 @@ from dcp.costmodel import CostModel, MicroStepRecord, append_records, fit_record
 from dcp.plan import RECOMPUTE_LEVELS, Plan, Recompute
 from dcp.planning.common import pow2_sizes
 from dcp.planning.dcp_planner import pin_label
-from dcp.runtime.collectives import phase
 
 logger = logging.getLogger(__name__)
 
@@ -181,38 +181,33 @@ class OnlineCalibrator:
         return pinned
 
     def observe(
-        self, step: int, plan: Plan, lengths: list[int], step_times_s: list[tuple[int, float]]
+        self, step: int, plan: Plan, lengths: list[int], slowest_times_s: list[float]
     ) -> list[MicroStepRecord]:
-        """Record this step's micro-steps (collective: every rank calls it with its own times)."""
-        gathered: list = [None] * dist.get_world_size()
-        with phase(f"the micro-step time exchange of step {step}"):
-            dist.all_gather_object(gathered, step_times_s)
-        slowest: dict[int, float] = {}
-        for times in gathered:
-            for index, seconds in times:
-                slowest[index] = max(slowest.get(index, 0.0), seconds)
+        """Record this step's micro-steps from ``slowest_times_s``: per plan step, the time of
+        its slowest rank (``StepStats.slowest_step_times_s``, reduced with the step's other
+        scalars, so every rank records the same)."""
         new = [
             MicroStepRecord(
                 step=step,
                 ranks=s.ranks,
                 seq_lens=tuple(lengths[i] for i in s.seq_ids),
                 recompute=s.recompute,
-                time_s=slowest[index],
+                time_s=slowest_times_s[index],
                 recompute_layers=s.recompute_layers,
             )
             for index, s in enumerate(plan.steps)
-            if slowest.get(index, 0.0) > 0
+            if slowest_times_s[index] > 0
         ]
         self.records.extend(new)
         if self.rank == 0:
             append_records(self.path, new)
         return new
 
-    def calibrate(self, step: int, planned, step_times_s: list[tuple[int, float]], planner) -> bool:
-        """Record ``step``'s micro-steps (``observe``, a collective) and, when a refit is due
-        and accepted, make ``planner`` (a ``BatchPlanner``) plan with it from the next step.
-        Returns whether the planner's cost model changed."""
-        self.observe(step, planned.plan, planned.lengths, step_times_s)
+    def calibrate(self, step: int, planned, slowest_times_s: list[float], planner) -> bool:
+        """Record ``step``'s micro-steps (``observe``) and, when a refit is due and accepted,
+        make ``planner`` (a ``BatchPlanner``) plan with it from the next step. Returns whether
+        the planner's cost model changed."""
+        self.observe(step, planned.plan, planned.lengths, slowest_times_s)
         refit = self.maybe_refit(step, planner.cost_model)
         if refit is None or not refit.accepted:
             return False

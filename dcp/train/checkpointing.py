@@ -8,7 +8,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dcp.checkpoint import CheckpointConfig, CheckpointState, find_latest, save_checkpoint
-from dcp.runtime.collectives import all_reduce_int, phase
+from dcp.collectives import all_reduce_int, barrier, phase
 from dcp.train.agree import ReportedError
 
 
@@ -54,7 +54,7 @@ class Checkpointing:
                     state,
                     rank=dist.get_rank(),
                     world_size=dist.get_world_size(),
-                    barrier_fn=dist.barrier,
+                    barrier_fn=barrier,
                     keep_last=self.cfg.keep_last,
                     per_rank=per_rank,
                 )

@@ -210,11 +210,9 @@ class _RankSession:
         return self.runtime.forward_backward(plan, InMemorySource(docs))
 
     def _gather(self, value):
-        import torch.distributed as dist
+        from dcp.collectives import all_gather_object
 
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
-        return out
+        return all_gather_object(value)
 
     def _planner_times(self, times: list[float]) -> list[list[float]]:
         """Every planner rank's micro-step times: each step's slowest GPU of its TP group."""
@@ -281,8 +279,10 @@ class _RankSession:
         timed on this rank's TP group: the all-gathers of [T / TP, h] into [T, h] and the
         reduce-scatters back, as many as ``dcp.costmodel.spec`` counts, in the model dtype."""
         import torch
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
+
+        from dcp.collectives import all_gather_into, barrier, reduce_scatter_into, run_device
+        from dcp.runtime.timing import MicroStepTimer
 
         tp = self.job.tensor_parallel_size
         group = ps.get_tensor_model_parallel_group()
@@ -291,17 +291,20 @@ class _RankSession:
         scatters = TP_GATHERS_SCATTERS_PER_LAYER[1] * layers + TP_GATHERS_SCATTERS_OUTSIDE_LAYERS[1]
         dtype = torch.bfloat16 if self.job.model.get("dtype") == "bf16" else torch.float32
         hidden = int(self.job.model["hidden_size"])
-        local = torch.randn(tokens // tp, hidden).to(dtype)
-        whole = torch.empty(tokens // tp * tp, hidden, dtype=dtype)
+        device = run_device()
+        local = torch.randn(tokens // tp, hidden, device=device).to(dtype)
+        whole = torch.empty(tokens // tp * tp, hidden, dtype=dtype, device=device)
         samples = []
         for i in range(self.job.warmup + self.job.samples):
-            dist.barrier(group=group)
-            start = time.perf_counter()
+            barrier(group=group)
+            timer = MicroStepTimer(device)  # kernel time on a GPU, not launch time
+            timer.begin_loop()
             for _ in range(gathers):
-                dist.all_gather_into_tensor(whole, local, group=group)
+                all_gather_into(whole, local, group=group)
             for _ in range(scatters):
-                dist.reduce_scatter_tensor(local, whole, group=group)
-            elapsed = time.perf_counter() - start
+                reduce_scatter_into(local, whole, group=group)
+            timer.end_loop()
+            elapsed, _ = timer.finish()
             if i >= self.job.warmup:
                 samples.append(max(t for ts in self._gather([elapsed]) for t in ts))
         return TPCommPoint(tokens=tokens, time_s=statistics.median(samples), samples_s=samples)
@@ -309,11 +312,10 @@ class _RankSession:
     def _decide(self, run: bool) -> bool:
         """Rank 0's decision, the same on every rank."""
         import torch
-        import torch.distributed as dist
 
-        flag = torch.tensor([int(run)])
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
+        from dcp.collectives import broadcast, to_device, to_host
+
+        return bool(to_host(broadcast(to_device([int(run)], dtype=torch.int64), src=0))[0])
 
     def run(self) -> dict:
         job, rank = self.job, self.rank

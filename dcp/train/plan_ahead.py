@@ -40,6 +40,7 @@ class PlanAhead:
         self._pool = ThreadPoolExecutor(max_workers=1) if background else None
         self._next_step = first_step
         self._pending: Future | tuple | None = None
+        self.wait_s = 0.0
         if first_step <= last_step:
             self._pending = self._submit(next(sampler), first_step)
 
@@ -61,8 +62,10 @@ class PlanAhead:
     def next(self) -> tuple[GlobalBatch, PlannedBatch, float, dict]:
         """(batch, its plan, seconds the planning took, the sampler's state right after this
         batch: what a checkpoint of this step saves) for the next step; draws and starts
-        planning the batch after it."""
+        planning the batch after it. ``wait_s`` is how long this call waited for the plan."""
+        start = time.perf_counter()
         batch, planned, plan_time_s, _ = self._result(self._pending)
+        self.wait_s = time.perf_counter() - start
         sampler_state = self.sampler.state_dict()
         self._next_step += 1
         self._pending = (

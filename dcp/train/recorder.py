@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
+from dcp.collectives import all_gather_ints
 from dcp.model import ModelConfig
-from dcp.observability.memory import max_peak_memory_bytes
 from dcp.observability.record import PlanStats, StepRecord, model_flops
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.train.batches import BatchPlanner, PlannedBatch
@@ -23,9 +22,16 @@ class StepRecorder:
         self._opt_state_bytes: list[int] | None = None
 
     def record(
-        self, step: int, stats: StepStats, planned: PlannedBatch, plan_time_s: float
+        self,
+        step: int,
+        stats: StepStats,
+        planned: PlannedBatch,
+        plan_time_s: float,
+        *,
+        plan_wait_s: float = 0.0,
     ) -> StepRecord:
-        """The record of ``step``; its peak memory is the max over ranks (collective)."""
+        """The record of ``step`` (``stats`` carries the values already reduced over ranks; a
+        collective only once, for the optimizer state bytes after the first optimizer step)."""
         tokens = stats.loss_tokens
         peak_tflops = self.planner.peak_tflops_per_gpu
         mfu = None
@@ -52,11 +58,12 @@ class StepRecorder:
             grad_norm=stats.grad_norm,
             skipped=stats.skipped,
             dropped_sequences=len(planned.dropped),
-            peak_mem_bytes=max_peak_memory_bytes(),
+            peak_mem_bytes=stats.peak_mem_bytes,
             mem_budget_bytes=float(self.planner.cost_model.mem_budget_bytes),
             optimizer_state_bytes=self._optimizer_state_bytes(),
             exploration=planned.exploration,
             padding_tokens=stats.padding_tokens,
+            plan_wait_s=plan_wait_s,
             planner=planned.plan.planner,
             plan=PlanStats.of(
                 planned.plan,
@@ -71,8 +78,6 @@ class StepRecorder:
         """Each rank's optimizer state bytes (collective; gathered once, after the first
         optimizer step created the state; ``None`` before)."""
         if self._opt_state_bytes is None and self.runtime.step > 0:
-            mine = torch.tensor([self.runtime.optimizer_state_bytes()], dtype=torch.int64)
-            every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(every, mine)
-            self._opt_state_bytes = [int(t) for t in every]
+            every = all_gather_ints([self.runtime.optimizer_state_bytes()])
+            self._opt_state_bytes = [values[0] for values in every]
         return self._opt_state_bytes

@@ -6,6 +6,10 @@ signals it handles to its workers (``--signals-to-handle``; SIGTERM by default) 
 ``--shutdown-timeout`` seconds (default 30) before killing them. So a worker may receive the
 same request twice within milliseconds (from SLURM directly and forwarded by torchrun): repeats
 within ``repeat_window_s`` count as one. A signal after that window exits at once.
+
+Every rank learns of a request on any rank through the step's own reduction (the trainer adds
+``requested`` to the step's ``StepScalars`` with a max), so ranks stop after the same step with no
+collective of their own; a signal that arrives after that reduction counts at the next step.
 """
 
 from __future__ import annotations
@@ -57,12 +61,3 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-    def agreed(self, step: int) -> bool:
-        """Whether any rank got a stop signal (one scalar all-reduce, so every rank agrees)."""
-        import torch.distributed as dist
-
-        from dcp.runtime.collectives import all_reduce_int, phase
-
-        with phase(f"the stop-signal check after step {step}"):
-            return bool(all_reduce_int(int(self.requested), op=dist.ReduceOp.MAX))

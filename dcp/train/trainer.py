@@ -27,20 +27,22 @@ from dcp.checkpoint import (
     resolve_checkpoint,
     restore_rng_state,
 )
-from dcp.costmodel.spec import runtime_options
-from dcp.data.sampler import GlobalBatchSampler
-from dcp.files import reading
-from dcp.model import check_model_fits
-from dcp.observability.memory import reset_peak_memory
-from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
-from dcp.observability.record import StepRecord
-from dcp.observability.run_info import write_run_config
-from dcp.runtime.collectives import (
+from dcp.collectives import (
+    MAX,
     CollectiveTimeout,
+    StepScalars,
+    broadcast_object,
     is_timeout,
     phase,
     set_collective_timeout,
 )
+from dcp.costmodel.spec import runtime_options
+from dcp.data.sampler import GlobalBatchSampler
+from dcp.files import reading
+from dcp.model import check_model_fits
+from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
+from dcp.observability.record import StepRecord
+from dcp.observability.run_info import write_run_config
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.schema import rename_sections, to_dict
 from dcp.train.agree import ReportedError, agree, one_line
@@ -133,13 +135,11 @@ class Trainer:
             lambda: restore_records(self.run_dir, self.start_step),
             only_rank0=True,
         )
-        box = [restored]
-        dist.broadcast_object_list(box, src=0)
         self.calibrator = OnlineCalibrator(
             cfg.planning,
             spec=self.planner.spec,  # the configured spec: every refit starts from it
             run_dir=self.run_dir,
-            records=box[0],
+            records=broadcast_object(restored, src=0),
             state=extra.get("calibration"),
         )
         if self.calibrator.version:  # resumed with a refitted model
@@ -343,23 +343,31 @@ class Trainer:
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
                 batch, planned, plan_time_s, sampler_state = plans.next()
-                reset_peak_memory()
+                # A stop signal rides on the step's own reduction: every rank agrees on it
+                # without a collective of its own.
+                scalars = StepScalars()
+                scalars.add("stop", int(stop.requested), op=MAX)
                 stats = self.runtime.train_step(
                     planned.plan,
                     DatasetSource(self.dataset, batch),
                     skip_nonfinite=cfg.train.on_nonfinite == "skip",
+                    scalars=scalars,
                 )
-                with phase(f"the metrics reduction of step {step}"):
-                    record = self.recorder.record(step, stats, planned, plan_time_s)
+                with phase(f"the metrics record of step {step}"):
+                    record = self.recorder.record(
+                        step, stats, planned, plan_time_s, plan_wait_s=plans.wait_s
+                    )
                 skips.count(step, stats, planned)
-                if self.calibrator.calibrate(step, planned, stats.micro_step_times_s, self.planner):
+                if self.calibrator.calibrate(
+                    step, planned, stats.slowest_step_times_s, self.planner
+                ):
                     plans.replan()
                 self.metrics.log(step, record.to_dict())
                 self.metrics.note(f"step {step}: {record.plan.summary()}")
                 records.append(record)
                 skips.check(step, newest=self.checkpoints.newest)
                 saved = self._save(step, sampler_state) if self.checkpoints.due(step) else None
-                if stop.agreed(step):
+                if stats.reduced["stop"][0] > 0:
                     saved = saved or self._save(step, sampler_state)
                     self.stopped = (
                         f"stopped by {stop.signal_name or 'a stop signal on another rank'} after "

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from dcp.collectives import all_gather, gather
+
 
 def is_split(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a TP slice (a megatron parameter marked ``tensor_model_parallel``)."""
@@ -92,13 +94,10 @@ def gather_whole(
         split = tensor if like is None else like[name]
         value = tensor.detach()
         if size > 1 and is_split(split):
-            value = value.contiguous()
             if dst is None:
-                parts = [torch.empty_like(value) for _ in range(size)]
-                dist.all_gather(parts, value, group=group)
+                parts = all_gather(value, group=group)
             else:
-                parts = [torch.empty_like(value) for _ in range(size)] if me == dst else None
-                dist.gather(value, parts, dst=dst, group=group)
+                parts = gather(value, dst=dst, group=group)
             value = None if parts is None else whole_from_slices(parts, split)
         elif dst is not None and me != dst:
             value = None

@@ -21,10 +21,20 @@ BLOCKER = """import importlib.abc
 import sys
 
 
+# What tools/gpu_bundle.sh does not carry to a bare GPU machine (and the GPU container's extras).
+BLOCKED = (
+    "wandb", "wandb_workspaces", "matplotlib", "safetensors", "psutil", "transformers",
+    "pydantic", "transformer_engine", "apex",
+)
+
+
 class _Blocked(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("wandb", "matplotlib"):
-            raise ImportError(f"{name} is blocked: the bare GPU check must not need it")
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(
+                f"No module named {name!r} (blocked: the bare GPU check must not need it)",
+                name=name,
+            )
         return None
 
 
@@ -120,3 +130,26 @@ def test_cp2_on_two_processes_of_one_device(bare_run):
     cp2 = json.loads(bare_run[0].stdout)["cp2"]
     assert cp2["backend"] == "gloo" and cp2["ok"], cp2
     assert cp2["attempts"]["gloo"]["grad_max_rel_err"] < 1e-4
+
+
+def test_runtime_steps_sync_twice_per_step_whatever_the_micro_steps(bare_run):
+    steps = json.loads(bare_run[0].stdout)["runtime_steps"]
+    syncs = steps["host_syncs"]
+    assert syncs["dcp"] == [2] * 10, syncs
+    assert syncs["micro_steps_per_step"][-1] == 4 > syncs["micro_steps_per_step"][0], syncs
+    assert syncs["cuda_all"] == [None] * 10  # counted on a GPU only
+
+
+def test_the_entry_point_trains_checkpoints_and_resumes(bare_run):
+    entry = json.loads(bare_run[0].stdout)["entry_point"]
+    assert entry["ok"], entry
+    assert entry["checkpoints"] == ["step_000002", "step_000004"]
+    assert entry["resumed_losses"] == entry["losses"] and entry["resume_max_rel_diff"] == 0.0
+    assert set(entry["launch_seconds"]) == {"uninterrupted", "first_half", "resumed"}
+
+
+def test_megatron_loop_runs_with_dcp(bare_run):
+    loop = json.loads(bare_run[0].stdout)["megatron_loop"]
+    assert loop["ok"], loop
+    assert loop["iterations"] == 2 and len(loop["losses"]) == 2
+    assert loop["planner"] == ["dcp"]

@@ -85,18 +85,6 @@ def weights(checkpoint: Path, iteration: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("corpus") / "stdlib"
-    subprocess.run(
-        [sys.executable, "-m", "tools.prepare_data", "--stdlib", "--out", str(out)],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-    return out
-
-
-@pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict:
     commands = readme_commands()
     assert set(commands) == {"static", "dcp"}, commands

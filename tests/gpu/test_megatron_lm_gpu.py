@@ -14,7 +14,6 @@ from tests.e2e import test_megatron_lm as e2e
 from tests.gpu.common import CUDA_ONLY
 
 pytestmark = CUDA_ONLY
-corpus = e2e.corpus  # the same prepared corpus fixture
 
 
 def test_dcp_in_megatrons_loop_matches_megatrons_schedule_on_cuda(corpus, tmp_path):

@@ -25,6 +25,7 @@ LAYERS = [
     "dcp.console",
     "dcp.costmodel",
     "dcp.planning",
+    "dcp.collectives",
     "dcp.attention",
     "dcp.model",
     "dcp.optim",
@@ -172,3 +173,69 @@ def test_planning_core_loads_without_torch_or_megatron(package):
             if m.split(".")[0] in ("torch", "megatron") or m.startswith("dcp.runtime")
         )
         assert not heavy, f"{name} imports {heavy} at module level"
+
+
+# Every function of torch.distributed that communicates; group creation and set-up are not here.
+COLLECTIVES = frozenset(
+    """all_reduce all_reduce_coalesced all_gather all_gather_coalesced all_gather_into_tensor
+    all_gather_object all_to_all all_to_all_single barrier batch_isend_irecv broadcast
+    broadcast_object_list gather gather_object irecv isend monitored_barrier recv
+    recv_object_list reduce reduce_scatter reduce_scatter_tensor scatter scatter_object_list send
+    send_object_list _all_gather_base _reduce_scatter_base""".split()
+)
+COLLECTIVES_HOME = "dcp.collectives"
+
+
+def _direct_collectives(source: str) -> list[tuple[int, str]]:
+    """``(line, name)`` of every torch.distributed collective ``source`` calls or imports by
+    name, whatever it called the module (``dist``, ``torch.distributed``, ``c10d``, ...)."""
+    tree = ast.parse(source)
+    aliases = {"torch.distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in ("torch.distributed", "torch.distributed.distributed_c10d"):
+                    aliases.add(alias.asname or alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "torch" and any(a.name == "distributed" for a in node.names):
+                aliases.update(a.asname or a.name for a in node.names if a.name == "distributed")
+            if node.module.startswith("torch.distributed"):
+                found += [(node.lineno, a.name) for a in node.names if a.name in COLLECTIVES]
+                aliases.update(
+                    a.asname or a.name for a in node.names if a.name == "distributed_c10d"
+                )
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
+            if ast.unparse(node.value) in aliases:
+                found.append((node.lineno, node.attr))
+    return sorted(found)
+
+
+def test_the_collectives_detector_sees_every_spelling():
+    source = (
+        "import torch\nimport torch.distributed as dist\nfrom torch import distributed as d2\n"
+        "from torch.distributed import all_gather_object\n"
+        "dist.all_reduce(x)\ntorch.distributed.barrier()\nd2.broadcast(x, src=0)\n"
+        "f = dist.gather\ndist.new_group([0, 1])\ndist.get_rank()\nother.all_reduce(x)\n"
+    )
+    assert _direct_collectives(source) == [
+        (4, "all_gather_object"),
+        (5, "all_reduce"),
+        (6, "barrier"),
+        (7, "broadcast"),
+        (8, "gather"),
+    ]
+
+
+def test_collectives_go_through_their_one_home():
+    """NCCL takes only CUDA tensors on the group's device: which device a collective's tensor
+    lives on is decided in dcp/collectives.py alone, so no other dcp module talks to
+    torch.distributed's collectives directly (megatron_patches, tools and pretrain are not dcp)."""
+    direct = [
+        f"{path.relative_to(REPO)}:{line}: torch.distributed.{name}"
+        for module, path in sorted(_modules().items())
+        if module.split(".")[0] == "dcp" and module != COLLECTIVES_HOME
+        for line, name in _direct_collectives(path.read_text())
+    ]
+    assert not direct, "collectives outside dcp/collectives.py:\n" + "\n".join(direct)

@@ -29,11 +29,18 @@ from dcp.observability.record import PlanStats
 
 
 def plan_fields(
-    planned, result, *, plan_time_s: float, num_ranks: int, mem_budget_bytes: float
+    planned,
+    result,
+    *,
+    compute_time_s: float,
+    plan_time_s: float,
+    num_ranks: int,
+    mem_budget_bytes: float,
 ) -> dict:
     """What a ``--dcp`` step adds to its record: the plan, the memory budget it was made
-    against, and this rank's execution of it."""
-    compute_s = result.compute_time_s
+    against, the slowest rank's micro-step time (``compute_time_s``, what the planner predicts)
+    and this rank's padding."""
+    compute_s = compute_time_s
     predicted = planned.predicted_step_time_s
     return {
         "planner": planned.plan.planner,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dcp.attention.layout import ShardLayout
+from dcp.collectives import MAX, StepScalars, phase, to_device
 from dcp.integrations.megatron_lm.data import DocumentBatch, DocumentBatches
 from dcp.integrations.megatron_lm.records import plan_fields
 from dcp.runtime.builders import local_token_multiple as _token_multiple
@@ -144,20 +145,31 @@ class DCPForwardBackward:
             registry=self.registry,
             local_token_multiple=_local_token_multiple(model[0]),
         )
+        # The slowest rank's time of every micro-step (calibration records, the step's compute
+        # time): one reduction and one host read per step, the plan agreement the other.
+        times = [0.0] * len(planned.plan.steps)
+        for index, seconds in result.step_times_s:
+            times[index] = seconds
+        scalars = StepScalars()
+        scalars.add("compute_time_s", result.compute_time_s, op=MAX)
+        scalars.add_vector("step_times_s", times, op=MAX)
+        with phase(f"the micro-step time reduction of step {self.step}"):
+            reduced = scalars.reduce()
         if self.calibrator is not None:
-            self.calibrator.calibrate(self.step, planned, result.step_times_s, self.planner)
+            self.calibrator.calibrate(self.step, planned, reduced["step_times_s"], self.planner)
         self.step += 1
         self.on_step(
             plan_fields(
                 planned,
                 result,
+                compute_time_s=reduced["compute_time_s"][0],
                 plan_time_s=plan_time_s,
                 num_ranks=self.planner.num_planner_ranks,
                 mem_budget_bytes=self.planner.cost_model.mem_budget_bytes,
             )
         )
-        device = compute_device()
-        report = torch.tensor(
-            [result.loss_sum, float(result.loss_tokens)], dtype=torch.float32, device=device
-        )
+        # Megatron sums ``[loss sum, tokens]`` over the data-parallel ranks itself; the sum
+        # stays on the device (no host read here).
+        tokens = to_device([result.loss_tokens], dtype=torch.float32, device=compute_device())
+        report = torch.cat([result.loss_sum.reshape(1).float(), tokens])
         return [{"lm loss": report}]

@@ -30,6 +30,7 @@ def rank_main(job_path: str, rank: int) -> None:
     import torch.distributed as dist
 
     import megatron_patches
+    from dcp.collectives import all_gather_into, all_reduce, barrier, reduce_scatter_into
     from dcp.model import ModelConfig
     from dcp.optim import OptimConfig
     from dcp.plan import Plan
@@ -56,12 +57,10 @@ def rank_main(job_path: str, rank: int) -> None:
         world_size=WORLD_SIZE,
         timeout=datetime.timedelta(seconds=job["collective_timeout_s"]),
     )
-    x = torch.full((4,), float(rank + 1), device=device)
-    dist.all_reduce(x)
-    gathered = torch.empty(8, device=device)
-    dist.all_gather_into_tensor(gathered, x)
-    scattered = torch.empty(2, device=device)
-    dist.reduce_scatter_tensor(scattered, torch.arange(4.0, device=device))
+    # DCP's own collectives module, as the runtime calls it
+    x = all_reduce(torch.full((4,), float(rank + 1), device=device))
+    all_gather_into(torch.empty(8, device=device), x)
+    scattered = reduce_scatter_into(torch.empty(2, device=device), torch.arange(4.0, device=device))
     assert float(x[0]) == 3.0 and float(scattered[0]) == 2.0 * rank * 2, (x, scattered)
 
     init_megatron_parallel()
@@ -95,7 +94,7 @@ def rank_main(job_path: str, rank: int) -> None:
                 }
             )
         )
-    dist.barrier()
+    barrier()
     dist.destroy_process_group()
 
 

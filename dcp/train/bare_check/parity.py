@@ -10,17 +10,19 @@ same documents as one plan per recompute level through ``Runtime.forward_backwar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dcp.plan import RECOMPUTE_LEVELS, Plan
+from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan, Recompute
 
 REPO = Path(__file__).resolve().parents[3]
 TOLERANCES = {"fp32": {"loss": 1e-5, "grad": 1e-4}, "bf16": {"loss": 2e-2, "grad": 6e-2}}
@@ -185,7 +187,21 @@ def runtime_steps(model: dict, lengths: list[int], *, seed: int, steps: int = 10
     cost = CostModel.from_spec({"cluster": cluster, "model": model_dims, "options": {}})
     source = InMemorySource(documents(lengths, vocab_size=cfg.vocab_size, seed=seed + 1))
     plan = plan_batch(source.lengths(), cost_model=cost, planner="dcp")
-    stats = [runtime.train_step(plan, source) for _ in range(steps)]
+    # The same batch as one micro-step per sequence: host syncs must not grow with micro-steps.
+    split = Plan(
+        steps=tuple(
+            MicroStep(ranks=(0,), seq_ids=(i,), recompute=Recompute.NONE)
+            for i in range(len(lengths))
+        ),
+        planner="one-per-sequence",
+    )
+    stats, syncs = [], {"dcp": [], "cuda_all": []}
+    for step in range(steps):
+        step_plan = split if step >= steps - 2 else plan
+        with _counting_syncs() as counted:
+            stats.append(runtime.train_step(step_plan, source))
+        syncs["dcp"].append(stats[-1].host_syncs)
+        syncs["cuda_all"].append(counted["cuda_all"])
     losses = [s.loss for s in stats]
     return {
         "steps": steps,
@@ -193,8 +209,35 @@ def runtime_steps(model: dict, lengths: list[int], *, seed: int, steps: int = 10
         "recompute": sorted({s.recompute for s in plan.steps}),
         "losses": [round(x, 5) for x in losses],
         "step_time_s": [round(s.step_time_s, 4) for s in stats],
-        "ok": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0],
+        # Per step: DCP's own host waits (dcp.collectives.host_syncs) and, on a GPU, every sync
+        # torch.cuda.set_sync_debug_mode saw (megatron's optimizer included); the last two steps
+        # run one micro-step per sequence.
+        "host_syncs": {
+            **syncs,
+            "micro_steps_per_step": [len(plan.steps)] * (steps - 2) + [len(split.steps)] * 2,
+        },
+        "ok": all(math.isfinite(x) for x in losses)
+        and losses[-1] < losses[0]
+        and all(n == 2 for n in syncs["dcp"]),
     }
+
+
+@contextlib.contextmanager
+def _counting_syncs():
+    """Counts, on a GPU, every synchronising CUDA call inside the block (torch's sync debug
+    mode warns once per call); ``None`` on a CPU."""
+    counted: dict = {"cuda_all": None}
+    if not torch.cuda.is_available():
+        yield counted
+        return
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counted
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counted["cuda_all"] = sum("synchroniz" in str(w.message) for w in seen)
 
 
 if __name__ == "__main__":

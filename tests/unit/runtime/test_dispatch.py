@@ -59,3 +59,11 @@ def test_aligned_blocks_menu():
     assert aligned_blocks(3)[-2:] == [(0, 1), (0, 1, 2)]
     with pytest.raises(ValueError):
         aligned_blocks(0)
+
+
+def test_members_only_sizes_are_the_partitions():
+    from dcp.runtime.groups import members_only_sizes
+
+    assert members_only_sizes(1024) == {1, 2, 4, 8, 16, 32, 64, 128, 256, 512}
+    assert members_only_sizes(6) == {1, 2}  # size 4 covers ranks 0-3 only
+    assert members_only_sizes(1) == set()

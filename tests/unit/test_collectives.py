@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from dcp.runtime.collectives import CollectiveTimeout, phase
+from dcp.collectives import CollectiveTimeout, phase
 
 
 def test_the_timeout_message_says_where_the_rank_waited(monkeypatch):
@@ -15,7 +15,7 @@ def test_the_timeout_message_says_where_the_rank_waited(monkeypatch):
     def message(exc: BaseException) -> str:
         return str(CollectiveTimeout.from_error(exc, timeout_s=15, step=3))
 
-    assert "no answer within 15 s outside any collective phase at step 3;" in message(
+    assert "no answer within 15 s outside any named collective phase at step 3;" in message(
         RuntimeError("Timed out")
     )
     # The trainer words the error after it left the phase's block: the error keeps the phase.

@@ -1,0 +1,59 @@
+"""Micro-step times without a host sync per micro-step.
+
+Kernels run asynchronously on a GPU, so a wall-clock reading after a micro-step is only its
+launch time. Synchronising the device around every micro-step would make it its kernel time, but
+each synchronisation empties the GPU's launch queue. ``MicroStepTimer`` records a CUDA event
+pair per micro-step instead and reads them all once, after the last micro-step: one host wait per
+step (``cudaEventSynchronize`` on the last end event; CUDA's elapsed times are then ready). On
+the CPU, where every operation has finished when it returns, it reads the wall clock as before.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dcp.collectives import note_host_wait
+
+
+class MicroStepTimer:
+    """Times a loop of micro-steps on ``device``: ``begin_loop``, then ``begin(i)`` / ``end(i)``
+    around each micro-step, ``end_loop``, then ``finish`` once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = device.type == "cuda"
+        self._loop: object = None
+        self._loop_end: object = None
+        self._open: dict[int, object] = {}
+        self._marks: list[tuple[int, object, object]] = []
+
+    def _mark(self) -> object:
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin_loop(self) -> None:
+        self._loop = self._mark()
+
+    def begin(self, index: int) -> None:
+        self._open[index] = self._mark()
+
+    def end(self, index: int) -> None:
+        self._marks.append((index, self._open.pop(index), self._mark()))
+
+    def end_loop(self) -> None:
+        self._loop_end = self._mark()
+
+    def finish(self) -> tuple[float, list[tuple[int, float]]]:
+        """(seconds from ``begin_loop`` to ``end_loop``, [(index, seconds)] of each micro-step).
+        On a GPU this waits once, for the kernels queued before ``end_loop``."""
+        if not self.events:
+            loop_s = self._loop_end - self._loop
+            return loop_s, [(i, end - start) for i, start, end in self._marks]
+        note_host_wait()
+        self._loop_end.synchronize()  # every earlier event on this stream has completed too
+        loop_s = self._loop.elapsed_time(self._loop_end) / 1e3
+        return loop_s, [(i, start.elapsed_time(end) / 1e3) for i, start, end in self._marks]

@@ -1,0 +1,55 @@
+"""The group registry made by each group's members alone (``use_local_synchronization``) gives
+the same groups as the world-wide way, each working, with a few ``new_group`` calls per rank:
+at TP = 1 and 2, and for a planner-rank count that is not a power of two."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from tests.distributed.harness import run_on_ranks
+
+
+def registry_groups(tensor_parallel_size: int, members_only: bool) -> dict:
+    """Each block's CP and tensor-and-context group as seen from this rank (global ranks, or
+    None where this rank is not a member), the sum of each member group's all-reduce, and how
+    many ``new_group`` calls this rank made."""
+    import torch
+
+    from dcp.collectives import all_reduce
+    from dcp.runtime.groups import GroupRegistry
+
+    registry = GroupRegistry(tensor_parallel_size=tensor_parallel_size, members_only=members_only)
+    out = {"calls": registry.new_group_calls, "members_only": registry.members_only, "groups": {}}
+    for block in registry.shapes:
+        seen = {}
+        for kind, lookup in (("cp", registry.get), ("tp_cp", registry.tp_cp)):
+            try:
+                group = lookup(block)
+            except ValueError:  # not a member
+                seen[kind] = None
+                continue
+            total = all_reduce(torch.tensor([float(dist.get_rank())]), group=group)
+            seen[kind] = (dist.get_process_group_ranks(group), total.item())
+        out["groups"][block] = seen
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "calls_local", "calls_world"),
+    [(4, 1, 3, 7), (4, 2, 5, 9), (3, 1, 3, 5)],
+)
+def test_members_only_groups_equal_world_wide_ones(world, tp, calls_local, calls_world):
+    local = run_on_ranks(world, registry_groups, tp, True)
+    every = run_on_ranks(world, registry_groups, tp, False)
+    for rank in range(world):
+        assert local[rank]["groups"] == every[rank]["groups"], rank
+        assert local[rank]["members_only"] and not every[rank]["members_only"]
+        assert local[rank]["calls"] == calls_local and every[rank]["calls"] == calls_world
+        for block, seen in local[rank]["groups"].items():
+            # This rank's CP group on a block it belongs to: the same TP rank on each member.
+            if rank // tp in block:
+                ranks, total = seen["cp"]
+                assert ranks == [p * tp + rank % tp for p in block]
+                assert total == sum(ranks)
+                assert seen["tp_cp"][0] == [p * tp + t for p in block for t in range(tp)]
