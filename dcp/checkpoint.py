@@ -93,6 +93,8 @@ COMPONENTS = (
     "extra",
 )
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# A manifest lists each rank's files (about 300 bytes a rank): room for 200,000 ranks.
+_MAX_MANIFEST_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -397,7 +399,9 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     manifest is read before any checksum, so it must not make DCP open files elsewhere.
     """
     try:
-        manifest = load_json(path / MANIFEST, what="checkpoint manifest")
+        manifest = load_json(
+            path / MANIFEST, what="checkpoint manifest", max_bytes=_MAX_MANIFEST_BYTES
+        )
     except ValueError:
         return None
     if not isinstance(manifest, dict) or manifest.get("format_version") not in _READABLE_VERSIONS:
