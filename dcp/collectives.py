@@ -53,13 +53,21 @@ _OPS = {SUM: dist.ReduceOp.SUM, MAX: dist.ReduceOp.MAX}
 # -- phases ------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Within the block, this thread is in collective phase ``name`` (nesting restores)."""
+    """Within the block, this thread is in collective phase ``name`` (nesting restores). An
+    error leaving the block carries the innermost phase it left: the handler that words a
+    timeout runs after the block has exited (``CollectiveTimeout.from_error``)."""
     previous = getattr(_state, "phase", None)
     _state.phase = name
     try:
         yield
+    except Exception as exc:
+        exc.__dict__.setdefault(_PHASE_ATTR, name)
+        raise
     finally:
         _state.phase = previous
+
+
+_PHASE_ATTR = "collective_phase"
 
 
 def current_phase() -> str | None:
@@ -67,9 +75,10 @@ def current_phase() -> str | None:
     return getattr(_state, "phase", None)
 
 
-def _where() -> str:
-    name = current_phase()
-    return f"in {name}" if name else "outside any collective phase"
+def _where(exc: BaseException | None = None) -> str:
+    """Where this thread is, or where ``exc`` was raised (the phase block it left)."""
+    name = getattr(exc, _PHASE_ATTR, None) or current_phase()
+    return f"in {name}" if name else "outside any named collective phase"
 
 
 # -- devices -----------------------------------------------------------------------------------
@@ -348,7 +357,7 @@ class CollectiveTimeout(RuntimeError):
     def from_error(cls, exc: BaseException, *, timeout_s: float, step: int) -> CollectiveTimeout:
         return cls(
             f"rank {dist.get_rank()} of {dist.get_world_size()}: no answer within "
-            f"{timeout_s:g} s {_where()} at step {step}; another rank is stuck or dead "
+            f"{timeout_s:g} s {_where(exc)} at step {step}; another rank is stuck or dead "
             f"(distributed.timeout_s sets the limit). Backend said: {str(exc).strip()[:300]}"
         )
 

@@ -6,8 +6,8 @@
 Why not ``torchrun --max-restarts``: with torch 2.14 on gloo, restarted workers fail to
 rendezvous (``connectFullMesh``), so torchrun's own restart cannot recover a CPU job. This wrapper
 restarts the *whole* command instead, which starts fresh process groups; the pretraining entry
-point resumes from the newest complete checkpoint by itself (checkpoints are atomic, a stale
-run-directory lock of a killed job is taken over), so every step is trained exactly once.
+point resumes from the newest complete checkpoint by itself (checkpoints are atomic, and the
+kernel releases a killed job's run-directory lock), so every step is trained exactly once.
 
 It stops retrying on exit 0 (done, or stopped cleanly by SIGTERM/SIGUSR1), on exit 2 (a config,
 data or directory error: a retry would fail the same way) and after ``--max-restarts`` restarts.

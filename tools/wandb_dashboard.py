@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dcp import console
+from dcp.files import load_json, reading
 from dcp.observability.metrics import MetricsConfig
 
 
@@ -93,10 +94,12 @@ def run(args: argparse.Namespace) -> int:
     from dcp.observability.preview import write_preview
 
     if args.publish:
-        data = json.loads(Path(args.publish).read_text(encoding="utf-8"))
-        workspace = workspace_from_json(
-            data, entity=_default_entity(args.entity or data.get("entity"))
-        )
+        data = load_json(args.publish, what="workspace JSON (tools.wandb_dashboard --out)")
+        if not isinstance(data, dict) or not isinstance(data.get("entity"), str | None):
+            raise ValueError(f"{args.publish}: not a workspace JSON (tools.wandb_dashboard --out)")
+        entity = _default_entity(args.entity or data.get("entity"))
+        with reading(args.publish, "workspace JSON"):
+            workspace = workspace_from_json(data, entity=entity)
         _save(workspace, report=args.report)
         return 0
     runs = [read_run(path) for path in args.runs]

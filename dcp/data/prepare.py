@@ -159,6 +159,9 @@ def iter_documents(
                         record = json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
+                    except (ValueError, RecursionError) as exc:  # a 5000-digit number, nesting
+                        problem = "nested too deeply" if isinstance(exc, RecursionError) else exc
+                        raise ValueError(f"{where}: invalid JSON ({problem})") from None
                     if not isinstance(record, dict) or text_key not in record:
                         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                         raise ValueError(f"{where}: no {text_key!r} key (found {keys})")

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp.data.base import check_token_slice
 from dcp.schema import MAX_SEED, check_range
+from dcp.data.base import check_token_slice
 
 LENGTH_DISTS: tuple[str, ...] = ("lognormal", "uniform", "fixed", "choice")
 

@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
 NONFINITE_KEY = "nonfinite"
+MAX_LINE_BYTES = 64 << 20
+"""Longest metrics line read back: a record holds per-rank values (optimizer state, micro-step
+counts), about 50 bytes a rank."""
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -196,7 +199,7 @@ def read_metrics(path: str | os.PathLike[str], *, restore_nonfinite: bool = True
     if not file.is_file():
         raise FileNotFoundError(f"no metrics file at {file}")
     records: list[dict] = []
-    for lineno, line in iter_lines(file, what="metrics file"):
+    for lineno, line in iter_lines(file, what="metrics file", max_line_bytes=MAX_LINE_BYTES):
         if not line.strip():
             continue
         try:
@@ -293,8 +296,14 @@ class MetricsLogger:
 
     def _open_jsonl(self, start_step: int) -> None:
         if start_step > 0 and self.metrics_path.exists():
-            lines = self.metrics_path.read_text(encoding="utf-8").split("\n")
-            kept = [ln for ln in lines if (st := _line_step(ln)) is not None and st <= start_step]
+            lines = iter_lines(
+                self.metrics_path, what="metrics file", max_line_bytes=MAX_LINE_BYTES
+            )
+            kept = [
+                ln.rstrip("\n")
+                for _, ln in lines
+                if (st := _line_step(ln)) is not None and st <= start_step
+            ]
             write_atomic(self.metrics_path, "".join(f"{line}\n" for line in kept))
             self._file = open(self.metrics_path, "a", encoding="utf-8")
         else:
@@ -399,9 +408,9 @@ class MetricsLogger:
 
 def _line_step(line: str) -> int | None:
     try:
-        step = json.loads(line).get("step")
+        step = parse_json(line, source="the line").get("step")
     except (ValueError, AttributeError):
-        return None  # a truncated tail line of the crashed run
+        return None  # a truncated tail line of the crashed run, or not a record
     return step if isinstance(step, int) else None
 
 

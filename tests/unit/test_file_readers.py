@@ -289,7 +289,36 @@ def _read_measurements(path):
     return _load_measurements(str(path))
 
 
+def _resumed_metrics(tmp: Path):
+    path = tmp / "metrics.jsonl"
+    _write(path, [METRICS_LINE, {**METRICS_LINE, "step": 2}], "jsonl")
+    return path, tmp
+
+
+def _resume_metrics(run_dir):
+    """A resumed run's metrics logger drops the records past its checkpoint's step."""
+    from dcp.observability.metrics import MetricsConfig, MetricsLogger
+
+    config = MetricsConfig(wandb_mode="disabled", progress_bar=False)
+    MetricsLogger(run_dir, config, rank=0, total_steps=4, run_config={}, start_step=1).close()
+
+
+def _corpus(tmp: Path):
+    path = tmp / "corpus.jsonl"
+    _write(path, [{"text": "a document"}, {"text": "another"}], "jsonl")
+    return path, path
+
+
+def _read_corpus(path):
+    from dcp.data.prepare import PrepareStats, iter_documents
+
+    stats = PrepareStats()
+    return list(iter_documents([path], text_key="text", decode_errors="strict", stats=stats))
+
+
 READERS: dict[str, Reader] = {
+    "metrics (a resumed run's logger)": Reader(_resumed_metrics, _resume_metrics, kind="jsonl"),
+    "corpus (tools.prepare_data)": Reader(_corpus, _read_corpus, "jsonl", {"text": "x"}),
     "cost-model spec": Reader(_spec, _load_spec, sample=SPEC),
     "Hugging Face config.json": Reader(_hf, _read_hf, sample=HF_CONFIG),
     "dataset metadata": Reader(_meta, _read_meta, sample=META),
