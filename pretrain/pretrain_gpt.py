@@ -25,6 +25,7 @@ from dcp.schema import load_config
 from dcp.train.agree import ONE_LINE_ERRORS, RankFailure, agree, exit_code, one_line
 from dcp.train.config import DistributedConfig, PretrainConfig
 from dcp.train.exit_record import write_exit_record
+from dcp.train.signals import die_with_launcher
 from dcp.train.trainer import Trainer
 
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config (pretrain/configs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the YAML")
     args = parser.parse_args(argv)
+    die_with_launcher()  # a worker whose torchrun agent is killed must not train on alone
     rank = int(os.environ.get("RANK", "0"))
     console.setup(rank)  # before anything imports megatron-core: it warns while importing
     cfg, config_error = None, None

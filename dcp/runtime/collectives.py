@@ -9,8 +9,10 @@ default group, every group megatron's ``create_group`` registered, every group o
 ``GroupRegistry``) to the training timeout with ``torch.distributed.set_timeout``.
 
 ``phase(name)`` marks what a rank is doing ("plan agreement", "micro-step 3 on ranks (0, 1)",
-"gradient reduction", ...); ``CollectiveTimeout.from_error`` turns a backend timeout into a
-message naming the rank, the phase and the step.
+"gradient reduction", ...); an error leaving a phase carries its name (``failed_phase``), and
+``CollectiveTimeout.from_error`` turns a backend timeout into a message naming the rank, the
+phase and the step. ``is_peer_lost`` tells a peer that is gone (its connection closed) from one
+that is stuck.
 """
 
 from __future__ import annotations
@@ -32,12 +34,24 @@ def phase(name: str) -> Iterator[None]:
     _state.phase = name
     try:
         yield
+    except BaseException as exc:
+        # The innermost phase is where it failed; by the time a handler outside reads
+        # current_phase() the phase has been restored.
+        if not hasattr(exc, "dcp_phase"):
+            with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+                exc.dcp_phase = name
+        raise
     finally:
         _state.phase = previous
 
 
 def current_phase() -> str:
     return getattr(_state, "phase", None) or "outside any collective phase"
+
+
+def failed_phase(exc: BaseException) -> str:
+    """The collective phase ``exc`` left (else the current one)."""
+    return getattr(exc, "dcp_phase", None) or current_phase()
 
 
 def all_reduce_int(value: int, *, op: dist.ReduceOp = dist.ReduceOp.SUM) -> int:
@@ -61,6 +75,18 @@ def is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+# gloo's transport errors when the process at the other end is gone ("Read error [addr]:
+# Connection reset by peer", "Connection closed by peer", "Broken pipe" on a write), and NCCL's
+# ncclRemoteError ("remote process exited or there was a network error").
+_PEER_LOST = ("reset by peer", "closed by peer", "broken pipe", "remote process exited")
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective whose peer went away (its process or node died)."""
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_LOST)
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective waited longer than the configured timeout: another rank is stuck or dead."""
 
@@ -68,7 +94,7 @@ class CollectiveTimeout(RuntimeError):
     def from_error(cls, exc: BaseException, *, timeout_s: float, step: int) -> CollectiveTimeout:
         return cls(
             f"rank {dist.get_rank()} of {dist.get_world_size()}: no answer within "
-            f"{timeout_s:g} s in {current_phase()} at step {step}; another rank is stuck or dead "
+            f"{timeout_s:g} s in {failed_phase(exc)} at step {step}; another rank is stuck or dead "
             f"(distributed.timeout_s sets the limit). Backend said: {str(exc).strip()[:300]}"
         )
 

@@ -6,13 +6,20 @@ signals it handles to its workers (``--signals-to-handle``; SIGTERM by default) 
 ``--shutdown-timeout`` seconds (default 30) before killing them. So a worker may receive the
 same request twice within milliseconds (from SLURM directly and forwarded by torchrun): repeats
 within ``repeat_window_s`` count as one. A signal after that window exits at once.
+
+``die_with_launcher``: torchrun starts each worker in a session of its own and never asks the
+kernel to end it with the agent, so a worker whose agent is killed (SIGKILL, the OOM killer, a
+job step torn down) would train on without a launcher, and its node's peers would never learn
+that the node is gone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -66,3 +73,24 @@ class StopRequest:
 
         with phase(f"the stop-signal check after step {step}"):
             return bool(all_reduce_int(int(self.requested), op=dist.ReduceOp.MAX))
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher() -> bool:
+    """Under torchrun on Linux, have the kernel SIGKILL this worker when its agent dies
+    (``prctl(PR_SET_PDEATHSIG)``). The other ranks then lose their connection to it and stop
+    with one line, exit 1, which a supervisor or a requeue restarts; a graceful stop here would
+    exit 0 and end the run early as if it were done. Returns whether it was armed."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    launcher = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        error = os.strerror(ctypes.get_errno())
+        logger.warning("could not ask the kernel to end this worker with torchrun: %s", error)
+        return False
+    if os.getppid() != launcher:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True

@@ -36,6 +36,8 @@ from dcp.observability.record import StepRecord
 from dcp.observability.run_info import write_run_config
 from dcp.runtime.collectives import (
     CollectiveTimeout,
+    failed_phase,
+    is_peer_lost,
     is_timeout,
     phase,
     set_collective_timeout,
@@ -72,6 +74,11 @@ logger = logging.getLogger(__name__)
 class StopFailedError(ReportedError):
     """A stop signal arrived but the job could not finish its step and save (exit 1: a
     supervisor restarts from the newest complete checkpoint)."""
+
+
+class PeerLostError(ReportedError):
+    """Another rank's process went away during a collective (it or its node died; on several
+    nodes no launcher stops this rank first): exit 1, a supervisor restarts the job."""
 
 
 class Trainer:
@@ -353,6 +360,13 @@ class Trainer:
                     f"stop requested by {stop.signal_name}, but step {step} could not finish "
                     f"({one_line(exc)}); no checkpoint saved; the newest complete checkpoint "
                     f"is {self.checkpoints.newest()}"
+                ) from exc
+            if is_peer_lost(exc):
+                raise PeerLostError(
+                    f"rank {self.rank}: another rank went away in {failed_phase(exc)} at step "
+                    f"{step} (its process or node died; its own output says why); the newest "
+                    f"complete checkpoint is {self.checkpoints.newest()}. Backend said: "
+                    f"{str(exc).strip()[:200]}"
                 ) from exc
             if is_timeout(exc) and not isinstance(exc, CollectiveTimeout):
                 raise CollectiveTimeout.from_error(
