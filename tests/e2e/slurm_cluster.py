@@ -81,6 +81,7 @@ class LocalSlurm:
         (self.root / "etc").chmod(0o700)
         key = self.root / "etc" / "munge.key"
         subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, env=self.env)
+        (self.root / "etc" / "plugstack.conf").write_text("")  # no SPANK plugin of the system's
         self.conf.write_text(self._slurm_conf())
         logs = self.root / "log"
         self._spawn(
@@ -111,6 +112,7 @@ class LocalSlurm:
                 f"SlurmdPort={_free_port()}",
                 "SlurmUser=root",
                 "SlurmdUser=root",
+                f"PlugStackConfig={r / 'etc' / 'plugstack.conf'}",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
                 f"AuthInfo=socket={r / 'run' / 'munge.sock'},cred_expire=5",
