@@ -25,7 +25,7 @@ from dcp.schema import load_config
 from dcp.train.agree import ONE_LINE_ERRORS, RankFailure, agree, exit_code, one_line
 from dcp.train.config import DistributedConfig, PretrainConfig
 from dcp.train.exit_record import write_exit_record
-from dcp.train.signals import die_with_launcher
+from dcp.train.signals import StopRequest, die_with_launcher
 from dcp.train.trainer import Trainer
 
 
@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()  # a worker whose torchrun agent is killed must not train on alone
     rank = int(os.environ.get("RANK", "0"))
     console.setup(rank)  # before anything imports megatron-core: it warns while importing
+    # SLURM's time-limit warning or a preemption during the start-up (tens of seconds on a busy
+    # machine) is kept and acted on after the first step, not left to end the worker unsaved.
+    stop = StopRequest()
     cfg, config_error = None, None
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         agree("reading the config", lambda: _raise(config_error))
         # megatron patches this machine needs + parallel state (TP groups of consecutive ranks)
         dcp.init(timeout_s=startup, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
-        Trainer(cfg).train()
+        Trainer(cfg).train(stop)
     except RankFailure as exc:
         # Every rank raised the same error after agreeing on it: rank 0 says it once.
         return _fail(rank, f"error: {exc}", code=exc.exit_code, agreed=True)

@@ -302,17 +302,19 @@ class Trainer:
         )
 
     # -- loop ------------------------------------------------------------------------------
-    def train(self) -> list[StepRecord]:
-        """Run up to ``train.steps`` steps (fewer when a stop signal arrives); always closes."""
+    def train(self, stop: StopRequest | None = None) -> list[StepRecord]:
+        """Run up to ``train.steps`` steps (fewer when a stop signal arrives); always closes.
+        ``stop``: handlers installed before start-up, so that a signal during it is acted on
+        after the first step (a new ``StopRequest`` otherwise)."""
         try:
-            records = self._loop()
+            records = self._loop(stop or StopRequest())
         finally:
             self.close()
         if self.rank == 0 and self.cfg.metrics.progress_bar:
             self._where_things_went()
         return records
 
-    def _loop(self) -> list[StepRecord]:
+    def _loop(self, stop: StopRequest) -> list[StepRecord]:
         cfg = self.cfg
         records: list[StepRecord] = []
         plans = PlanAhead(
@@ -323,7 +325,6 @@ class Trainer:
             last_step=cfg.train.steps,
             background=cfg.planning.prefetch_plans,
         )
-        stop = StopRequest()
         skips = _SkipLimit(cfg.train.max_consecutive_skips)
         step = self.start_step
         try:
