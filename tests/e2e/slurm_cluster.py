@@ -173,13 +173,19 @@ class LocalSlurm:
         return "\n".join(out)
 
     # -- tear-down -------------------------------------------------------------------------
+    def cancel_all(self, timeout_s: float = 90) -> None:
+        """Cancel every pending or running job and wait until the node is idle again."""
+        jobs = self.run("squeue", "-h", "-o", "%i").split()
+        if jobs:
+            self.run("scancel", *jobs, check=False)
+        deadline = time.monotonic() + timeout_s
+        while self.node_state() != "idle" and time.monotonic() < deadline:
+            time.sleep(0.2)
+
     def stop(self) -> None:
         """Cancel every job, wait for their processes, then stop the daemons by their pids."""
         try:
-            jobs = self.run("squeue", "-h", "-o", "%i").split()
-            if jobs:
-                self.run("scancel", *jobs, check=False)
-                self._wait_gone(jobs, timeout_s=60)
+            self.cancel_all()
         except (RuntimeError, subprocess.SubprocessError, OSError):
             pass
         for proc, log in reversed(self._daemons):  # slurmd, slurmctld, munged
@@ -192,16 +198,6 @@ class LocalSlurm:
                     proc.wait()
             log.close()
         self._daemons.clear()
-
-    def _wait_gone(self, jobs: list[str], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.run("squeue", "-h", "-t", "all", "-o", "%i", check=False).split():
-                return
-            states = {self.job(j).get("JobState") for j in jobs}
-            if states <= {"CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", None}:
-                return
-            time.sleep(0.5)
 
     # -- use -------------------------------------------------------------------------------
     def run(self, *argv: str, check: bool = True) -> str:

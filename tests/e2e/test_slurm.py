@@ -69,6 +69,13 @@ def slurm():
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _no_job_left(slurm):
+    """A test that fails leaves no job behind to run into the next one."""
+    yield
+    slurm.cancel_all()
+
+
 def submit(slurm: LocalSlurm, tmp_path: Path, name: str, *overrides: str, sbatch=(), config=CONFIG):
     """sbatch the launcher for run ``name`` under ``tmp_path``; the job id."""
     return slurm.sbatch(
