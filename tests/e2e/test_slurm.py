@@ -1,7 +1,6 @@
 """docker/launch_slurm.sbatch under a real slurmctld and slurmd: a one-node cluster of this
 machine (tests/e2e/slurm_cluster.py), the script run without a container (DCP_IMAGE=none), 2
-gloo ranks of the demo model (pretrain/configs/tiny_cpu.yaml) on synthetic documents of up to
-4K tokens, so the plans mix CP sizes and recompute levels.
+gloo ranks of the demo model on synthetic documents (tests/e2e/demo_runs.py).
 
 A submitted job trains and exits 0; the time limit's SIGUSR1 checkpoints, requeues the job and
 the requeued job resumes to the losses of an uninterrupted run; ``scontrol requeue`` (what
@@ -16,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,24 +23,14 @@ import pytest
 import yaml
 
 from dcp.observability.metrics import read_metrics
+from tests.e2e.demo_runs import BIN, CONFIG, DEMO, REPO, assert_same_losses, losses
 from tests.e2e.slurm_cluster import LocalSlurm, unavailable
 
-REPO = Path(__file__).resolve().parents[2]
+if unavailable():  # one line for the module, not one per test
+    pytest.skip(unavailable(), allow_module_level=True)
+
 SBATCH = REPO / "docker" / "launch_slurm.sbatch"
-CONFIG = REPO / "pretrain" / "configs" / "tiny_cpu.yaml"
-BIN = Path(sys.executable).parent  # torchrun of this environment
 STEPS = 6
-DEMO = [
-    "data.source=synthetic",
-    "data.indexed=null",
-    "data.synthetic.num_docs=512",
-    "optim.warmup_steps=2",
-    "checkpoint.interval_steps=0",  # a checkpoint only where a stop signal asks for one
-    "metrics.wandb_mode=disabled",
-    "metrics.progress_bar=false",
-    # Bit-exact comparisons between runs: online refits would make plans depend on timings.
-    "planning.calibration=fixed",
-]
 JOB_ENV = {
     "DCP_IMAGE": "none",
     "GPUS_PER_NODE": "2",
@@ -56,9 +44,6 @@ REQUEUE_DELAY_S = 10
 
 @pytest.fixture(scope="module")
 def slurm():
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
     root = Path(tempfile.mkdtemp(prefix="dcp-slurm-"))  # short: munge's socket path is bounded
     cluster = LocalSlurm(root)
     try:
@@ -127,18 +112,6 @@ def stopped_at(out: str, signal_name: str) -> int:
     found = re.findall(rf"stopped by {signal_name} after step (\d+): checkpoint \S+step_0*\1;", out)
     assert len(found) == 1, out[-4000:]
     return int(found[0])
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(run_dir)]
-
-
-def assert_same_losses(run_dir: Path, reference: list[float]) -> None:
-    """Loss of every step equal to the reference run's, to 1e-6 relative."""
-    got = losses(run_dir)
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, len(reference) + 1))
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, reference, strict=True))
-    assert worst <= 1e-6, (worst, got, reference)
 
 
 @pytest.fixture(scope="module")

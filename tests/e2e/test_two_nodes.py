@@ -1,6 +1,6 @@
 """docker/launch_torchrun.sh as on two nodes, on this machine: started twice with NNODES=2,
 NODE_RANK=0 and 1, one rank each, meeting in torchrun's c10d rendezvous on localhost. The demo
-model on synthetic documents (as in test_slurm.py) trains with the losses of the same run on
+model on synthetic documents (tests/e2e/demo_runs.py) trains with the losses of the same run on
 one node with 2 ranks, a CP = 2 step spanning both "nodes". When one node's agent is killed,
 its worker goes with it and the other node stops at once with one line."""
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dcp.observability.metrics import read_metrics
+from tests.e2e.demo_runs import BIN, CONFIG, DEMO, REPO, assert_same_losses, losses
 from tests.e2e.test_reliability import _children
-from tests.e2e.test_slurm import BIN, CONFIG, DEMO, REPO, assert_same_losses, losses
 
 LAUNCH = REPO / "docker" / "launch_torchrun.sh"
 STEPS = 4
