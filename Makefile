@@ -63,13 +63,14 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/hadolint Dockerfile
-	$(VENV)/bin/shellcheck docker/*.sh docker/*.sbatch .ci/run
+	$(VENV)/bin/shellcheck docker/*.sh docker/*.sbatch .ci/run tests/e2e/install_slurm.sh
 
 format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
 test: setup lint
+	@bash tests/e2e/install_slurm.sh
 	$(VENV)/bin/pytest -q tests
 
 unit: setup

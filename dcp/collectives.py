@@ -26,8 +26,10 @@ starts with a generous start-up timeout and, once training runs, lowers every gr
 ``GroupRegistry``) to the training timeout with ``torch.distributed.set_timeout``.
 
 ``phase(name)`` marks what a rank is doing ("plan agreement", "micro-step 3 on ranks (0, 1)",
-"gradient reduction", ...); ``CollectiveTimeout.from_error`` turns a backend timeout into a
-message naming the rank, the phase and the step.
+"gradient reduction", ...); an error leaving a phase carries its name, so ``where(exc)`` still
+names it in a handler outside the block. ``CollectiveTimeout.from_error`` turns a backend timeout
+into a message naming the rank, the phase and the step; ``is_peer_lost`` tells a peer that is gone
+(its connection closed) from one that is stuck.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def current_phase() -> str | None:
     return getattr(_state, "phase", None)
 
 
-def _where(exc: BaseException | None = None) -> str:
+def where(exc: BaseException | None = None) -> str:
     """Where this thread is, or where ``exc`` was raised (the phase block it left)."""
     name = getattr(exc, _PHASE_ATTR, None) or current_phase()
     return f"in {name}" if name else "outside any named collective phase"
@@ -154,7 +156,7 @@ def _check(tensors: Iterable[torch.Tensor], what: str) -> None:
     for t in tensors:
         if not t.is_cuda:
             raise RuntimeError(
-                f"rank {dist.get_rank()}: {what} {_where()} got a tensor on {t.device}, but "
+                f"rank {dist.get_rank()}: {what} {where()} got a tensor on {t.device}, but "
                 f"this run communicates on {device} (NCCL takes CUDA tensors only)"
             )
 
@@ -350,6 +352,19 @@ def is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+# gloo's transport errors when the process at the other end is gone ("Read error [addr]:
+# Connection reset by peer", "Connection closed by peer", "Broken pipe" on a write), and NCCL's
+# ncclRemoteError ("remote process exited or there was a network error").
+_PEER_LOST = ("reset by peer", "closed by peer", "broken pipe", "remote process exited")
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective whose peer went away (its process or node died), as
+    opposed to one that is stuck (``is_timeout``)."""
+    text = str(exc).lower()
+    return any(marker in text for marker in _PEER_LOST)
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective waited longer than the configured timeout: another rank is stuck or dead."""
 
@@ -357,7 +372,7 @@ class CollectiveTimeout(RuntimeError):
     def from_error(cls, exc: BaseException, *, timeout_s: float, step: int) -> CollectiveTimeout:
         return cls(
             f"rank {dist.get_rank()} of {dist.get_world_size()}: no answer within "
-            f"{timeout_s:g} s {_where(exc)} at step {step}; another rank is stuck or dead "
+            f"{timeout_s:g} s {where(exc)} at step {step}; another rank is stuck or dead "
             f"(distributed.timeout_s sets the limit). Backend said: {str(exc).strip()[:300]}"
         )
 

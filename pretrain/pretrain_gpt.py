@@ -26,6 +26,7 @@ from dcp.train.agree import ONE_LINE_ERRORS, RankFailure, agree, exit_code, one_
 from dcp.train.config import DistributedConfig, PretrainConfig
 from dcp.train.exit_record import write_exit_record
 from dcp.train.launcher import die_with_launcher
+from dcp.train.signals import StopRequest
 from dcp.train.trainer import Trainer
 
 
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()  # a launcher killed with -9 takes this worker along, lock and all
     rank = int(os.environ.get("RANK", "0"))
     console.setup(rank)  # before anything imports megatron-core: it warns while importing
+    # SLURM's time-limit warning or a preemption during the start-up (tens of seconds on a busy
+    # machine) is kept and acted on after the first step, not left to end the worker unsaved.
+    stop = StopRequest()
     cfg, config_error = None, None
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         # megatron patches this machine needs + parallel state (TP groups of consecutive ranks)
         dcp.init(timeout_s=startup, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
         trainer = Trainer(cfg)
-        trainer.train()
+        trainer.train(stop)
         if trainer.stopped:
             # torchrun exits 1 after a stop signal of its own, whatever its workers did: the
             # record tells pretrain.supervise that this job stopped cleanly.

@@ -37,9 +37,11 @@ from dcp.collectives import (
     StepScalars,
     all_reduce_int,
     broadcast_object,
+    is_peer_lost,
     is_timeout,
     phase,
     set_collective_timeout,
+    where,
 )
 from dcp.costmodel.spec import runtime_options
 from dcp.data.sampler import GlobalBatchSampler
@@ -79,6 +81,11 @@ logger = logging.getLogger(__name__)
 class StopFailedError(ReportedError):
     """A stop signal arrived but the job could not finish its step and save (exit 1: a
     supervisor restarts from the newest complete checkpoint)."""
+
+
+class PeerLostError(ReportedError):
+    """Another rank's process went away during a collective (it or its node died; on several
+    nodes no launcher stops this rank first): exit 1, a supervisor restarts the job."""
 
 
 class Trainer:
@@ -362,17 +369,19 @@ class Trainer:
         )
 
     # -- loop ------------------------------------------------------------------------------
-    def train(self) -> list[StepRecord]:
-        """Run up to ``train.steps`` steps (fewer when a stop signal arrives); always closes."""
+    def train(self, stop: StopRequest | None = None) -> list[StepRecord]:
+        """Run up to ``train.steps`` steps (fewer when a stop signal arrives); always closes.
+        ``stop``: handlers installed before start-up, so that a signal during it is acted on
+        after the first step (a new ``StopRequest`` otherwise)."""
         try:
-            records = self._loop()
+            records = self._loop(stop or StopRequest())
         finally:
             self.close()
         if self.rank == 0 and self.cfg.metrics.progress_bar:
             self._where_things_went(records)
         return records
 
-    def _loop(self) -> list[StepRecord]:
+    def _loop(self, stop: StopRequest) -> list[StepRecord]:
         cfg = self.cfg
         records: list[StepRecord] = []
         plans = PlanAhead(
@@ -383,7 +392,6 @@ class Trainer:
             last_step=cfg.train.steps,
             background=cfg.planning.prefetch_plans,
         )
-        stop = StopRequest()
         skips = _SkipLimit(cfg.train.max_consecutive_skips)
         step = self.start_step
         self.metrics.note(PLAN_NOTATION)
@@ -438,6 +446,13 @@ class Trainer:
                     f"stop requested by {stop.signal_name}, but step {step} could not finish "
                     f"({one_line(exc)}); no checkpoint saved; the newest complete checkpoint "
                     f"is {self.checkpoints.newest()}"
+                ) from exc
+            if is_peer_lost(exc):
+                raise PeerLostError(
+                    f"rank {self.rank}: another rank went away {where(exc)} at step "
+                    f"{step} (its process or node died; its own output says why); the newest "
+                    f"complete checkpoint is {self.checkpoints.newest()}. Backend said: "
+                    f"{str(exc).strip()[:200]}"
                 ) from exc
             if is_timeout(exc) and not isinstance(exc, CollectiveTimeout):
                 raise CollectiveTimeout.from_error(

@@ -129,6 +129,23 @@ def test_sigterm_checkpoints_and_a_resume_continues_exactly(reference, tmp_path)
     assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1, runs
 
 
+def test_a_stop_signal_during_start_up_saves_after_the_first_step(tmp_path):
+    """SLURM's time-limit warning or a preemption can come while the workers still load
+    megatron and build the model (tens of seconds on a busy machine): it is kept and acted on
+    after the first step, instead of ending the workers unsaved."""
+    proc = launch(tmp_path, "early", *FAST)
+    for line in proc.stdout:  # the data is opened at start-up, before the model is built
+        if "dcp.data.build: dataset:" in line:
+            break
+    else:
+        pytest.fail("the run ended before it opened its data")
+    os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to the workers
+    out = proc.communicate(timeout=120)[0]
+    assert "stopped by SIGTERM after step 1: checkpoint" in out, out[-3000:]
+    assert (tmp_path / "early" / "checkpoints" / "step_000001" / "manifest.json").exists()
+    assert len(metrics(tmp_path / "early")) == 1
+
+
 def test_killed_rank_is_recovered_with_every_step_trained_once(reference, tmp_path):
     supervise = [sys.executable, "-m", "pretrain.supervise", "--max-restarts", "2"]
     proc = start([*supervise, "--delay-s", "1", "--", *command(tmp_path, "recovered", *FAST)])

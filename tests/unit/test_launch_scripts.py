@@ -1,11 +1,15 @@
 """docker/launch_slurm.sbatch under stand-ins for ``srun`` and ``scontrol``: SIGUSR1 ahead of the
 time limit reaches the step, the job is requeued once the step has saved, and a step that ends
 by itself, or one stopped by SIGTERM (preemption, scancel), is not requeued; the first node of
-a long node list is the rendezvous host."""
+a long node list is the rendezvous host, on a port of the job's own; without an image the step
+runs with plain srun. The usage examples of the launchers are valid with the shipped configs.
+(tests/e2e/test_slurm.py runs the script under a real slurmctld and slurmd.)"""
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import signal
 import subprocess
 import time
@@ -20,7 +24,7 @@ JOB_ID = "4242"
 # exit 0, as the workers do. With STUB_SRUN_EXIT set it ends at once with that status instead.
 SRUN = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$STUB_DIR/srun.args"
-echo "$MASTER_ADDR:$MASTER_PORT" > "$STUB_DIR/srun.master"
+echo "$MASTER_ADDR:$MASTER_PORT $GPUS_PER_NODE" > "$STUB_DIR/srun.master"
 log() { echo "$*" >> "$STUB_DIR/log"; }
 stop() { log "srun got $1"; sleep 0.3; log "srun saved"; exit 0; }
 trap 'stop USR1' USR1
@@ -97,7 +101,20 @@ def test_sigusr1_checkpoints_then_requeues(tmp_path):
     args = (tmp_path / "srun.args").read_text().splitlines()
     assert any(a.startswith("exec torchrun ") for a in args), args  # signals reach torchrun
     assert args[-3:] == ["--config", "pretrain/configs/x.yaml", "train.steps=3"]
-    assert (tmp_path / "srun.master").read_text() == "node1:29500\n"
+    assert args[0] == "--container-image=dcp:latest", args  # the default image
+    # A port of the job's own (20000 + id mod 10000), so jobs sharing a node never collide.
+    assert (tmp_path / "srun.master").read_text() == "node1:24242 8\n"
+
+
+@pytest.mark.parametrize("image", ["", "none"])
+def test_without_an_image_the_step_runs_with_plain_srun(tmp_path, image):
+    proc = _launch(tmp_path, DCP_IMAGE=image, GPUS_PER_NODE="2", MASTER_PORT="31000")
+    _step_pid(tmp_path, proc)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=30) == 0, proc.stdout.read()
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    assert args[:2] == ["bash", "-c"], args  # no --container-* option
+    assert (tmp_path / "srun.master").read_text() == "node1:31000 2\n"
 
 
 def test_sigterm_waits_for_the_checkpoint_and_does_not_requeue(tmp_path):
@@ -117,3 +134,62 @@ def test_a_step_that_ends_by_itself_is_not_requeued(tmp_path, code):
     out = _finish(proc)
     assert proc.returncode == code, out
     assert _log(tmp_path) == ["scontrol show hostnames node[1-100000]", "srun finished"]
+
+
+DOCUMENTED = (
+    "docker/launch_slurm.sbatch",
+    "docker/launch_torchrun.sh",
+    "docker/README.md",
+    "docs/operations.md",
+    "docs/recipes.md",
+)
+
+
+def _usage_examples() -> list[tuple[str, list[str]]]:
+    """Every launch command in the launchers' header comments and in the docs about launching
+    (code blocks and inline code) that names a shipped config: (file, argv)."""
+    repo = SBATCH.parents[1]
+    examples = []
+    for name in DOCUMENTED:
+        text = (repo / name).read_text()
+        if name.endswith(".md"):
+            blocks = re.findall(r"```\w*\n(.*?)```", text, re.S)
+            inline = re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+            chunks = blocks + [" ".join(span.split()) for span in inline]
+        else:
+            chunks = ["\n".join(re.sub(r"^#\s?", "", line) for line in text.splitlines())]
+        for chunk in chunks:
+            for line in chunk.replace("\\\n", " ").splitlines():
+                launch = "launch_" in line or "pretrain.pretrain_gpt" in line
+                if launch and "--config pretrain/configs/" in line:
+                    examples.append((name, shlex.split(line)))
+    return examples
+
+
+def test_the_usage_examples_run_with_the_shipped_configs():
+    """A launcher's example fails at start if its overrides name an old key or its cost-model
+    spec does not match the launched job (nodes x ranks per node, the config's TP size)."""
+    from dcp.costmodel import load_cost_model
+    from dcp.schema import load_config
+    from dcp.train.config import PretrainConfig
+
+    repo = SBATCH.parents[1]
+    examples = _usage_examples()
+    assert {name for name, _ in examples} == set(DOCUMENTED), examples
+    for name, argv in examples:
+        config = argv[argv.index("--config") + 1]
+        overrides = [a for a in argv[argv.index("--config") + 2 :] if "=" in a]
+        cfg = load_config(PretrainConfig, repo / config, overrides)
+        nodes, per_node = 1, 8  # the launchers' GPUS_PER_NODE
+        for i, arg in enumerate(argv):
+            if arg == "--nodes":
+                nodes = int(argv[i + 1])
+            elif arg.startswith("NNODES="):
+                nodes = int(arg.split("=", 1)[1])
+            elif arg == "--nproc-per-node":
+                per_node = int(argv[i + 1])
+        tp = cfg.parallel.tensor_parallel_size
+        spec = load_cost_model(
+            cfg.planning.spec, world_size=nodes * per_node, tensor_parallel_size=tp
+        )
+        assert spec.num_ranks * tp == nodes * per_node, (name, argv)
