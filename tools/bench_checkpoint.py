@@ -55,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     # One directory for every rank: rank 0 picks it.
     root = args.root or (tempfile.mkdtemp(prefix="dcp_bench_ckpt_") if rank == 0 else None)
     root = Path(broadcast_object(root, src=0))
-    results = measure(model_of(args.model), root=root / "ckpt", tensor_parallel_size=args.tp)
+    results = measure(
+        model_of(args.model),
+        root=root / "ckpt",
+        tensor_parallel_size=args.tp,
+        log=lambda line: (
+            print(f"bench_checkpoint: {line}", file=sys.stderr, flush=True) if rank == 0 else None
+        ),
+    )
     if rank == 0:
         gib = 1 << 30
         print(

@@ -65,6 +65,8 @@ class Checkpoint:
         self.step = index.step
         self.layout = index.layout
         self._files: dict[str, TensorFile] = {}
+        self._views: dict[int, tuple[TensorFile, str]] = {}
+        """Address of a tensor handed out as a view of a file → (file, name): ``release``."""
 
     # -- files -------------------------------------------------------------------------------
     def _file(self, name: str) -> TensorFile:
@@ -92,9 +94,18 @@ class Checkpoint:
                 f"{f.path}: {key} has shape {list(stored_shape)}, the index says {list(shape)}"
             )
         try:
-            return f.read(key, sha256=sha256)
+            view = f.read(key, sha256=sha256)
         except TensorFileError as exc:
             raise CorruptCheckpointError(str(exc)) from None
+        self._views[view.data_ptr()] = (f, key)
+        return view
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Unmap the pages of ``tensor`` if it is a view of one of this checkpoint's files
+        (``TensorFile.release``; anything else is left alone)."""
+        found = self._views.get(tensor.data_ptr())
+        if found is not None:
+            found[0].release(found[1])
 
     def shared(self) -> dict[str, Any]:
         """The state every rank shares: ``sampler``, ``scheduler``, ``extra`` (config, W&B id,
@@ -139,10 +150,11 @@ class Checkpoint:
                 f"{self.path}: {name} has shape {list(entry.shape)}, the model's is "
                 f"{whole_shape}; a checkpoint of another model?"
             )
+        # The same slice as saved: a verified view of the file, copied by ``apply``.
         if split is None and entry.split is None:
-            return self._shard(name, entry, 0).clone()
+            return self._shard(name, entry, 0)
         if split == entry.split and tp_size == entry.tp_size:
-            return self._shard(name, entry, tp_rank).clone()
+            return self._shard(name, entry, tp_rank)
         whole = self.whole(name)
         if split is None:
             return whole
@@ -171,7 +183,12 @@ class Checkpoint:
     def _piece_values(
         self, name: str, entry: OptimizerEntry, tp_rank: int, start: int, end: int, state: str
     ) -> torch.Tensor:
-        """Elements ``[start, end)`` of one saved TP slice's optimizer state ``state``."""
+        """Elements ``[start, end)`` of one saved TP slice's optimizer state ``state``: a view of
+        the file when one saved piece is exactly that range (the same sharding as saved)."""
+        for p in entry.pieces[tp_rank]:
+            if (p.start, p.end) == (start, end):
+                key = Index.piece_key(name, state)
+                return self._read(p.file, key, p.sha256[state], (end - start,))
         out = torch.empty(end - start, dtype=torch.float32)
         for p in entry.pieces[tp_rank]:
             lo, hi = max(start, p.start), min(end, p.end)
@@ -181,6 +198,7 @@ class Checkpoint:
                 p.file, Index.piece_key(name, state), p.sha256[state], (p.end - p.start,)
             )
             out[lo - start : hi - start] = values[lo - p.start : hi - p.start]
+            self.release(values)
         return out
 
     def _state_values(
@@ -280,6 +298,7 @@ class Checkpoint:
             optimizer=self.read_optimizer(optimizer, module) if optimizer is not None else None,
             optimizer_groups=self.index.optimizer_groups,
             rng=self.rng(rank, layout),
+            release=self.release,
         )
 
 

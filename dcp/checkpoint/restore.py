@@ -1,14 +1,16 @@
 """Putting what a rank read from a checkpoint into its model and optimizer.
 
 ``RankState`` is one rank's share of a checkpoint, read and checked (``dcp.checkpoint.load``, or
-``dcp.checkpoint.legacy`` for the earlier format), in host memory; ``apply`` copies it into a
-freshly built model and megatron optimizer: the weights, then the optimizer's state allocated
-with the saved step counts and each piece's fp32 main parameter and moments copied in.
+``dcp.checkpoint.legacy`` for the earlier format): verified views of the checkpoint's files where
+this rank holds what a rank saved, host tensors where they were assembled at another layout.
+``apply`` copies it into a freshly built model and megatron optimizer, one tensor at a time: the
+weights, then the optimizer's state allocated with the saved step counts and each piece's fp32
+main parameter and moments copied in; each view's pages are released once copied.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ class CorruptCheckpointError(ValueError):
 
 @dataclass
 class RankState:
-    """What one rank read from a checkpoint, checked, in host memory: applied by ``apply``."""
+    """What one rank read from a checkpoint, checked: applied by ``apply``."""
 
     model: dict[str, torch.Tensor]
     """The module's own state-dict names → its local tensors."""
@@ -36,11 +38,27 @@ class RankState:
     legacy_optimizer: Any = None
     """An earlier-format checkpoint's optimizer state (megatron's own state dict, at the layout
     it was written at) instead of ``optimizer``."""
+    release: Callable[[torch.Tensor], None] | None = None
+    """Called with each tensor once ``apply`` copied it (the checkpoint unmaps its pages)."""
 
 
 def apply(state: RankState, module: torch.nn.Module, optimizer) -> None:
     """Put ``state`` into ``module`` and ``optimizer`` (megatron's, freshly built)."""
-    module.load_state_dict({**module.state_dict(keep_vars=True), **state.model}, strict=True)
+    release = state.release or (lambda tensor: None)
+    own = module.state_dict(keep_vars=True)
+    unknown = sorted(set(state.model) - set(own))
+    if unknown:
+        raise ValueError(f"the checkpoint holds tensors the model has not: {unknown[:5]}")
+    with torch.no_grad():
+        for name, value in state.model.items():
+            target = own[name]
+            if target.shape != value.shape:
+                raise ValueError(
+                    f"{name}: the checkpoint's tensor has shape {list(value.shape)}, the "
+                    f"model's {list(target.shape)}"
+                )
+            target.copy_(value)
+            release(value)
     if optimizer is None:
         return
     if state.legacy_optimizer is not None:
@@ -61,6 +79,7 @@ def apply(state: RankState, module: torch.nn.Module, optimizer) -> None:
             saved = values[(names[id(param)], start, end)]
             for key, target in tensors.items():
                 target.copy_(saved[key])
+                release(saved[key])
 
 
 def load_legacy_optimizer(optimizer, saved) -> None:

@@ -13,7 +13,9 @@ safetensors reader opens these files; DCP writes and reads them itself for two r
   maps anything: a bounded header, known dtypes, non-negative shapes whose byte size matches
   their offsets, offsets inside the file, no two tensors sharing bytes. Tensors are views of a
   read-only memory map (no copy until the caller takes one), and ``read`` verifies a tensor's
-  digest when the caller has one.
+  digest when the caller has one. ``release`` drops a tensor's pages from the process (they stay
+  in the page cache and map again on the next access), so a load that verifies, then copies,
+  tensor after tensor, holds about one tensor's pages at a time, not its whole share.
 """
 
 from __future__ import annotations
@@ -205,11 +207,23 @@ class TensorFile:
         if begin == end:
             return torch.empty(shape, dtype=dtype)
         view = memoryview(self._map)[begin:end]
-        if sha256 is not None and hashlib.sha256(view).hexdigest() != sha256:
-            raise self._error(f"{name}: bytes differ from the checkpoint's index (corrupt)")
+        if sha256 is not None:
+            digest_ok = hashlib.sha256(view).hexdigest() == sha256
+            self.release(name)  # the hash mapped every page; the caller maps what it copies
+            if not digest_ok:
+                raise self._error(f"{name}: bytes differ from the checkpoint's index (corrupt)")
         with warnings.catch_warnings():  # read-only on purpose: callers copy what they keep
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             return torch.frombuffer(view, dtype=dtype).view(shape)
+
+    def release(self, name: str) -> None:
+        """Unmap tensor ``name``'s pages from this process (``madvise(MADV_DONTNEED)`` on a
+        read-only file mapping: the views stay valid and the bytes stay in the page cache)."""
+        _, _, begin, end = self.entries[name]
+        if self._map is None or begin == end or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = begin - begin % mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         if self._map is not None:

@@ -53,9 +53,13 @@ def _timed(fn) -> tuple[float, int, object]:
     return max(all_gather_object(elapsed)), peak, out
 
 
-def measure(model: ModelConfig, *, root: Path, tensor_parallel_size: int) -> dict:
-    """The three measurements of the module docstring for ``model`` on this world."""
+def measure(
+    model: ModelConfig, *, root: Path, tensor_parallel_size: int, log=lambda line: None
+) -> dict:
+    """The three measurements of the module docstring for ``model`` on this world; ``log`` gets
+    a line as each phase starts (rank 0's progress)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    log(f"building the model and optimizer (resident {_rss_bytes() / 2**30:.1f} GiB)")
     layout = Layout(world, tensor_parallel_size)
     runtime = Runtime.from_config(
         model, OptimConfig(), seed=1, tensor_parallel_size=tensor_parallel_size
@@ -69,6 +73,7 @@ def measure(model: ModelConfig, *, root: Path, tensor_parallel_size: int) -> dic
         ),
         planner="bench",
     )
+    log(f"one training step (resident {_rss_bytes() / 2**30:.1f} GiB)")
     runtime.train_step(plan, InMemorySource(docs))
     shared = {"sampler": None, "scheduler": {"step": 1}, "extra": {}} if rank == 0 else None
     module, optimizer = runtime.model.module, runtime.optimizer
@@ -88,7 +93,9 @@ def measure(model: ModelConfig, *, root: Path, tensor_parallel_size: int) -> dic
             **runtime_parts(module, optimizer, shared=shared),
         )
 
+    log(f"synchronous save (resident {_rss_bytes() / 2**30:.1f} GiB)")
     results["sync_save_s"], results["sync_save_peak_rss"], _ = _timed(lambda: save(1, False))
+    log("asynchronous save")
     blocked, results["async_save_peak_rss"], _ = _timed(lambda: save(2, True))
     results["async_blocked_s"] = blocked
     results["async_published_s"] = blocked + _timed(saver.wait)[0]
@@ -100,6 +107,7 @@ def measure(model: ModelConfig, *, root: Path, tensor_parallel_size: int) -> dic
         state = open_checkpoint(path).read(module, optimizer, rank=rank, layout=layout)
         apply(state, module, optimizer)
 
+    log("load")
     results["load_s"], results["load_peak_rss"], _ = _timed(load)
     for key in ("sync_save_peak_rss", "async_save_peak_rss", "load_peak_rss"):
         results[key] = all_gather_object(results[key])  # by rank
@@ -109,8 +117,9 @@ def measure(model: ModelConfig, *, root: Path, tensor_parallel_size: int) -> dic
 
 
 def model_of(preset: str, **overrides) -> ModelConfig:
-    """``demo``: the demo's model (pretrain/configs/tiny_cpu.yaml); ``half-b``: a 0.5B-parameter
-    Llama-style model in bf16 (the largest whose optimizer fits 4 ranks of this 24 GiB machine)."""
+    """``demo``: the demo's model (pretrain/configs/tiny_cpu.yaml); ``half-b``: a 0.49B-parameter
+    Llama-style model in bf16 (12 layers; at 16 layers, 4 ranks at TP 2 with their asynchronous
+    saves' host copies outgrow a 24 GiB machine)."""
     if preset == "demo":
         from dcp.schema import load_config
         from dcp.train.config import PretrainConfig
@@ -120,7 +129,7 @@ def model_of(preset: str, **overrides) -> ModelConfig:
         )
     if preset == "half-b":
         return ModelConfig(
-            num_layers=16,
+            num_layers=12,
             hidden_size=1536,
             num_attention_heads=12,
             num_query_groups=4,

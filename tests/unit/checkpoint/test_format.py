@@ -287,6 +287,31 @@ def test_tensor_files_round_trip_every_dtype_with_their_digests(tmp_path):
     assert writer.size == (tmp_path / "t.safetensors").stat().st_size
 
 
+def _resident_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED"), reason="no madvise here")
+def test_a_released_tensor_leaves_the_process_and_reads_the_same_again(tmp_path):
+    """A load keeps views of the file: hashing maps every page, ``release`` unmaps them (the
+    resident size drops by the tensor's size) and the view still reads the same bytes."""
+    tensor = torch.arange(16 << 20, dtype=torch.float32)  # 64 MiB
+    writer = TensorFileWriter(tmp_path / "t.safetensors", {"t": tensor})
+    writer.write()
+    f = TensorFile(tmp_path / "t.safetensors")
+    view = f.read("t")
+    before = _resident_kib()
+    assert float(view.sum()) == float(tensor.sum())  # maps every page
+    mapped = _resident_kib()
+    f.release("t")
+    released = _resident_kib()
+    assert mapped - before > 48 << 10 and mapped - released > 48 << 10
+    assert torch.equal(view, tensor)
+    f.read("t", sha256=writer.digests["t"])  # hashes, then releases its pages itself
+    assert _resident_kib() - released < 16 << 10
+
+
 def test_every_slice_has_one_writer_and_the_bytes_are_spread():
     layout = Layout(8, tensor_parallel_size=2)
     tensors = [LocalTensor(f"w{i}", torch.empty(64 * (i + 1), 4), (0, 1)) for i in range(12)]
