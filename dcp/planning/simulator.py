@@ -2,7 +2,11 @@
 
 ``simulate`` executes steps in list order: a micro-step starts when every rank of its group is
 free (and after any barrier listed in ``plan.barriers``: step indices before which all
-ranks synchronise, as Megatron's Hybrid-CP schedule does after every group).
+ranks synchronise, as Megatron's Hybrid-CP schedule does after every group). Under pipeline
+parallelism (the spec's ``options.pipeline_parallel_size`` > 1) it runs every (stage, planner
+rank)'s events of ``dcp.planning.pipeline.rank_events`` instead: a forward or backward starts
+when every rank of its group on its stage is free, a message when its sender and receiver are
+(blocking pairs), each lasting its stage's time (``dcp.costmodel.pipeline``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcp.costmodel import CostModel
+from dcp.costmodel.pipeline import PipelineCosts
 from dcp.plan import Plan
+from dcp.planning.pipeline import (
+    activation_key,
+    backward_key,
+    dense_start_times,
+    forward_key,
+    gradient_key,
+    stage_activation_table,
+    stage_peak_bytes,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +43,11 @@ class SimResult:
     comm_share: float
     """Exposed CP communication / total busy rank-seconds."""
     num_steps: int
+    num_stages: int = 1
+    """Pipeline stages: with more than one, ``busy_s`` and ``idle_s`` hold one entry per
+    (stage, planner rank), stage-major, and busy time includes stage-to-stage transfers."""
+    stage_peak_mem_bytes: tuple[float, ...] = ()
+    """Per pipeline stage, the most bytes any of its GPUs holds (with one stage: empty)."""
 
     @property
     def utilization(self) -> float:
@@ -37,8 +56,14 @@ class SimResult:
             return 0.0
         return float(np.mean(self.busy_s)) / self.makespan_s
 
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of GPU time spent waiting: pipeline fill and drain, waits for a group's
+        slowest member or stage (``1 - utilization``)."""
+        return 1.0 - self.utilization if self.makespan_s > 0 else 0.0
+
     def to_dict(self) -> dict:
-        return {
+        out = {
             "makespan_s": self.makespan_s,
             "utilization": self.utilization,
             "peak_mem_bytes": self.peak_mem_bytes,
@@ -46,6 +71,11 @@ class SimResult:
             "num_steps": self.num_steps,
             "max_idle_s": max(self.idle_s, default=0.0),
         }
+        if self.num_stages > 1:
+            out["num_stages"] = self.num_stages
+            out["bubble_fraction"] = self.bubble_fraction
+            out["stage_peak_mem_bytes"] = list(self.stage_peak_mem_bytes)
+        return out
 
 
 def simulate(
@@ -58,6 +88,10 @@ def simulate(
     """Execute ``plan`` on ``cost_model``; raises ``ValueError`` for ranks outside the cluster.
     ``times_s``: each step's seconds instead of the cost model's (a what-if; its exposed
     communication is then counted as none)."""
+    if cost_model.pipeline_parallel_size > 1:
+        if times_s is not None:
+            raise ValueError("times_s (a what-if of step times) needs a plan without pipelining")
+        return simulate_pipeline(plan, lengths, PipelineCosts.of(cost_model))
     if times_s is not None and len(times_s) != len(plan.steps):
         raise ValueError(f"times_s has {len(times_s)} entries for {len(plan.steps)} steps")
     num_ranks = cost_model.num_ranks
@@ -97,4 +131,67 @@ def simulate(
         peak_mem_bytes=peak_mem,
         comm_share=comm_total / busy_total if busy_total > 0 else 0.0,
         num_steps=len(plan.steps),
+    )
+
+
+def simulate_pipeline(plan: Plan, lengths: Sequence[int], costs: PipelineCosts) -> SimResult:
+    """Execute ``plan`` under ``costs``' pipeline (module docstring): every event in key order
+    starts when all its participants are free, which is when a blocking execution of every
+    (stage, rank)'s event list starts it."""
+    num_ranks, num_stages = costs.cost_model.num_ranks, costs.num_stages
+    if plan.barriers:
+        raise ValueError("plan barriers are not supported under pipeline parallelism")
+    n = len(plan.steps)
+    for index, step in enumerate(plan.steps):
+        if step.ranks[0] < 0 or step.ranks[-1] >= num_ranks:
+            raise ValueError(f"step {index} uses ranks {step.ranks} outside [0, {num_ranks})")
+    f_starts, b_starts = dense_start_times(plan, num_stages)
+    # (key, kind, stage, step): kind 0 forward, 1 backward, 2 activation, 3 gradient message.
+    events = []
+    for m in range(n):
+        for s in range(num_stages):
+            events.append((forward_key(f_starts, s, m), 0, s, m))
+            events.append((backward_key(b_starts, s, m), 1, s, m))
+            if s < num_stages - 1:
+                events.append((activation_key(f_starts, s, m), 2, s, m))
+                events.append((gradient_key(b_starts, s, m), 3, s, m))
+    events.sort()
+    times = [costs.step_times(step, lengths) for step in plan.steps]
+    transfer = [
+        costs.p2p_time_s(sum(lengths[i] for i in step.seq_ids) / step.cp_size)
+        for step in plan.steps
+    ]
+    free = np.zeros((num_stages, num_ranks))
+    busy = np.zeros((num_stages, num_ranks))
+    compute_total = comm_total = 0.0
+    for _, kind, s, m in events:
+        ranks = list(plan.steps[m].ranks)
+        if kind < 2:
+            duration = times[m][s][kind]
+            start = free[s, ranks].max()
+            free[s, ranks] = start + duration
+            busy[s, ranks] += duration
+            compute_total += duration * len(ranks)
+            if kind == 1:
+                comm_total += times[m][s][2] * len(ranks)
+            continue
+        start = np.maximum(free[s, ranks], free[s + 1, ranks])
+        free[s, ranks] = free[s + 1, ranks] = start + transfer[m]
+        busy[s, ranks] += transfer[m]
+        busy[s + 1, ranks] += transfer[m]
+    makespan = float(free.max()) if plan.steps else 0.0
+    memory = stage_peak_bytes(
+        plan, lengths, costs, activations=stage_activation_table(plan, lengths, costs)
+    )
+    stage_peaks = tuple(float(row.max()) for row in memory.peak_bytes)
+    flat = busy.reshape(-1)
+    return SimResult(
+        makespan_s=makespan,
+        busy_s=tuple(float(b) for b in flat),
+        idle_s=tuple(float(makespan - b) for b in flat),
+        peak_mem_bytes=max(stage_peaks) if plan.steps else 0.0,
+        comm_share=comm_total / compute_total if compute_total > 0 else 0.0,
+        num_steps=n,
+        num_stages=num_stages,
+        stage_peak_mem_bytes=stage_peaks,
     )
