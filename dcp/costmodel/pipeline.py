@@ -179,12 +179,13 @@ class PipelineCosts:
             for stage in self.stages
         )
 
-    def planning_model(self) -> CostModel:
-        """One ``CostModel`` over the planner ranks whose time upper-bounds every stage's (each
-        coefficient the largest of the stages') and whose memory is the tightest stage's for a
-        micro-step alone: what a planner balances positions and sizes single micro-steps with.
-        Memory with several micro-steps in flight is checked on the real stages
-        (``dcp.planning.pipeline``)."""
+    def planning_model(self, *, in_flight: bool = True) -> CostModel:
+        """One ``CostModel`` over the planner ranks for a planner to balance positions and size
+        micro-steps with: its time upper-bounds every stage's (each coefficient the largest of
+        the stages'), and a micro-step fits its memory when it fits every stage with, if
+        ``in_flight``, the P - s micro-steps stage s holds under 1F1B all as large as it
+        (else alone). Exact memory with the micro-steps actually in flight:
+        ``dcp.planning.pipeline.stage_peak_bytes``."""
         stages = [stage.coefficients for stage in self.stages]
         merged = {}
         for f in dataclasses.fields(Coefficients):
@@ -193,18 +194,31 @@ class PipelineCosts:
                 merged[f.name] = {lv: max(v[lv] for v in values) for lv in RECOMPUTE_LEVELS}
             else:
                 merged[f.name] = max(values)
-        # One micro-step alone: its activations and logits on the stage where they weigh most.
+        # The logits workspace lives only while a micro-step's loss is computed.
+        copies = [self.num_stages - s if in_flight else 1 for s in range(self.num_stages)]
         merged["activation_bytes_per_token"] = {
-            lv: max(c.activation_bytes_per_token[lv] + c.logits_bytes_per_token for c in stages)
+            lv: max(
+                k * c.activation_bytes_per_token[lv] + c.logits_bytes_per_token
+                for k, c in zip(copies, stages, strict=True)
+            )
             for lv in RECOMPUTE_LEVELS
         }
         merged["logits_bytes_per_token"] = 0.0
         widest = max(self.stages, key=lambda stage: stage.num_layers)
+        what = "in flight" if in_flight else "alone"
         return dataclasses.replace(
             widest,
             coefficients=Coefficients(**merged),
-            name=f"{self.cost_model.name} (pipeline view)",
+            name=f"{self.cost_model.name} (pipeline view, micro-steps {what})",
         )
+
+
+def planning_view(cost_model: CostModel) -> CostModel:
+    """What a planner sizes single micro-steps with: ``cost_model`` itself without pipelining,
+    else ``PipelineCosts.planning_model()`` (in flight)."""
+    if cost_model.pipeline_parallel_size == 1:
+        return cost_model
+    return PipelineCosts.of(cost_model).planning_model()
 
 
 def _stage_coefficients(cost_model: CostModel, counts: tuple[int, ...], stage: int) -> Coefficients:

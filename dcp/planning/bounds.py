@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from dcp.costmodel import CostModel
+from dcp.costmodel.pipeline import PipelineCosts
 from dcp.plan import RECOMPUTE_LEVELS, Recompute
 
 
@@ -48,8 +49,15 @@ def lower_bound_s(
     per-step constant times the fewest rank-steps that can hold all tokens, spread perfectly
     over all ranks. Critical path:
     the longest sequence alone in a step at its fastest feasible config on the best links.
-    Sequences no config fits are ignored (a plan must drop them).
+    Sequences no config fits are ignored (a plan must drop them). Under pipeline parallelism,
+    the largest of each stage's bound (every stage's GPUs do all of its work), each with a
+    micro-step's memory alone on that stage.
     """
+    if cost_model.pipeline_parallel_size > 1:
+        return max(
+            lower_bound_s(lengths, stage, cp_sizes=cp_sizes, partial_recompute=partial_recompute)
+            for stage in PipelineCosts.of(cost_model).stages
+        )
     lens = np.asarray(lengths, dtype=np.float64)
     if lens.size == 0:
         return 0.0

@@ -18,6 +18,7 @@ from types import MappingProxyType
 import numpy as np
 
 from dcp.costmodel import CostModel
+from dcp.costmodel.pipeline import PipelineCosts
 from dcp.plan import (
     ON_OVERSIZE,
     RECOMPUTE_LEVELS,
@@ -30,6 +31,7 @@ from dcp.plan import (
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import check_lengths, find_oversize, pow2_sizes
 from dcp.planning.joins import _Job, _merge_same_block, _PackConfigs, _shared_jobs
+from dcp.planning.pipeline_planner import arrange
 from dcp.planning.simulator import simulate
 
 _TARGET_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35)
@@ -152,17 +154,59 @@ def plan_dcp(
     sequences as one shared job, the plan placing them apart is made too (steps on the same
     ranks may still be joined afterwards), and when it uses either finer option, the three-level
     plan (``THREE_LEVEL_OPTIONS``); the fastest on the simulator is kept (ties: the first), so
-    turning an option on never makes a plan slower."""
-    plan, used = _plan(lengths, cost_model, options)
+    turning an option on never makes a plan slower. Under pipeline parallelism (the spec's
+    ``options.pipeline_parallel_size`` > 1) the plan is then arranged for the pipeline
+    (``dcp.planning.pipeline_planner``)."""
+    if cost_model.pipeline_parallel_size > 1:
+        return _plan_pipelined(lengths, cost_model, options)
+    return _flat_plan(lengths, cost_model, options)
+
+
+def _flat_plan(
+    lengths: Sequence[int], cost_model: CostModel, options: DCPOptions, *, join_steps: bool = True
+) -> Plan:
+    """``plan_dcp`` without pipelining (``join_steps``: ``_plan``'s)."""
+    plan, used = _plan(lengths, cost_model, options, join_steps=join_steps)
     if not used:
         return plan
     candidates = [plan]
     if "jobs" in used:
-        candidates.append(_plan(lengths, cost_model, options, shared_jobs=False)[0])
-    candidates.append(_plan(lengths, cost_model, replace(options, **THREE_LEVEL_OPTIONS))[0])
+        candidates.append(
+            _plan(lengths, cost_model, options, shared_jobs=False, join_steps=join_steps)[0]
+        )
+    three_level = replace(options, **THREE_LEVEL_OPTIONS)
+    candidates.append(_plan(lengths, cost_model, three_level, join_steps=join_steps)[0])
     lens = [int(x) for x in lengths]
     times = [simulate(candidate, lens, cost_model).makespan_s for candidate in candidates]
     return candidates[times.index(min(times))]
+
+
+def _plan_pipelined(lengths: Sequence[int], cost_model: CostModel, options: DCPOptions) -> Plan:
+    """A plan balanced on the pipeline's planning view, arranged for 1F1B. The view sizes each
+    micro-step as if the P - s a stage holds in flight were all as large; where that drops or
+    refuses a sequence that fits alone, the plan is made on the view of micro-steps alone and
+    the arrangement adds the recompute the in-flight activations need."""
+    costs = PipelineCosts.of(cost_model)
+    lens = check_lengths(lengths)
+    cap = pow2_sizes(cost_model.num_ranks, options.max_cp_size)[-1]
+    view = costs.planning_model(in_flight=True)
+    alone = costs.planning_model(in_flight=False)
+    oversize = find_oversize(lens, view, max_cp_size=cap, on_oversize="drop")
+    if oversize and len(find_oversize(lens, alone, max_cp_size=cap, on_oversize="drop")) < len(
+        oversize
+    ):
+        view = alone
+    # Joining steps would only undo the micro-steps a pipeline needs.
+    flat = _flat_plan(lengths, view, options, join_steps=False)
+    levels = [lv for lv in RECOMPUTE_LEVELS if lv in set(options.recompute_levels) | {"full"}]
+    return arrange(
+        flat,
+        lengths,
+        costs,
+        levels=levels,
+        partial=options.partial_recompute and view.num_layers is not None,
+        pinned=sorted(options.pinned or {}),
+    )
 
 
 def _plan(
@@ -171,13 +215,12 @@ def _plan(
     options: DCPOptions,
     *,
     shared_jobs: bool = True,
-    pack_tokens: int | None = None,
+    join_steps: bool = True,
 ) -> tuple[Plan, set[str]]:
     """The plan, and what in it goes beyond the three-level planner: ``jobs`` (sequences placed
     together as one shared job; ``shared_jobs=False`` places each alone), ``joined`` (steps on
-    the same ranks joined after placement), ``partial`` (a partial full recompute).
-    ``pack_tokens``: the most tokens a micro-step of short sequences packs (default: what one
-    rank holds without recompute). The steps of docs/planner.md, 'How it decides', in order."""
+    the same ranks joined after placement; ``join_steps=False`` joins none), ``partial`` (a
+    partial full recompute). The steps of docs/planner.md, 'How it decides', in order."""
     lens = check_lengths(lengths)
     batch = _Batch.of(lens, cost_model, options)
     if batch.keep.size == 0:
@@ -189,13 +232,13 @@ def _plan(
         options.pinned or {}, batch.keep, batch.kept, batch.sizes, cost_model, solo
     )
     assert not (solo[2][solo[1] != RECOMPUTE_LEVELS.index(Recompute.FULL)]).any()
-    packing = _Packing.of(batch, solo[0], pinned_rows, pack_tokens)  # 2
+    packing = _Packing.of(batch, solo[0], pinned_rows)  # 2
     shared = options.share_cp_groups and shared_jobs
     jobs = _Jobs.of(batch, solo, packing, pinned_rows, shared=shared)  # 3
     makespan, sched, packs = _search_targets(batch, jobs, packing)  # 3-4
     steps = _to_steps(sched, packs, batch.sizes, batch.keep, jobs.members)
     used = {"jobs"} if jobs.num_shared else set()
-    if options.share_cp_groups and not pinned_rows:  # 5
+    if options.share_cp_groups and join_steps and not pinned_rows:  # 5
         merged = _merge_same_block(steps, lens, jobs.pack, makespan)
         if merged is not None:
             steps, makespan = merged
@@ -295,13 +338,9 @@ class _Packing:
     """Whether packing is the sequence's cheapest option (pinned sequences never pack)."""
 
     @classmethod
-    def of(
-        cls, batch: _Batch, dur: np.ndarray, pinned_rows: list[int], pack_tokens: int | None
-    ) -> _Packing:
+    def of(cls, batch: _Batch, dur: np.ndarray, pinned_rows: list[int]) -> _Packing:
         cost_model, kept = batch.cost_model, batch.kept
         cap = cost_model.max_tokens_per_rank("none") if "none" in batch.levels else 0
-        if pack_tokens is not None:
-            cap = min(cap, pack_tokens)
         marginal = cost_model.packed_marginal_s(kept, "none")
         const = cost_model.step_constant_s("none")
         area = np.where(kept <= cap, marginal + const * kept / max(cap, 1), np.inf)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcp.costmodel.pipeline import PipelineCosts
-from dcp.plan import Plan
+from dcp.plan import MicroStep, Plan
 
 FORWARD, BACKWARD = "F", "B"
 SEND_ACTIVATION, RECV_ACTIVATION = "send_act", "recv_act"
@@ -132,15 +132,39 @@ def dense_start_times(plan: Plan, num_stages: int) -> tuple[np.ndarray, np.ndarr
     return start[FORWARD][:, slot_of], start[BACKWARD][:, slot_of]
 
 
+Key = tuple[int, int, int, int, int]
+"""(dense time, 0 for a message or 1 for a compute event, the message's lower stage or the
+compute event's stage, 0 forward or activation / 1 backward or gradient, step index)."""
+
+
+def event_keys(plan: Plan, num_stages: int) -> list[Key]:
+    """Every event of the plan's pipeline, in key order (module docstring): each micro-step's
+    forward and backward on every stage, and its activation and gradient between every two
+    adjacent stages (one event per planner rank of the micro-step, with this key)."""
+    f_starts, b_starts = (a.tolist() for a in dense_start_times(plan, num_stages))
+    keys: list[Key] = []
+    for s in range(num_stages):
+        forwards, backwards = f_starts[s], b_starts[s]
+        below = b_starts[s + 1] if s + 1 < num_stages else None
+        for m in range(len(plan.steps)):
+            keys.append((forwards[m], 1, s, 0, m))
+            keys.append((backwards[m], 1, s, 1, m))
+            if below is not None:
+                # A message's key is its producer's end: stage s's forward, stage s + 1's backward.
+                keys.append((forwards[m] + _DENSE_FORWARD, 0, s, 0, m))
+                keys.append((below[m] + _DENSE_BACKWARD, 0, s, 1, m))
+    keys.sort()
+    return keys
+
+
 @dataclass(frozen=True, order=True)
 class PipelineEvent:
     """One event of a (stage, planner rank): a micro-step's forward or backward on its stage,
     or one of its messages to or from an adjacent stage."""
 
-    key: tuple[int, int, int, int, int]
-    """(dense time, 0 for a message or 1 for a compute event, the lower stage of a message or a
-    compute event's stage, 0 forward or activation / 1 backward or gradient, step): equal on
-    every participant of the event; a rank runs its events in increasing key order."""
+    key: Key
+    """``event_keys``' key: equal on every participant of the event; a rank runs its events in
+    increasing key order."""
     kind: str
     """``F``, ``B``, ``send_act``, ``recv_act``, ``send_grad`` or ``recv_grad``."""
     step: int
@@ -149,58 +173,58 @@ class PipelineEvent:
     """The other stage of a message (at the same planner rank); ``None`` for F and B."""
 
 
-def forward_key(starts: np.ndarray, stage: int, step: int) -> tuple[int, int, int, int, int]:
-    return (int(starts[stage, step]), 1, stage, 0, step)
-
-
-def backward_key(starts: np.ndarray, stage: int, step: int) -> tuple[int, int, int, int, int]:
-    return (int(starts[stage, step]), 1, stage, 1, step)
-
-
-def activation_key(f_starts: np.ndarray, stage: int, step: int) -> tuple[int, int, int, int, int]:
-    """Key of the activation ``step`` sends from ``stage`` to ``stage + 1``."""
-    return (int(f_starts[stage, step]) + _DENSE_FORWARD, 0, stage, 0, step)
-
-
-def gradient_key(b_starts: np.ndarray, stage: int, step: int) -> tuple[int, int, int, int, int]:
-    """Key of the gradient ``step`` sends from ``stage + 1`` back to ``stage``."""
-    return (int(b_starts[stage + 1, step]) + _DENSE_BACKWARD, 0, stage, 1, step)
-
-
 def rank_events(
     plan: Plan, num_stages: int, *, stage: int, rank: int, virtual_stages: int = 1
 ) -> list[PipelineEvent]:
     """What planner rank ``rank`` of stage ``stage`` runs, in order: for each micro-step that
     holds the rank, its receive of the activations (stages > 0), forward, send of them
     (stages < P - 1), receive of the gradient, backward and send of the input gradient, each at
-    its key (module docstring). Its F and B events are the subsequence of
+    its key (``event_keys``). Its F and B events are the subsequence of
     ``pipeline_order(plan)[stage]`` made of the rank's micro-steps."""
     check_stages(num_stages, virtual_stages)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
-    f_starts, b_starts = dense_start_times(plan, num_stages)
-    last = num_stages - 1
     events = []
-    for m, step in enumerate(plan.steps):
-        if rank not in step.ranks:
+    for key in event_keys(plan, num_stages):
+        _, is_compute, s, kind, m = key
+        if rank not in plan.steps[m].ranks:
             continue
-        events += [
-            PipelineEvent(forward_key(f_starts, stage, m), FORWARD, m),
-            PipelineEvent(backward_key(b_starts, stage, m), BACKWARD, m),
-        ]
-        if stage > 0:
-            before = stage - 1
-            events += [
-                PipelineEvent(activation_key(f_starts, before, m), RECV_ACTIVATION, m, before),
-                PipelineEvent(gradient_key(b_starts, before, m), SEND_GRADIENT, m, before),
-            ]
-        if stage < last:
-            after = stage + 1
-            events += [
-                PipelineEvent(activation_key(f_starts, stage, m), SEND_ACTIVATION, m, after),
-                PipelineEvent(gradient_key(b_starts, stage, m), RECV_GRADIENT, m, after),
-            ]
-    return sorted(events)
+        if is_compute:
+            if s == stage:
+                events.append(PipelineEvent(key, (FORWARD, BACKWARD)[kind], m))
+        elif s == stage:  # this stage sends the activation, receives the gradient
+            events.append(PipelineEvent(key, (SEND_ACTIVATION, RECV_GRADIENT)[kind], m, s + 1))
+        elif s + 1 == stage:
+            events.append(PipelineEvent(key, (RECV_ACTIVATION, SEND_GRADIENT)[kind], m, s))
+    return events
+
+
+class StepCosts:
+    """What the pipeline needs of each micro-step of one batch, computed once per distinct
+    micro-step: its (forward, backward, exposed CP communication) seconds and activation bytes
+    on each stage, and its stage-to-stage transfer time (``PipelineCosts``)."""
+
+    def __init__(self, costs: PipelineCosts, lengths: Sequence[int]) -> None:
+        self.costs = costs
+        self.lengths = [int(x) for x in lengths]
+        self._times: dict[MicroStep, tuple[tuple[float, float, float], ...]] = {}
+        self._acts: dict[MicroStep, tuple[float, ...]] = {}
+
+    def times(self, step: MicroStep) -> tuple[tuple[float, float, float], ...]:
+        out = self._times.get(step)
+        if out is None:
+            out = self._times[step] = self.costs.step_times(step, self.lengths)
+        return out
+
+    def activations(self, step: MicroStep) -> tuple[float, ...]:
+        out = self._acts.get(step)
+        if out is None:
+            out = self._acts[step] = self.costs.step_activation_bytes(step, self.lengths)
+        return out
+
+    def transfer_s(self, step: MicroStep) -> float:
+        tokens = sum(self.lengths[i] for i in step.seq_ids) / step.cp_size
+        return self.costs.p2p_time_s(tokens)
 
 
 @dataclass(frozen=True)
@@ -214,45 +238,42 @@ class StageMemory:
     fits)."""
 
 
-def stage_activation_table(plan: Plan, lengths: Sequence[int], costs: PipelineCosts) -> np.ndarray:
-    """``[step, stage]``: bytes each micro-step keeps per rank of its group on each stage."""
-    out = np.zeros((len(plan.steps), costs.num_stages))
-    for m, step in enumerate(plan.steps):
-        out[m] = costs.step_activation_bytes(step, lengths)
-    return out
-
-
 def stage_peak_bytes(
     plan: Plan,
     lengths: Sequence[int],
     costs: PipelineCosts,
     *,
-    activations: np.ndarray | None = None,
+    step_costs: StepCosts | None = None,
+    order: tuple[tuple[Op, ...], ...] | None = None,
 ) -> StageMemory:
     """Each (stage, planner rank)'s peak memory under ``pipeline_order`` (it depends on the
     order only, not on timing): its static bytes plus, at each of its forwards, the activation
-    bytes of its micro-steps in flight. ``activations``: ``stage_activation_table``'s, if
-    already made."""
-    acts = stage_activation_table(plan, lengths, costs) if activations is None else activations
+    bytes of its micro-steps in flight. ``order``: the plan's ``pipeline_order``, if made."""
+    step_costs = step_costs or StepCosts(costs, lengths)
+    order = order or pipeline_order(plan, costs.num_stages)
+    acts = [step_costs.activations(step) for step in plan.steps]
+    ranks = [step.ranks for step in plan.steps]
     num_ranks = costs.cost_model.num_ranks
     budget = costs.cost_model.mem_budget_bytes
     peak = np.zeros((costs.num_stages, num_ranks))
     worst, worst_over = None, 0.0
-    for s, order in enumerate(pipeline_order(plan, costs.num_stages)):
+    for s, stage_ops in enumerate(order):
         static = costs.stages[s].static_mem_bytes
-        live = np.zeros(num_ranks)
-        for kind, m in order:
-            ranks = list(plan.steps[m].ranks)
+        live, top = [0.0] * num_ranks, [0.0] * num_ranks
+        for kind, m in stage_ops:
+            held = acts[m][s]
             if kind == BACKWARD:
-                live[ranks] -= acts[m, s]
+                for r in ranks[m]:
+                    live[r] -= held
                 continue
-            live[ranks] += acts[m, s]
-            peak[s, ranks] = np.maximum(peak[s, ranks], live[ranks])
-            over = static + float(live[ranks].max()) - budget
-            if over > worst_over:
-                worst_over = over
-                worst = (s, ranks[int(np.argmax(live[ranks]))], m)
-        peak[s] += static
+            for r in ranks[m]:
+                live[r] += held
+                if live[r] > top[r]:
+                    top[r] = live[r]
+                    if static + live[r] - budget > worst_over:
+                        worst_over = static + live[r] - budget
+                        worst = (s, r, m)
+        peak[s] = np.asarray(top) + static
     return StageMemory(peak_bytes=peak, worst=worst)
 
 

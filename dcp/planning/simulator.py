@@ -19,15 +19,7 @@ import numpy as np
 from dcp.costmodel import CostModel
 from dcp.costmodel.pipeline import PipelineCosts
 from dcp.plan import Plan
-from dcp.planning.pipeline import (
-    activation_key,
-    backward_key,
-    dense_start_times,
-    forward_key,
-    gradient_key,
-    stage_activation_table,
-    stage_peak_bytes,
-)
+from dcp.planning.pipeline import StepCosts, event_keys, stage_peak_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,64 +126,60 @@ def simulate(
     )
 
 
-def simulate_pipeline(plan: Plan, lengths: Sequence[int], costs: PipelineCosts) -> SimResult:
+def simulate_pipeline(
+    plan: Plan,
+    lengths: Sequence[int],
+    costs: PipelineCosts,
+    *,
+    step_costs: StepCosts | None = None,
+) -> SimResult:
     """Execute ``plan`` under ``costs``' pipeline (module docstring): every event in key order
     starts when all its participants are free, which is when a blocking execution of every
-    (stage, rank)'s event list starts it."""
+    (stage, rank)'s event list starts it. ``step_costs``: a memo of this batch's micro-steps
+    shared with other calls."""
     num_ranks, num_stages = costs.cost_model.num_ranks, costs.num_stages
     if plan.barriers:
         raise ValueError("plan barriers are not supported under pipeline parallelism")
-    n = len(plan.steps)
     for index, step in enumerate(plan.steps):
         if step.ranks[0] < 0 or step.ranks[-1] >= num_ranks:
             raise ValueError(f"step {index} uses ranks {step.ranks} outside [0, {num_ranks})")
-    f_starts, b_starts = dense_start_times(plan, num_stages)
-    # (key, kind, stage, step): kind 0 forward, 1 backward, 2 activation, 3 gradient message.
-    events = []
-    for m in range(n):
-        for s in range(num_stages):
-            events.append((forward_key(f_starts, s, m), 0, s, m))
-            events.append((backward_key(b_starts, s, m), 1, s, m))
-            if s < num_stages - 1:
-                events.append((activation_key(f_starts, s, m), 2, s, m))
-                events.append((gradient_key(b_starts, s, m), 3, s, m))
-    events.sort()
-    times = [costs.step_times(step, lengths) for step in plan.steps]
-    transfer = [
-        costs.p2p_time_s(sum(lengths[i] for i in step.seq_ids) / step.cp_size)
-        for step in plan.steps
-    ]
-    free = np.zeros((num_stages, num_ranks))
-    busy = np.zeros((num_stages, num_ranks))
+    step_costs = step_costs or StepCosts(costs, lengths)
+    times = [step_costs.times(step) for step in plan.steps]
+    transfer = [step_costs.transfer_s(step) for step in plan.steps]
+    ranks_of = [step.ranks for step in plan.steps]
+    free = [[0.0] * num_ranks for _ in range(num_stages)]
+    busy = [[0.0] * num_ranks for _ in range(num_stages)]
     compute_total = comm_total = 0.0
-    for _, kind, s, m in events:
-        ranks = list(plan.steps[m].ranks)
-        if kind < 2:
+    for _, is_compute, s, kind, m in event_keys(plan, num_stages):
+        ranks = ranks_of[m]
+        if is_compute:
             duration = times[m][s][kind]
-            start = free[s, ranks].max()
-            free[s, ranks] = start + duration
-            busy[s, ranks] += duration
+            stage_free, stage_busy = free[s], busy[s]
+            end = max(stage_free[r] for r in ranks) + duration
+            for r in ranks:
+                stage_free[r] = end
+                stage_busy[r] += duration
             compute_total += duration * len(ranks)
             if kind == 1:
                 comm_total += times[m][s][2] * len(ranks)
             continue
-        start = np.maximum(free[s, ranks], free[s + 1, ranks])
-        free[s, ranks] = free[s + 1, ranks] = start + transfer[m]
-        busy[s, ranks] += transfer[m]
-        busy[s + 1, ranks] += transfer[m]
-    makespan = float(free.max()) if plan.steps else 0.0
-    memory = stage_peak_bytes(
-        plan, lengths, costs, activations=stage_activation_table(plan, lengths, costs)
-    )
+        upper, lower, duration = free[s], free[s + 1], transfer[m]
+        for r in ranks:
+            end = max(upper[r], lower[r]) + duration
+            upper[r] = lower[r] = end
+            busy[s][r] += duration
+            busy[s + 1][r] += duration
+    makespan = max(max(row) for row in free) if plan.steps else 0.0
+    memory = stage_peak_bytes(plan, lengths, costs, step_costs=step_costs)
     stage_peaks = tuple(float(row.max()) for row in memory.peak_bytes)
-    flat = busy.reshape(-1)
+    flat = [b for row in busy for b in row]
     return SimResult(
         makespan_s=makespan,
-        busy_s=tuple(float(b) for b in flat),
-        idle_s=tuple(float(makespan - b) for b in flat),
+        busy_s=tuple(flat),
+        idle_s=tuple(makespan - b for b in flat),
         peak_mem_bytes=max(stage_peaks) if plan.steps else 0.0,
         comm_share=comm_total / compute_total if compute_total > 0 else 0.0,
-        num_steps=n,
+        num_steps=len(plan.steps),
         num_stages=num_stages,
         stage_peak_mem_bytes=stage_peaks,
     )

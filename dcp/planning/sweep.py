@@ -18,12 +18,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dcp.costmodel import CostModel, load_cost_model
+from dcp.costmodel.pipeline import PipelineCosts
 from dcp.plan import PLANNERS, RECOMPUTE_LEVELS, STATIC_PER_BATCH, Plan
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
 from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.offload import offload_what_if
+from dcp.planning.pipeline import check_pipeline_memory
 from dcp.planning.simulator import simulate
 from dcp.planning.static import StaticOptions, plan_static, static_configs
 from dcp.planning.workloads import WORKLOADS, get_workload, make_batch
@@ -55,7 +57,10 @@ SPEEDUPS = tuple(f"speedup_vs_{b}" for b in BASELINES)
 def _checked_time(plan: Plan, lengths: list[int], cost_model: CostModel) -> float:
     """Simulated makespan after checking the plan is executable and fits memory."""
     plan.validate(num_sequences=len(lengths), num_ranks=cost_model.num_ranks)
-    cost_model.check_plan_memory(plan, lengths)
+    if cost_model.pipeline_parallel_size > 1:
+        check_pipeline_memory(plan, lengths, PipelineCosts.of(cost_model))
+    else:
+        cost_model.check_plan_memory(plan, lengths)
     return simulate(plan, lengths, cost_model).makespan_s
 
 
