@@ -65,7 +65,7 @@ def format_table(results: dict) -> str:
         for row in cluster["rows"]:
 
             def mean(key: str, width: int = 8, row=row) -> str:
-                if key not in row:
+                if not row.get(key, {}).get("step_time_s"):
                     return " " * width
                 return f"{statistics.mean(row[key]['step_time_s']):{width}.3f}"
 
@@ -137,8 +137,9 @@ def format_pipeline_table(results: dict) -> str:
             cells = ""
             for p in names:
                 entry = row.get(p, {})
-                step = statistics.mean(entry["step_time_s"]) if entry else nan
-                bubble = statistics.mean(entry.get("bubble_fraction", [nan])) if entry else nan
+                step = statistics.mean(entry["step_time_s"]) if entry.get("step_time_s") else nan
+                bubbles = entry.get("bubble_fraction") or [nan]
+                bubble = statistics.mean(bubbles)
                 cells += f" {step:10.2f} {bubble:6.1%}"
             cells += f" {row.get('static', {}).get('config', ''):>14}"
             cells += f" {row.get('megatron', {}).get('config', ''):>9}"
@@ -301,7 +302,7 @@ def simulate_data(args: argparse.Namespace) -> int:
 
 def format_data_table(results: dict) -> str:
     """Per-batch simulated step times of every planner on the user's data, and the totals."""
-    planners = [p for p in ("dcp", *BASELINES) if p in results]
+    planners = [p for p in ("dcp", *BASELINES) if results.get(p, {}).get("step_time_s")]
     kind = "calibrated" if results["calibrated"] else "analytic (uncalibrated)"
     lines = [
         f"SIMULATED on the {kind} cost model of {results['spec']} (no GPU ran), "

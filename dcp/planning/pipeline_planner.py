@@ -103,8 +103,8 @@ def arrange(
 
 class _Layout:
     """A flat plan taken apart for re-arranging: the micro-steps kept (any CP size above 1, a
-    recompute, more tokens than a pack holds, a pinned sequence) and the short sequences of the
-    others, to be packed again."""
+    recompute, a sequence longer than a pack holds, a pinned sequence) and the short sequences
+    of the others, to be packed again."""
 
     def __init__(
         self,
@@ -140,7 +140,7 @@ class _Layout:
             packable = (
                 step.cp_size == 1
                 and step.recompute == Recompute.NONE
-                and sum(lens[i] for i in step.seq_ids) <= cap
+                and all(lens[i] <= cap for i in step.seq_ids)
                 and not pinned.intersection(step.seq_ids)
             )
             if packable:
@@ -311,31 +311,38 @@ class _Recompute:
     ) -> None:
         self.costs, self.step_costs, self.pinned = costs, step_costs, pinned
         self.lens = step_costs.lengths
-        widest = max(costs.layer_counts)
-        # The recompute settings a step can take, least memory saved first.
-        ladder: list[tuple[str, int | None]] = [
+        self.view = costs.planning_model()
+        widest = self.view.num_layers
+        settings: list[tuple[str, int | None]] = [
             (lv, None) for lv in RECOMPUTE_LEVELS if lv in levels and lv != Recompute.FULL
         ]
         if partial:
             quarters = sorted({max(1, math.ceil(widest * q / 4)) for q in (1, 2, 3)})
-            ladder += [(Recompute.FULL.value, n) for n in quarters if n < widest]
-        ladder.append((Recompute.FULL.value, None))
-        self.ladder = ladder
+            settings += [(Recompute.FULL.value, n) for n in quarters if n < widest]
+        settings.append((Recompute.FULL.value, None))
+        # The settings a step can take, most bytes kept first: selective may keep fewer than a
+        # full recompute of a few layers.
+        self.ladder = sorted(settings, key=lambda setting: -self._bytes(*setting))
 
-    def _rung(self, step: MicroStep) -> int:
-        """The step's place on the ladder (a setting between rungs counts as the one below)."""
-        if step.recompute != Recompute.FULL:
-            return next((i for i, (lv, _) in enumerate(self.ladder) if lv == step.recompute), -1)
-        n = step.recompute_layers
-        for i in range(len(self.ladder) - 1, -1, -1):
-            lv, m = self.ladder[i]
-            if lv == Recompute.FULL and (m is None if n is None else m is not None and m <= n):
-                return i
-        return -1
+    def _bytes(self, level: str, layers: int | None) -> float:
+        """Bytes per token a setting keeps (on the planning view)."""
+        return self.view.mem_bytes_per_token(level, layers)
 
-    def _at(self, step: MicroStep, rung: int) -> MicroStep:
-        level, n = self.ladder[rung]
-        return MicroStep(step.ranks, step.seq_ids, level, n)
+    def _raised(self, step: MicroStep) -> MicroStep | None:
+        """``step`` at the setting that keeps the most bytes below its own (``None``: none)."""
+        own = self._bytes(step.recompute, step.recompute_layers)
+        for level, n in self.ladder:
+            if self._bytes(level, n) < own:
+                return MicroStep(step.ranks, step.seq_ids, level, n)
+        return None
+
+    def _lowered(self, step: MicroStep) -> MicroStep | None:
+        """``step`` at the setting that keeps the fewest bytes above its own (``None``: none)."""
+        own = self._bytes(step.recompute, step.recompute_layers)
+        for level, n in reversed(self.ladder):
+            if self._bytes(level, n) > own:
+                return MicroStep(step.ranks, step.seq_ids, level, n)
+        return None
 
     def _seconds(self, step: MicroStep) -> float:
         return sum(f + b for f, b, _ in self.step_costs.times(step))
@@ -360,10 +367,9 @@ class _Recompute:
             best = None
             for j in _in_flight(order[s], steps, rank, m):
                 step = steps[j]
-                rung = self._rung(step)
-                if rung + 1 >= len(self.ladder) or self.pinned.intersection(step.seq_ids):
+                raised = self._raised(step)
+                if raised is None or self.pinned.intersection(step.seq_ids):
                     continue
-                raised = self._at(step, rung + 1)
                 saved = step_costs.activations(step)[s] - step_costs.activations(raised)[s]
                 if saved <= 0:
                     continue
@@ -412,9 +418,7 @@ class _Recompute:
                             together[j].add((s, m))
                             together[m].add((s, j))
         for j in sorted(lowerable, key=lambda j: (-self._seconds(steps[j]), j)):
-            rung = self._rung(steps[j])
-            while rung > 0:
-                lowered = self._at(steps[j], rung - 1)
+            while (lowered := self._lowered(steps[j])) is not None:
                 grow = [
                     a - b
                     for a, b in zip(
@@ -425,7 +429,7 @@ class _Recompute:
                 ]
                 if any(g > h for g, h in zip(grow, headroom[j], strict=True)):
                     break
-                steps[j], rung = lowered, rung - 1
+                steps[j] = lowered
                 for s, g in enumerate(grow):
                     headroom[j][s] -= g
                 for s, other in together[j]:

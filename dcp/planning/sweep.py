@@ -79,8 +79,15 @@ def _checked_time(plan: Plan, lengths: list[int], cost_model: CostModel) -> floa
     return _checked_sim(plan, lengths, cost_model).makespan_s
 
 
+NONE_FITS = "none fits"
+"""A baseline's ``config`` when none of its configurations holds the workload's longest
+sequence (its ``step_time_s`` is then empty and it gets no speedup)."""
+
+
 def _best_fixed(runs: dict[str, list[float]]) -> tuple[str, list[float]]:
     """The config with the least total time over the workload's batches."""
+    if not runs:
+        return NONE_FITS, []
     key = min(runs, key=lambda k: (sum(runs[k]), k))
     return key, runs[key]
 
@@ -166,7 +173,7 @@ def evaluate(
         config, times = _best_fixed(runs)
         row[planner] = {"step_time_s": times, "config": config, "plan_ms": plan_ms}
         if piped:
-            row[planner]["bubble_fraction"] = bubbles[config]
+            row[planner]["bubble_fraction"] = bubbles.get(config, [])
     if "megatron" in planners:
         runs, plan_ms, unaligned, bubbles, split = {}, [], {}, {}, {}
         for level in RECOMPUTE_LEVELS:
@@ -193,11 +200,11 @@ def evaluate(
             "config": config,
             "plan_ms": plan_ms,
             # Steps whose rank set is not an aligned power-of-two block (kept as scheduled).
-            "unaligned_steps": unaligned[config],
+            "unaligned_steps": unaligned.get(config, 0),
         }
         if piped:
-            row["megatron"]["bubble_fraction"] = bubbles[config]
-            row["megatron"]["split_micro_batches"] = split[config]
+            row["megatron"]["bubble_fraction"] = bubbles.get(config, [])
+            row["megatron"]["split_micro_batches"] = split.get(config, 0)
     _summarise(row, planners)
     return row
 
@@ -221,7 +228,7 @@ def _summarise(row: dict, planners: tuple[str, ...]) -> None:
         return
     dcp = row["dcp"]["step_time_s"]
     for other in BASELINES:
-        if other in planners:
+        if other in planners and row[other]["step_time_s"]:
             base = row[other]["step_time_s"]
             row[f"speedup_vs_{other}"] = sum(base) / sum(dcp)
             row[f"min_batch_speedup_vs_{other}"] = min(

@@ -143,3 +143,29 @@ def test_megatron_groups_run_as_micro_batches(pp8):
     # Every rank runs at least one micro-batch per group.
     for r in range(pp8.num_ranks):
         assert len(plan.steps_for_rank(r)) >= plan.extra["groups"]
+
+
+def test_a_baseline_that_cannot_hold_the_batch_is_reported_not_fatal():
+    # One planner rank of 70B at PP 8: a pipeline full of 128K micro-steps fits at no recompute
+    # level, so no static configuration exists; DCP keeps such a sequence among short ones.
+    from dcp.planning.sweep import NONE_FITS, evaluate
+
+    cm = load_cost_model("h200x32+llama3-70b-tp4pp8")
+    lengths = [131072] + [2048] * 60
+    row = evaluate(cm, "lognormal", [lengths], ("dcp", "static"), max_seq_len=131072)
+    assert row["static"]["config"] == NONE_FITS and row["static"]["step_time_s"] == []
+    assert "speedup_vs_static" not in row
+    (step_time,) = row["dcp"]["step_time_s"]
+    assert step_time > 0 and len(row["dcp"]["bubble_fraction"]) == 1
+
+
+@pytest.mark.parametrize("workload", ["pareto", "bimodal", "all-long"])
+def test_one_planner_rank_holds_long_sequences_with_recompute(workload):
+    """70B at TP 4, PP 8 on 32 H200s: one planner rank, stage 0 holds 8 micro-steps in flight.
+    Several 100K+ sequences fit only with recompute chosen by bytes kept: selective keeps
+    fewer than a full recompute of a few layers does."""
+    cm = load_cost_model("h200x32+llama3-70b-tp4pp8")
+    lengths = make_batch(workload, num_ranks=1, seed=0, batch_index=1, tokens_per_rank=512 * 1024)
+    assert sum(x > 80_000 for x in lengths) >= 2
+    plan = plan_dcp(lengths, cost_model=cm)
+    _check(plan, lengths, cm)
