@@ -183,22 +183,26 @@ def _flat_plan(
 
 def _plan_pipelined(lengths: Sequence[int], cost_model: CostModel, options: DCPOptions) -> Plan:
     """A plan balanced on the pipeline's planning view, arranged for 1F1B. The view sizes each
-    micro-step as if the P - s a stage holds in flight were all as large; where that drops or
-    refuses a sequence that fits alone, the plan is made on the view of micro-steps alone and
-    the arrangement adds the recompute the in-flight activations need."""
+    micro-step as if the P - s a stage holds in flight were all as large; a sequence that only
+    fits a stage alone gets a micro-step of its own on the largest CP group, with the least
+    recompute that fits it alone, and the arrangement adds what its in-flight company needs."""
     costs = PipelineCosts.of(cost_model)
     lens = check_lengths(lengths)
-    cap = pow2_sizes(cost_model.num_ranks, options.max_cp_size)[-1]
+    largest = pow2_sizes(cost_model.num_ranks, options.max_cp_size)[-1]
     view = costs.planning_model(in_flight=True)
     alone = costs.planning_model(in_flight=False)
-    oversize = find_oversize(lens, view, max_cp_size=cap, on_oversize="drop")
-    if oversize and len(find_oversize(lens, alone, max_cp_size=cap, on_oversize="drop")) < len(
-        oversize
-    ):
-        view = alone
+    # Raises (on_oversize="error") for a sequence no stage can hold even alone.
+    dropped = find_oversize(lens, alone, max_cp_size=largest, on_oversize=options.on_oversize)
+    crowded = find_oversize(lens, view, max_cp_size=largest, on_oversize="drop")
     # Joining steps would only undo the micro-steps a pipeline needs.
-    flat = _flat_plan(lengths, view, options, join_steps=False)
+    flat = _flat_plan(lengths, view, replace(options, on_oversize="drop"), join_steps=False)
+    ranks = tuple(range(largest))
     levels = [lv for lv in RECOMPUTE_LEVELS if lv in set(options.recompute_levels) | {"full"}]
+    alone_steps = []
+    for i in sorted(set(crowded) - set(dropped)):
+        level = next(lv for lv in levels if alone.fits([int(lens[i])], largest, lv))
+        alone_steps.append(MicroStep(ranks=ranks, seq_ids=(i,), recompute=level))
+    flat = Plan(steps=flat.steps + tuple(alone_steps), planner="dcp", dropped=dropped)
     return arrange(
         flat,
         lengths,

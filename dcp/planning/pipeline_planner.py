@@ -14,8 +14,9 @@ balances each position's work. ``arrange`` then makes what 1F1B needs of it:
   rounds, longest first into the least-loaded one, so its micro-steps cost about the same. A
   variant first moves each short sequence costlier than a round onto the aligned block around
   its position at the least CP size that brings it under a round's cost;
-- **order**: the rounds as built, by cost ascending, or cheapest at both ends (the fill and
-  drain of the pipeline run them);
+- **order**: the rounds as built, by cost ascending, cheapest at both ends (the fill and
+  drain of the pipeline run them), or costliest and cheapest in turn (fewer heavy micro-steps
+  in flight together);
 - **recompute where the in-flight activations need it**: the exact per-stage memory with the
   micro-steps in flight (``stage_peak_bytes``) is checked; where a GPU would exceed its budget,
   the in-flight micro-step that saves the most bytes per second of recompute gets the next
@@ -52,7 +53,7 @@ from dcp.planning.pipeline import (
 from dcp.planning.simulator import simulate_pipeline
 from dcp.planning.static import _static_for_config
 
-ORDERS = ("built", "ascending", "ends")
+ORDERS = ("built", "ascending", "ends", "spread")
 """How ``arrange`` orders its rounds (module docstring)."""
 _ROUND_FACTORS = (1, 2, 4, 8)
 """Round counts tried, in units of the pipeline depth P (besides the least that fits)."""
@@ -293,6 +294,12 @@ def _ordered(
         # Cheapest rounds first and last, the most expensive in the middle.
         ranked = sorted(index, key=lambda k: (cost[k], k))
         index = ranked[0::2] + ranked[1::2][::-1]
+    elif order == "spread":
+        # Costliest and cheapest in turn: fewer heavy micro-steps in flight together.
+        ranked = sorted(index, key=lambda k: (-cost[k], k))
+        half = (len(ranked) + 1) // 2
+        heavy, light = ranked[:half], ranked[half:][::-1]
+        index = [k for pair in itertools.zip_longest(heavy, light) for k in pair if k is not None]
     return [step for k in index for step in rounds[k]]
 
 
