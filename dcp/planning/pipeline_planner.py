@@ -84,13 +84,20 @@ def arrange(
     step_costs = StepCosts(costs, lens)
     repair = _Recompute(costs, step_costs, levels=levels, partial=partial, pinned=set(pinned))
     best = None
-    for steps in candidates:
+
+    def consider(steps) -> None:
+        nonlocal best
         plan = repair.fit(Plan(steps=tuple(steps), planner="dcp", dropped=flat.dropped))
         if plan is None:
-            continue
+            return
         makespan = simulate_pipeline(plan, lens, costs, step_costs=step_costs).makespan_s
         if best is None or makespan < best[0]:
             best = (makespan, plan)
+
+    for steps in candidates:
+        consider(steps)
+    if best is not None:  # the winner's micro-steps longest first, too
+        consider(_longest_first_steps(best[1].steps, layout.time))
     if best is None:
         raise ValueError(
             "no arrangement of the plan fits the pipeline's in-flight activations even with "
@@ -154,14 +161,7 @@ class _Layout:
         """The step's time on the planning view (its slowest stage)."""
         out = self._times.get(step)
         if out is None:
-            seq = [self.lens[i] for i in step.seq_ids]
-            out = self._times[step] = self.view.step_time_s(
-                seq,
-                step.cp_size,
-                step.recompute,
-                step.ranks,
-                recompute_layers=step.recompute_layers,
-            )
+            out = self._times[step] = _time(self.view, step, self.lens)
         return out
 
     def _widened(self, step: MicroStep, round_s: float) -> MicroStep:
@@ -472,13 +472,7 @@ def longest_first(
     the arrangement gains over ordering the same micro-steps the usual way."""
     view = costs.planning_model()
     lens = [int(x) for x in lengths]
-
-    def seconds(step: MicroStep) -> float:
-        seq = [lens[i] for i in step.seq_ids]
-        n = step.recompute_layers
-        return view.step_time_s(seq, step.cp_size, step.recompute, step.ranks, recompute_layers=n)
-
-    steps = sorted(plan.steps, key=lambda step: -seconds(step))
+    steps = _longest_first_steps(plan.steps, lambda step: _time(view, step, lens))
     repair = _Recompute(costs, StepCosts(costs, lens), levels=levels, partial=partial, pinned=set())
     fitted = repair.fit(Plan(steps=tuple(steps), planner=plan.planner, dropped=plan.dropped))
     if fitted is None:
@@ -490,3 +484,17 @@ def longest_first(
         predicted_step_time_s=makespan,
         dropped=plan.dropped,
     )
+
+
+def _longest_first_steps(
+    steps: Sequence[MicroStep], time: Callable[[MicroStep], float]
+) -> tuple[MicroStep, ...]:
+    """``steps`` by ``time``, longest first (ties: in order)."""
+    return tuple(sorted(steps, key=lambda step: -time(step)))
+
+
+def _time(view: CostModel, step: MicroStep, lens: list[int]) -> float:
+    """The step's time on the planning view (its slowest stage)."""
+    seq = [lens[i] for i in step.seq_ids]
+    n = step.recompute_layers
+    return view.step_time_s(seq, step.cp_size, step.recompute, step.ranks, recompute_layers=n)
