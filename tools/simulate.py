@@ -137,13 +137,18 @@ def format_pipeline_table(results: dict) -> str:
             cells = ""
             for p in names:
                 entry = row.get(p, {})
-                step = statistics.mean(entry["step_time_s"]) if entry.get("step_time_s") else nan
-                bubbles = entry.get("bubble_fraction") or [nan]
-                bubble = statistics.mean(bubbles)
-                cells += f" {step:10.2f} {bubble:6.1%}"
+                if entry.get("step_time_s"):
+                    step = statistics.mean(entry["step_time_s"])
+                    bubble = statistics.mean(entry["bubble_fraction"])
+                    cells += f" {step:10.2f} {bubble:6.1%}"
+                else:  # no configuration of this planner holds the batch
+                    cells += f" {'-':>10} {'-':>6}"
             cells += f" {row.get('static', {}).get('config', ''):>14}"
             cells += f" {row.get('megatron', {}).get('config', ''):>9}"
-            cells += "".join(f" {row.get(f'speedup_vs_{p}', nan):8.2f}" for p in names[1:])
+            cells += "".join(
+                f" {row[f'speedup_vs_{p}']:8.2f}" if f"speedup_vs_{p}" in row else f" {'-':>8}"
+                for p in names[1:]
+            )
             lines.append(
                 f"{cluster['preset']:>10} {row['workload']:>10} {row['num_sequences']:6.0f}"
                 f"{cells} {row.get('dcp_over_lower_bound', nan):6.3f}"
