@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dcp.costmodel import CostModel
 from dcp.costmodel.pipeline import PipelineCosts
 from dcp.plan import MicroStep, Plan
 
@@ -289,3 +290,12 @@ def check_pipeline_memory(plan: Plan, lengths: Sequence[int], costs: PipelineCos
         f"stage {s}, planner rank {rank}: with step {m} in flight the pipeline holds "
         f"{memory.peak_bytes[s, rank] / 1e9:.2f} GB per GPU, budget {budget / 1e9:.2f} GB"
     )
+
+
+def check_plan_memory(plan: Plan, lengths: Sequence[int], cost_model: CostModel) -> None:
+    """``ValueError`` where ``plan`` exceeds the per-GPU budget: each micro-step alone without
+    pipelining (``CostModel.check_plan_memory``), each stage's in-flight micro-steps with it."""
+    if cost_model.pipeline_parallel_size == 1:
+        cost_model.check_plan_memory(plan, lengths)
+    else:
+        check_pipeline_memory(plan, lengths, PipelineCosts.of(cost_model))

@@ -25,7 +25,7 @@ from dcp.planning.common import pow2_sizes
 from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.offload import offload_what_if
-from dcp.planning.pipeline import check_pipeline_memory
+from dcp.planning.pipeline import check_plan_memory
 from dcp.planning.pipeline_planner import longest_first
 from dcp.planning.simulator import SimResult, simulate
 from dcp.planning.static import StaticOptions, plan_static, static_configs
@@ -68,10 +68,7 @@ SPEEDUPS = tuple(f"speedup_vs_{b}" for b in BASELINES)
 def _checked_sim(plan: Plan, lengths: list[int], cost_model: CostModel) -> SimResult:
     """The simulated plan, after checking it is executable and fits memory (every stage's)."""
     plan.validate(num_sequences=len(lengths), num_ranks=cost_model.num_ranks)
-    if cost_model.pipeline_parallel_size > 1:
-        check_pipeline_memory(plan, lengths, PipelineCosts.of(cost_model))
-    else:
-        cost_model.check_plan_memory(plan, lengths)
+    check_plan_memory(plan, lengths, cost_model)
     return simulate(plan, lengths, cost_model)
 
 
