@@ -26,6 +26,7 @@ from dcp.planning.pipeline import (
     RECV_GRADIENT,
     SEND_ACTIVATION,
     SEND_GRADIENT,
+    event_keys,
     pipeline_order,
     pipeline_slots,
     rank_events,
@@ -214,6 +215,35 @@ def test_random_plans_never_deadlock(seed):
     make = _aligned_random_plan if seed % 2 == 0 else _any_random_plan
     plan = make(rng, num_ranks, int(rng.integers(1, 30)))
     _check_schedule(plan, num_stages, num_ranks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_simulators_event_order_is_the_schedules(seed):
+    """The simulator runs ``event_keys`` in order: restricted to a stage's forwards and
+    backwards, that is ``pipeline_order``'s total order for the stage."""
+    rng = np.random.default_rng(100 + seed)
+    plan = _any_random_plan(rng, 4, int(rng.integers(1, 25)))
+    num_stages = 1 + seed
+    order = pipeline_order(plan, num_stages)
+    keys = event_keys(plan, num_stages)
+    for s in range(num_stages):
+        ran = [
+            ((FORWARD, BACKWARD)[kind], m)
+            for _, compute, st, kind, m in keys
+            if compute and st == s
+        ]
+        assert tuple(ran) == order[s]
+    # Each message sits between its producer and its consumer.
+    position = {key: i for i, key in enumerate(keys)}
+    for _, compute, s, kind, m in keys:
+        if compute:
+            continue
+        message = position[next(k for k in keys if k[1:] == (0, s, kind, m))]
+        producer = (s, 0) if kind == 0 else (s + 1, 1)
+        consumer = (s + 1, 0) if kind == 0 else (s, 1)
+        produced = next(i for i, k in enumerate(keys) if k[1:] == (1, *producer, m))
+        consumed = next(i for i, k in enumerate(keys) if k[1:] == (1, *consumer, m))
+        assert produced < message < consumed
 
 
 def test_order_is_1f1b_over_slots():
