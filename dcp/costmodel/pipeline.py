@@ -17,9 +17,9 @@ one formula (``CostModel._time_terms``), so no second formula exists:
 - fixed per-micro-step costs (launches, per-document work) once per stage.
 
 A micro-step's ``recompute_layers`` N is counted per stage: each stage fully recomputes its first
-min(N, L_s) layers, as megatron's ``recompute_method="block"`` does with
-``recompute_num_layers`` (its ``TransformerBlock`` checkpoints layers below that count on every
-pipeline rank).
+min(N, L_s) layers, as megatron does with ``recompute_method="block"`` (megatron-core's
+``TransformerConfig.recompute_num_layers``: "the number of transformer layers to recompute
+within each pipeline stage").
 
 Between stages each GPU sends its sequence-parallel slice of the activations, [tokens / TP,
 hidden] in the model's dtype, forward, and the same gradient back (megatron's p2p shapes under
