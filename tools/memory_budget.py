@@ -1,6 +1,7 @@
 """Per-GPU memory of a training recipe, by the planner's own memory rule.
 
     python -m tools.memory_budget --config pretrain/configs/llama3_8b_h200.yaml [key=value ...]
+    python -m tools.memory_budget --spec h200x256+llama3-70b-tp4pp8 --max-seq-len 131072
 
 Prints the static bytes per GPU (weights, main grads, optimizer shard; split over TP) and, for
 the recipe's longest training sequence (``model.max_seq_len``, or the data's document cap when
@@ -10,12 +11,19 @@ every CP size (in planner ranks, one per TP group) and recompute level (each nam
 megatron-core settings it runs with) against the per-GPU budget of the recipe's
 cost-model spec (``planning.spec``), for the recipe's model, dtype, TP size and optimizer
 sharding laid over the spec as the trainer's planner does; then, at each CP size, the least
-number of layers a partial full recompute must cover to fit (JSON ``partial``).
+number of layers a partial full recompute must cover to fit (JSON ``partial``). ``--spec``
+and ``--max-seq-len`` check a spec as it is, without a recipe.
+
+With pipeline parallelism (the spec's ``options.pipeline_parallel_size``) the numbers are per GPU
+of the tightest stage: each stage's layers and static bytes, and per cell the total with the
+stage's in-flight micro-steps all as large (a static run's case) and with this one among small
+ones (``alone``; ``fits`` says whether the longest sequence has a placement at all).
 The last stdout line is a JSON object: ``fits`` (the longest sequence has a placement within the
 budget), ``longest_seq_len`` and ``longest_seq_len_from`` (the setting that caps it),
 ``static_bytes_per_gpu``, ``budget_bytes_per_gpu``, the breakdown, every cell,
-``tensor_parallel_size``, ``num_planner_ranks`` and ``model_matches_spec`` (the spec was written
-for the recipe's model; when it was not, its calibrated terms are scaled to it analytically).
+``tensor_parallel_size``, ``pipeline_parallel_size``, ``num_planner_ranks`` (per stage) and
+``model_matches_spec`` (the spec was written for the recipe's model; when it was not, its
+calibrated terms are scaled to it analytically).
 Exit code 1 when the recipe cannot fit.
 """
 
@@ -68,48 +76,57 @@ def check_asked_length(cfg: PretrainConfig, overrides: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     console.setup()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="training recipe YAML")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="training recipe YAML")
+    source.add_argument("--spec", help="a cost-model spec as it is (preset or JSON path)")
+    parser.add_argument("--max-seq-len", type=int, help="with --spec: the longest sequence")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the YAML")
     args = parser.parse_args(argv)
+    if args.spec and (not args.max_seq_len or args.overrides):
+        parser.error("--spec takes --max-seq-len and no overrides")
     try:
-        cfg = load_config(PretrainConfig, args.config, args.overrides)
-        # The recipe fixes the model, dtype, TP and optimizer sharding, as the trainer's planner
-        # sees them.
-        spec, retied = with_runtime_options(
-            load_spec(cfg.planning.spec),
-            runtime_options(
-                dtype=cfg.model.dtype,
-                distributed_optimizer=cfg.optim.distributed,
-                fp8=cfg.model.fp8,
-                tensor_parallel_size=cfg.parallel.tensor_parallel_size,
-                tied_embeddings=cfg.model.tie_embeddings,
-            ),
-        )
-        spec, reshaped = with_model(spec, cfg.model.shape)
-        matches = not reshaped and "tied_embeddings" not in retied
-        cost_model = load_cost_model(spec, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
-        check_asked_length(cfg, args.overrides)
+        if args.spec:
+            cost_model = load_cost_model(args.spec)
+            longest, matches = args.max_seq_len, True
+            source = f"--max-seq-len {args.max_seq_len}"
+        else:
+            cost_model, matches, longest, source = _recipe(args.config, args.overrides)
+        budget = memory_budget(cost_model, longest)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    longest, source = longest_seq_len(cfg)
-    budget = memory_budget(cost_model, longest)
 
     parts = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in budget.static_parts.items())
-    tp = cost_model.tensor_parallel_size
-    print(f"spec {cost_model.name}: {cost_model.num_ranks} planner ranks x TP {tp} = "
-          f"{cost_model.num_ranks * tp} GPUs, budget "
+    tp, pp = cost_model.tensor_parallel_size, cost_model.pipeline_parallel_size
+    mesh = f"TP {tp}" if pp == 1 else f"TP {tp} x PP {pp}"
+    print(f"spec {cost_model.name}: {cost_model.num_ranks} planner ranks x {mesh} = "
+          f"{cost_model.num_ranks * tp * pp} GPUs, budget "
           f"{budget.budget_bytes_per_gpu / GB:.1f} GB per GPU")  # fmt: skip
-    print(f"static {budget.static_bytes_per_gpu / GB:.1f} GB per GPU ({parts}"
+    if pp > 1:
+        stages = ", ".join(
+            f"{n} ({b / GB:.1f} GB)"
+            for n, b in zip(budget.stage_layers, budget.stage_static_bytes_per_gpu, strict=True)
+        )
+        print(f"stages: layers (static per GPU) {stages}; stage s holds {pp} - s micro-steps in "
+              "flight (1F1B); a recompute's layer count is per stage")  # fmt: skip
+    where = " on the tightest stage" if pp > 1 else ""
+    print(f"static {budget.static_bytes_per_gpu / GB:.1f} GB per GPU{where} ({parts}"
           f"{'; calibrated total' if budget.static_calibrated else ''})")  # fmt: skip
     print(f"longest sequence {longest:,} tokens ({source}):")
     print("recompute levels, as megatron-core TransformerConfig settings:")
     for level in Recompute:
         print(f"  {level.value:<10} {level.megatron_settings}")
-    print(f"{'cp':>4} {'recompute':>10} {'activations GB':>15} {'total GB':>9}  fits")
-    for c in budget.cells:
-        print(f"{c.cp_size:>4} {c.recompute:>10} {c.activation_bytes_per_gpu / GB:>15.1f} "
-              f"{c.total_bytes_per_gpu / GB:>9.1f}  {'yes' if c.fits else 'no'}")  # fmt: skip
+    if pp > 1:
+        print(f"{'cp':>4} {'recompute':>10} {'in flight GB':>13} {'fits':>5} {'alone GB':>9}  fits")
+        for c in budget.cells:
+            print(f"{c.cp_size:>4} {c.recompute:>10} {c.total_bytes_per_gpu / GB:>13.1f} "
+                  f"{'yes' if c.fits else 'no':>5} {c.total_bytes_alone_per_gpu / GB:>9.1f}  "
+                  f"{'yes' if c.fits_alone else 'no'}")  # fmt: skip
+    else:
+        print(f"{'cp':>4} {'recompute':>10} {'activations GB':>15} {'total GB':>9}  fits")
+        for c in budget.cells:
+            print(f"{c.cp_size:>4} {c.recompute:>10} {c.activation_bytes_per_gpu / GB:>15.1f} "
+                  f"{c.total_bytes_per_gpu / GB:>9.1f}  {'yes' if c.fits else 'no'}")  # fmt: skip
     if budget.partial:
         print(f"{'cp':>4} {'least full-recompute layers that fit':>37} {'total GB':>9}")
     for p in budget.partial:
@@ -130,9 +147,33 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         **budget.to_json(), "longest_seq_len_from": source,
         "spec": cost_model.name, "model_matches_spec": matches,
-        "tensor_parallel_size": tp, "num_planner_ranks": cost_model.num_ranks,
+        "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+        "num_planner_ranks": cost_model.num_ranks,
     }))  # fmt: skip
     return 0 if budget.fits else 1
+
+
+def _recipe(config: str, overrides: list[str]):
+    """(cost model, whether the spec was written for the recipe's model, longest sequence, the
+    setting that caps it)."""
+    cfg = load_config(PretrainConfig, config, overrides)
+    # The recipe fixes the model, dtype, TP and optimizer sharding, as the trainer's planner
+    # sees them.
+    spec, retied = with_runtime_options(
+        load_spec(cfg.planning.spec),
+        runtime_options(
+            dtype=cfg.model.dtype,
+            distributed_optimizer=cfg.optim.distributed,
+            fp8=cfg.model.fp8,
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            tied_embeddings=cfg.model.tie_embeddings,
+        ),
+    )
+    spec, reshaped = with_model(spec, cfg.model.shape)
+    matches = not reshaped and "tied_embeddings" not in retied
+    cost_model = load_cost_model(spec, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
+    check_asked_length(cfg, overrides)
+    return cost_model, matches, *longest_seq_len(cfg)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from dcp.data.lengths import MAX_LENGTH
 from dcp.files import load_json
 from dcp.plan import PLANNERS
 from dcp.planning import lower_bound_s, plan_batch, planner_options
+from dcp.planning.pipeline import check_plan_memory
 
 MAX_SEQUENCES = 100_000
 """Most lengths one batch may list: planning time grows faster than linearly (100,000 took
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_batch(lengths, cost_model=cost_model, planner=args.planner, options=options)
         plan_ms = (time.perf_counter() - start) * 1e3
         plan.validate(num_sequences=len(lengths), num_ranks=cost_model.num_ranks)
-        cost_model.check_plan_memory(plan, lengths)
+        check_plan_memory(plan, lengths, cost_model)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -115,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     dropped = set(plan.dropped)
     bound = lower_bound_s([x for i, x in enumerate(lengths) if i not in dropped], cost_model)
-    tp = cost_model.tensor_parallel_size
+    tp, pp = cost_model.tensor_parallel_size, cost_model.pipeline_parallel_size
+    mesh = f"TP {tp}" if pp == 1 else f"TP {tp} x PP {pp}"
     print(
         f"{args.planner}: {len(lengths)} sequences -> {len(plan.steps)} micro-steps on "
-        f"{cost_model.num_ranks} planner ranks (TP {tp}: {cost_model.num_ranks * tp} GPUs), "
+        f"{cost_model.num_ranks} planner ranks ({mesh}: {cost_model.num_ranks * tp * pp} GPUs), "
         f"predicted {plan.predicted_step_time_s:.4f} s "
         f"(lower bound {bound:.4f} s), planned in {plan_ms:.1f} ms",
         file=sys.stderr,

@@ -37,7 +37,14 @@ import numpy as np
 from dcp import console
 from dcp.costmodel.load import PROFILES_DIR, gpu_preset_of
 from dcp.costmodel.throughput import describe_check, preset_check
-from dcp.planning.sweep import BASELINES, SWEEP_PLANNERS, run_sweep
+from dcp.planning.sweep import (
+    BASELINES,
+    LONGEST_FIRST,
+    PIPELINE_PLANNERS,
+    PIPELINE_RECIPES,
+    SWEEP_PLANNERS,
+    run_sweep,
+)
 from dcp.planning.workloads import WORKLOADS
 
 
@@ -66,7 +73,7 @@ def format_table(results: dict) -> str:
         for row in cluster["rows"]:
 
             def mean(key: str, width: int = 8, row=row) -> str:
-                if key not in row:
+                if not row.get(key, {}).get("step_time_s"):
                     return " " * width
                 return f"{statistics.mean(row[key]['step_time_s']):{width}.3f}"
 
@@ -113,6 +120,59 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def format_pipeline_table(results: dict) -> str:
+    """The sweep of a model with pipeline parallelism: step times and bubble fractions."""
+    nan = float("nan")
+    tp, pp = results.get("tensor_parallel_size", 1), results["pipeline_parallel_size"]
+    names = [p for p in ("dcp", LONGEST_FIRST, "static", "megatron") if p in results["planners"]]
+    head = f"{'cluster':>10} {'workload':>10} {'seqs':>6}" + "".join(
+        f" {_SHORT[p] + ' s':>10} {'bubble':>6}" for p in names
+    )
+    head += f" {'(static)':>14} {'(meg rc)':>9}" + "".join(
+        f" {'x ' + _SHORT[p]:>8}" for p in names[1:]
+    )
+    head += f" {'dcp/LB':>6}"
+    lines = [
+        f"SIMULATED step times (dcp cost model, not measured on GPUs), {results['model']}, "
+        f"TP {tp} x PP {pp}: h200xN has N/{tp * pp} planner ranks per stage; non-interleaved 1F1B",
+        head,
+        "-" * len(head),
+    ]
+    for skipped in results.get("skipped_clusters", []):
+        lines.append(f"{skipped['preset']:>10} skipped: {skipped['reason']}")
+    for cluster in results["clusters"]:
+        for row in cluster["rows"]:
+            cells = ""
+            for p in names:
+                entry = row.get(p, {})
+                if entry.get("step_time_s"):
+                    step = statistics.mean(entry["step_time_s"])
+                    bubble = statistics.mean(entry["bubble_fraction"])
+                    cells += f" {step:10.2f} {bubble:6.1%}"
+                else:  # no configuration of this planner holds the batch
+                    cells += f" {'-':>10} {'-':>6}"
+            cells += f" {row.get('static', {}).get('config', ''):>14}"
+            cells += f" {row.get('megatron', {}).get('config', ''):>9}"
+            cells += "".join(
+                f" {row[f'speedup_vs_{p}']:8.2f}" if f"speedup_vs_{p}" in row else f" {'-':>8}"
+                for p in names[1:]
+            )
+            lines.append(
+                f"{cluster['preset']:>10} {row['workload']:>10} {row['num_sequences']:6.0f}"
+                f"{cells} {row.get('dcp_over_lower_bound', nan):6.3f}"
+            )
+        g = cluster["summary"]
+        pad = " " * (11 * len(names) + 6 * len(names) + 26)
+        speedups = "".join(f" {g.get(f'geomean_speedup_vs_{p}', nan):8.2f}" for p in names[1:])
+        lines.append(f"{cluster['preset']:>10} {'GEOMEAN':>10} {'':>6}{pad}{speedups}")
+    overall = results["overall"]
+    lines.append("overall: " + ", ".join(f"{k} {v:.3f}" for k, v in overall.items()))
+    return "\n".join(lines)
+
+
+_SHORT = {"dcp": "dcp", LONGEST_FIRST: "lngst1st", "static": "static", "megatron": "megatr"}
+
+
 def write_chart(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -126,6 +186,7 @@ def write_chart(results: dict, path: Path) -> None:
         "static-oracle": "vs tuned static (oracle)",
         "megatron": "vs Megatron Hybrid-CP",
         "dcp-3level": "vs DCP three-level recompute",
+        LONGEST_FIRST: "vs the same steps, longest first",
     }
     shown = [b for b in BASELINES if b in results["planners"]]
     width = 0.8 / max(1, len(shown))
@@ -159,7 +220,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--clusters", default="8,32,64,256,1024", help="H200 counts (presets)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated names")
-    parser.add_argument("--planners", default=",".join(SWEEP_PLANNERS))
+    parser.add_argument(
+        "--planners",
+        default="",
+        help="comma-separated (default: the sweep's for the model: with pipeline parallelism "
+        f"{','.join(PIPELINE_PLANNERS)}, else {','.join(SWEEP_PLANNERS)})",
+    )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="the pipeline-parallel recipes: "
+        + "; ".join(f"{m} on {','.join(map(str, c))} GPUs" for m, c in PIPELINE_RECIPES),
+    )
     parser.add_argument("--batches", type=int, default=2, help="global batches per workload")
     parser.add_argument("--tokens-per-rank", type=int, default=None, help="override workloads'")
     parser.add_argument("--seed", type=int, default=0)
@@ -229,7 +301,7 @@ def simulate_data(args: argparse.Namespace) -> int:
                 batches,
                 label=Path(args.data).name,
                 max_seq_len=longest,
-                planners=[p for p in args.planners.split(",") if p],
+                planners=[p for p in args.planners.split(",") if p] or None,
                 log=_log,
                 on_plan=bar.update,
             )
@@ -254,7 +326,7 @@ def simulate_data(args: argparse.Namespace) -> int:
 
 def format_data_table(results: dict) -> str:
     """Per-batch simulated step times of every planner on the user's data, and the totals."""
-    planners = [p for p in ("dcp", *BASELINES) if p in results]
+    planners = [p for p in ("dcp", *BASELINES) if results.get(p, {}).get("step_time_s")]
     kind = "calibrated" if results["calibrated"] else "analytic (uncalibrated)"
     lines = [
         f"SIMULATED on the {kind} cost model of {results['spec']} (no GPU ran), "
@@ -295,13 +367,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.data:
         return simulate_data(args)
+    if args.pipeline:
+        return simulate_pipelines(args)
     cases = [(32, 512)] if args.quick else [(32, 512), (1024, 8192)]
     try:
         results = run_sweep(
             model=args.model,
             clusters=[int(c) for c in args.clusters.split(",") if c],
             workloads=[w for w in args.workloads.split(",") if w],
-            planners=[p for p in args.planners.split(",") if p],
+            planners=[p for p in args.planners.split(",") if p] or None,
             batches=args.batches,
             tokens_per_rank=args.tokens_per_rank,
             seed=args.seed,
@@ -313,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # The sweep's clusters are the h200 preset's (dcp.planning.sweep).
     results["cost_model_check"] = preset_check("h200")
-    table = format_table(results)
+    piped = results.get("pipeline_parallel_size", 1) > 1
+    table = format_pipeline_table(results) if piped else format_table(results)
     print(table)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -321,6 +396,35 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "table.txt").write_text(table + "\n")
     write_chart(results, out_dir / "speedups.png")
     _log(f"wrote {out_dir / 'results.json'}, {out_dir / 'table.txt'}, {out_dir / 'speedups.png'}")
+    return 0
+
+
+def simulate_pipelines(args: argparse.Namespace) -> int:
+    """``--pipeline``: every recipe of ``PIPELINE_RECIPES``, one table each."""
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    everything, tables = {}, []
+    for model, clusters in PIPELINE_RECIPES:
+        try:
+            results = run_sweep(
+                model=model,
+                clusters=clusters,
+                workloads=[w for w in args.workloads.split(",") if w],
+                planners=[p for p in args.planners.split(",") if p] or None,
+                batches=args.batches,
+                tokens_per_rank=args.tokens_per_rank,
+                seed=args.seed,
+                log=_log,
+            )
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        everything[model] = results
+        tables.append(format_pipeline_table(results))
+        print(tables[-1], flush=True)
+    (out_dir / "pipeline_results.json").write_text(json.dumps(everything, indent=1))
+    (out_dir / "pipeline_table.txt").write_text("\n\n".join(tables) + "\n")
+    _log(f"wrote {out_dir / 'pipeline_results.json'}, {out_dir / 'pipeline_table.txt'}")
     return 0
 
 

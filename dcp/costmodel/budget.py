@@ -7,6 +7,12 @@ number of layers a partial full recompute must cover to fit (``MicroStep.recompu
 Every total is
 ``CostModel.solo_mem_bytes``, the function the planners call, so a cell that fits here is a
 placement the planner may choose and one that does not is one it never will.
+
+Under pipeline parallelism (``options.pipeline_parallel_size``) every number is per GPU of the
+tightest stage (``dcp.costmodel.pipeline``): a cell's total holds the P - s micro-steps stage s
+has in flight under 1F1B, all as large as this one (what a static run sized for the longest
+sequence needs, and the rule the planners size micro-steps with), and its ``alone`` total this
+micro-step among small ones (the least any plan needs).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dcp.costmodel.formula import CostModel
+from dcp.costmodel.pipeline import PipelineCosts
 from dcp.costmodel.spec import static_memory_parts
 from dcp.plan import RECOMPUTE_LEVELS
 
@@ -27,6 +34,9 @@ class BudgetCell:
     activation_bytes_per_gpu: float
     total_bytes_per_gpu: float
     fits: bool
+    total_bytes_alone_per_gpu: float | None = None
+    """With pipeline parallelism: the bytes of this micro-step among small ones (else None)."""
+    fits_alone: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -58,11 +68,17 @@ class MemoryBudget:
     cells: tuple[BudgetCell, ...]
     partial: tuple[PartialCell, ...] = ()
     """Per CP size, the least layers a full recompute must cover (empty without a model)."""
+    pipeline_parallel_size: int = 1
+    stage_layers: tuple[int, ...] = ()
+    """With pipeline parallelism: transformer layers per stage (a recompute's layer count is per
+    stage)."""
+    stage_static_bytes_per_gpu: tuple[float, ...] = ()
 
     @property
     def fits(self) -> bool:
-        """The longest sequence has at least one placement within the budget."""
-        return any(c.fits for c in self.cells)
+        """The longest sequence has at least one placement within the budget (with pipeline
+        parallelism: among small micro-steps)."""
+        return any(c.fits or bool(c.fits_alone) for c in self.cells)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -86,27 +102,40 @@ def memory_budget(cost_model: CostModel, longest_seq_len: int) -> MemoryBudget:
     parts = static_memory_parts(
         cost_model.model, cost_model.options, num_ranks=cost_model.num_ranks
     )
+    rule, alone, pipeline = cost_model, None, None
+    if cost_model.pipeline_parallel_size > 1:
+        pipeline = PipelineCosts.of(cost_model)
+        rule = pipeline.planning_model()
+        alone = pipeline.planning_model(in_flight=False)
+        # The tightest stage's share of the whole model's weights, grads and optimizer.
+        share = rule.static_mem_bytes / cost_model.static_mem_bytes
+        parts = {k: v * share for k, v in parts.items()}
     cells = []
-    for cp_size in cp_sizes(cost_model.num_ranks):
+    for cp_size in cp_sizes(rule.num_ranks):
         for recompute in RECOMPUTE_LEVELS:
-            total = float(cost_model.solo_mem_bytes([longest_seq_len], cp_size, recompute)[0])
+            total = float(rule.solo_mem_bytes([longest_seq_len], cp_size, recompute)[0])
+            single = (
+                None
+                if alone is None
+                else float(alone.solo_mem_bytes([longest_seq_len], cp_size, recompute)[0])
+            )
             cells.append(
                 BudgetCell(
                     cp_size=cp_size,
                     recompute=recompute,
-                    activation_bytes_per_gpu=total - cost_model.static_mem_bytes,
+                    activation_bytes_per_gpu=total - rule.static_mem_bytes,
                     total_bytes_per_gpu=total,
-                    fits=total <= cost_model.mem_budget_bytes,
+                    fits=total <= rule.mem_budget_bytes,
+                    total_bytes_alone_per_gpu=single,
+                    fits_alone=None if single is None else single <= rule.mem_budget_bytes,
                 )
             )
     partial = []
-    layers = cost_model.num_layers
-    for cp_size in cp_sizes(cost_model.num_ranks) if layers is not None else ():
-        n = int(cost_model.min_recompute_layers([longest_seq_len], cp_size)[0])
+    layers = rule.num_layers
+    for cp_size in cp_sizes(rule.num_ranks) if layers is not None else ():
+        n = int(rule.min_recompute_layers([longest_seq_len], cp_size)[0])
         fits = n <= layers
-        total = (
-            cost_model.solo_mem_bytes([longest_seq_len], cp_size, "full", n)[0] if fits else None
-        )
+        total = rule.solo_mem_bytes([longest_seq_len], cp_size, "full", n)[0] if fits else None
         partial.append(
             PartialCell(
                 cp_size=cp_size,
@@ -117,11 +146,16 @@ def memory_budget(cost_model: CostModel, longest_seq_len: int) -> MemoryBudget:
         )
     return MemoryBudget(
         longest_seq_len=int(longest_seq_len),
-        budget_bytes_per_gpu=cost_model.mem_budget_bytes,
-        static_bytes_per_gpu=cost_model.static_mem_bytes,
+        budget_bytes_per_gpu=rule.mem_budget_bytes,
+        static_bytes_per_gpu=rule.static_mem_bytes,
         static_parts=parts,
-        static_calibrated=abs(sum(parts.values()) - cost_model.static_mem_bytes)
-        > 1e-6 * cost_model.static_mem_bytes,
+        static_calibrated=abs(sum(parts.values()) - rule.static_mem_bytes)
+        > 1e-6 * rule.static_mem_bytes,
         cells=tuple(cells),
         partial=tuple(partial),
+        pipeline_parallel_size=cost_model.pipeline_parallel_size,
+        stage_layers=() if pipeline is None else pipeline.layer_counts,
+        stage_static_bytes_per_gpu=()
+        if pipeline is None
+        else tuple(stage.static_mem_bytes for stage in pipeline.stages),
     )

@@ -87,13 +87,19 @@ class CostModel:
     def from_spec(cls, spec: dict) -> CostModel:
         """Build from a spec dict (see module docstring); raises ``ValueError`` on bad keys."""
         cluster, model, options, calibration = parse_spec(spec)
-        tp = options.tensor_parallel_size
+        tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
         if cluster.num_gpus % tp or cluster.gpus_per_node % tp and tp % cluster.gpus_per_node:
             raise ValueError(
                 f"options.tensor_parallel_size={tp} must divide cluster.num_gpus="
                 f"{cluster.num_gpus} and fit the node size {cluster.gpus_per_node}"
             )
-        num_ranks = cluster.num_gpus // tp
+        if cluster.num_gpus % (tp * pp) or pp > model.num_layers:
+            raise ValueError(
+                f"options.pipeline_parallel_size={pp} must divide cluster.num_gpus / TP = "
+                f"{cluster.num_gpus // tp} and be at most model.num_layers={model.num_layers}"
+            )
+        # megatron-core's rank order puts PP outermost: the planner plans one stage's ranks.
+        num_ranks = cluster.num_gpus // (tp * pp)
         coeffs = analytic_coefficients(cluster, model, options, num_ranks=num_ranks)
         coeffs = _apply_calibration(coeffs, calibration)
         return cls(
@@ -355,6 +361,13 @@ class CostModel:
     def tensor_parallel_size(self) -> int:
         """GPUs per planner rank (the spec's ``options.tensor_parallel_size``)."""
         return self.options.tensor_parallel_size if self.options is not None else 1
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """Pipeline stages (the spec's ``options.pipeline_parallel_size``); each stage has
+        ``num_ranks`` planner ranks. This model prices the whole model on one planner rank;
+        ``dcp.costmodel.pipeline`` prices each stage."""
+        return self.options.pipeline_parallel_size if self.options is not None else 1
 
     def tp_time_s(
         self,

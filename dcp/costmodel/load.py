@@ -190,7 +190,9 @@ def with_model(spec: dict, model: ModelSpec) -> tuple[dict, dict]:
 
 def _analytic(spec: dict):
     cluster, model, options, _ = parse_spec(spec)
-    num_ranks = max(1, cluster.num_gpus // options.tensor_parallel_size)
+    num_ranks = max(
+        1, cluster.num_gpus // (options.tensor_parallel_size * options.pipeline_parallel_size)
+    )
     return analytic_coefficients(cluster, model, options, num_ranks=num_ranks)
 
 
@@ -223,11 +225,14 @@ def load_cost_model(
     *,
     world_size: int | None = None,
     tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
 ) -> CostModel:
     """A ``CostModel`` from any spec source, checked against the job when told about it:
-    ``tensor_parallel_size`` must be the spec's ``options.tensor_parallel_size``, and
+    ``tensor_parallel_size`` must be the spec's ``options.tensor_parallel_size``,
+    ``pipeline_parallel_size`` its ``options.pipeline_parallel_size`` (a job, i.e. a call with
+    ``world_size``, that does not name its PP size runs without pipelining: 1), and
     ``world_size`` (the launched ranks, one per GPU) its ``cluster.num_gpus``, i.e. the spec's
-    planner ranks times its TP size."""
+    planner ranks times its TP and PP sizes."""
     model = source if isinstance(source, CostModel) else CostModel.from_spec(load_spec(source))
     spec_tp = model.tensor_parallel_size
     if tensor_parallel_size is not None and spec_tp != tensor_parallel_size:
@@ -238,10 +243,21 @@ def load_cost_model(
             "options.tensor_parallel_size and cluster.num_gpus; the CPU presets have the overlay "
             "'+cpu-tp2' for TP = 2 on 4 ranks)"
         )
-    if world_size is not None and model.num_ranks * spec_tp != world_size:
+    spec_pp = model.pipeline_parallel_size
+    if pipeline_parallel_size is None and world_size is not None:
+        pipeline_parallel_size = 1
+    if pipeline_parallel_size is not None and spec_pp != pipeline_parallel_size:
         raise ValueError(
-            f"cost-model spec {model.name!r} describes {model.num_ranks * spec_tp} GPUs "
-            f"({model.num_ranks} planner ranks x TP {spec_tp}) but the job has {world_size} "
+            f"cost-model spec {model.name!r} plans with pipeline parallelism {spec_pp} "
+            f"(options.pipeline_parallel_size) but the run uses {pipeline_parallel_size} "
+            "pipeline stage(s); use a spec with that options.pipeline_parallel_size"
+        )
+    gpus = model.num_ranks * spec_tp * spec_pp
+    if world_size is not None and gpus != world_size:
+        pp = f" x PP {spec_pp}" if spec_pp > 1 else ""
+        raise ValueError(
+            f"cost-model spec {model.name!r} describes {gpus} GPUs "
+            f"({model.num_ranks} planner ranks x TP {spec_tp}{pp}) but the job has {world_size} "
             "ranks; use a spec whose cluster.num_gpus matches the launch"
         )
     return model

@@ -116,6 +116,10 @@ class Options:
     """Input embedding shared with the output layer."""
     tensor_parallel_size: int = 1
     """GPUs per DP×CP rank (TP with sequence parallel); a planner rank is one TP group."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (non-interleaved 1F1B): the cluster's GPUs are TP × PP × planner ranks
+    and the planner plans over the planner ranks of one stage; each stage holds its share of
+    the layers (``dcp.costmodel.pipeline``)."""
     distributed_optimizer: bool = True
     """Optimizer state sharded over all DP×CP ranks (Megatron distributed optimizer)."""
     grad_bytes_per_param: float = 4.0
@@ -182,10 +186,9 @@ class Options:
             object.__setattr__(
                 self, "optimizer_bytes_per_param", optimizer_bytes_per_param(self.dtype)
             )
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"options.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"options.{name} must be >= 1, got {getattr(self, name)}")
         for name in (
             "linear_efficiency",
             "fp8_linear_efficiency",
@@ -373,10 +376,11 @@ def runtime_options(
     fp8: bool = False,
     tensor_parallel_size: int | None = None,
     tied_embeddings: bool | None = None,
+    pipeline_parallel_size: int | None = None,
 ) -> dict:
     """The spec ``options`` a training run fixes (its model dtype, FP8, optimizer and, when
-    given, its TP size and embedding tying): the trainer and ``tools.memory_budget`` lay them
-    over the spec (``with_runtime_options``), so planner and runtime agree."""
+    given, its TP size, embedding tying and PP size): the trainer and ``tools.memory_budget`` lay
+    them over the spec (``with_runtime_options``), so planner and runtime agree."""
     options = {
         "dtype": dtype,
         "fp8": fp8,
@@ -387,6 +391,8 @@ def runtime_options(
         options["tensor_parallel_size"] = tensor_parallel_size
     if tied_embeddings is not None:
         options["tied_embeddings"] = tied_embeddings
+    if pipeline_parallel_size is not None:
+        options["pipeline_parallel_size"] = pipeline_parallel_size
     return options
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from dcp.costmodel import CostModel
+from dcp.costmodel.pipeline import PipelineCosts
 from dcp.plan import RECOMPUTE_LEVELS, Recompute
 
 
@@ -48,8 +49,18 @@ def lower_bound_s(
     per-step constant times the fewest rank-steps that can hold all tokens, spread perfectly
     over all ranks. Critical path:
     the longest sequence alone in a step at its fastest feasible config on the best links.
-    Sequences no config fits are ignored (a plan must drop them).
+    Sequences no config fits are ignored (a plan must drop them). Under pipeline parallelism,
+    the largest of each stage's bound (every stage's GPUs do all of its work), each with a
+    micro-step's memory alone on that stage, and the longest sequence's way forward through
+    every stage and back (``_pipeline_critical_path``).
     """
+    if cost_model.pipeline_parallel_size > 1:
+        stages = PipelineCosts.of(cost_model).stages
+        per_stage = max(
+            lower_bound_s(lengths, stage, cp_sizes=cp_sizes, partial_recompute=partial_recompute)
+            for stage in stages
+        )
+        return max(per_stage, _pipeline_critical_path(lengths, stages, cp_sizes, partial_recompute))
     lens = np.asarray(lengths, dtype=np.float64)
     if lens.size == 0:
         return 0.0
@@ -101,6 +112,45 @@ def lower_bound_s(
                 time_s = cost_model.step_time_s([longest], cp, "full", ranks, recompute_layers=n)
                 critical = min(critical, time_s)
     return float(max(area_bound, critical))
+
+
+def _pipeline_critical_path(
+    lengths: Sequence[int],
+    stages: Sequence[CostModel],
+    cp_sizes: Iterable[int] | None,
+    partial_recompute: bool,
+) -> float:
+    """The fastest the longest sequence that fits every stage alone passes forward through all
+    stages and back: its stage times summed, at the CP size and recompute (one for all
+    stages, as a micro-step has) that make the sum least; links at their best."""
+    num_ranks = stages[0].num_ranks
+    sizes = range(1, num_ranks + 1) if cp_sizes is None else sorted(set(cp_sizes))
+    sizes = [cp for cp in sizes if 1 <= cp <= num_ranks]
+    longest = max(
+        (x for x in lengths if any(all(st.fits([x], cp, "full") for st in stages) for cp in sizes)),
+        default=None,
+    )
+    if longest is None:
+        return 0.0
+    best = np.inf
+    widest = max(stage.num_layers for stage in stages)
+    for cp in sizes:
+        ranks = tuple(range(cp)) if cp <= stages[0].ranks_per_node else None
+        settings = [(level, None) for level in RECOMPUTE_LEVELS]
+        if partial_recompute:
+            need = max(int(st.min_recompute_layers(np.array([longest]), cp)[0]) for st in stages)
+            if need < widest:
+                settings.append((Recompute.FULL.value, need))
+        for level, n in settings:
+            per_stage = [(st, None if n is None or n >= st.num_layers else n) for st in stages]
+            if not all(st.fits([longest], cp, level, m) for st, m in per_stage):
+                continue
+            total = sum(
+                st.step_time_s([longest], cp, level, ranks, recompute_layers=m)
+                for st, m in per_stage
+            )
+            best = min(best, total)
+    return float(best) if np.isfinite(best) else 0.0
 
 
 def _partial_area(lengths: np.ndarray, cost_model: CostModel, sizes: np.ndarray | None):

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dcp.costmodel import CostModel
+from dcp.costmodel.pipeline import planning_view
 from dcp.plan import ON_OVERSIZE, check_choice
 
 
@@ -63,7 +64,9 @@ def find_oversize(
 def split_oversize(
     lengths: Sequence[int], cost_model: CostModel, *, on_oversize: str
 ) -> tuple[np.ndarray, list[int], np.ndarray]:
-    """(validated lengths, dropped ids, kept ids): the start of every planner."""
+    """(validated lengths, dropped ids, kept ids): the start of every baseline (under
+    pipeline parallelism, on the pipeline's planning view)."""
+    cost_model = planning_view(cost_model)
     lens = check_lengths(lengths)
     dropped = find_oversize(
         lens,

@@ -11,7 +11,6 @@ docs/planner.md, 'How it decides'.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -19,6 +18,7 @@ from types import MappingProxyType
 import numpy as np
 
 from dcp.costmodel import CostModel
+from dcp.costmodel.pipeline import PipelineCosts
 from dcp.plan import (
     ON_OVERSIZE,
     RECOMPUTE_LEVELS,
@@ -30,14 +30,14 @@ from dcp.plan import (
 )
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import check_lengths, find_oversize, pow2_sizes
+from dcp.planning.joins import _Job, _merge_same_block, _PackConfigs, _shared_jobs
+from dcp.planning.pipeline_planner import arrange
 from dcp.planning.simulator import simulate
 
 _TARGET_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35)
 # A packable sequence longer than this share of the target makespan is placed before the
 # short ones, on whichever CP size finishes it by the target.
 _SOLO_SHARE = 0.5
-# Joining micro-steps is tried only where it could save at least this share of their time.
-_MIN_SAVING = 1e-3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,50 +154,166 @@ def plan_dcp(
     sequences as one shared job, the plan placing them apart is made too (steps on the same
     ranks may still be joined afterwards), and when it uses either finer option, the three-level
     plan (``THREE_LEVEL_OPTIONS``); the fastest on the simulator is kept (ties: the first), so
-    turning an option on never makes a plan slower."""
-    plan, used = _plan(lengths, cost_model, options)
+    turning an option on never makes a plan slower. Under pipeline parallelism (the spec's
+    ``options.pipeline_parallel_size`` > 1) the plan is then arranged for the pipeline
+    (``dcp.planning.pipeline_planner``)."""
+    if cost_model.pipeline_parallel_size > 1:
+        return _plan_pipelined(lengths, cost_model, options)
+    return _flat_plan(lengths, cost_model, options)
+
+
+def _flat_plan(
+    lengths: Sequence[int], cost_model: CostModel, options: DCPOptions, *, join_steps: bool = True
+) -> Plan:
+    """``plan_dcp`` without pipelining (``join_steps``: ``_plan``'s)."""
+    plan, used = _plan(lengths, cost_model, options, join_steps=join_steps)
     if not used:
         return plan
     candidates = [plan]
     if "jobs" in used:
-        candidates.append(_plan(lengths, cost_model, options, shared_jobs=False)[0])
-    candidates.append(_plan(lengths, cost_model, replace(options, **THREE_LEVEL_OPTIONS))[0])
+        candidates.append(
+            _plan(lengths, cost_model, options, shared_jobs=False, join_steps=join_steps)[0]
+        )
+    three_level = replace(options, **THREE_LEVEL_OPTIONS)
+    candidates.append(_plan(lengths, cost_model, three_level, join_steps=join_steps)[0])
     lens = [int(x) for x in lengths]
     times = [simulate(candidate, lens, cost_model).makespan_s for candidate in candidates]
     return candidates[times.index(min(times))]
 
 
+def _plan_pipelined(lengths: Sequence[int], cost_model: CostModel, options: DCPOptions) -> Plan:
+    """A plan balanced on the pipeline's planning view, arranged for 1F1B. The view sizes each
+    micro-step as if the P - s a stage holds in flight were all as large; a sequence that only
+    fits a stage alone gets a micro-step of its own on the largest CP group, with the least
+    recompute that fits it alone, and the arrangement adds what its in-flight company needs."""
+    costs = PipelineCosts.of(cost_model)
+    lens = check_lengths(lengths)
+    largest = pow2_sizes(cost_model.num_ranks, options.max_cp_size)[-1]
+    view = costs.planning_model(in_flight=True)
+    alone = costs.planning_model(in_flight=False)
+    # Raises (on_oversize="error") for a sequence no stage can hold even alone.
+    dropped = find_oversize(lens, alone, max_cp_size=largest, on_oversize=options.on_oversize)
+    crowded = find_oversize(lens, view, max_cp_size=largest, on_oversize="drop")
+    # Joining steps would only undo the micro-steps a pipeline needs.
+    flat = _flat_plan(lengths, view, replace(options, on_oversize="drop"), join_steps=False)
+    ranks = tuple(range(largest))
+    levels = [lv for lv in RECOMPUTE_LEVELS if lv in set(options.recompute_levels) | {"full"}]
+    alone_steps = []
+    for i in sorted(set(crowded) - set(dropped)):
+        level = next(lv for lv in levels if alone.fits([int(lens[i])], largest, lv))
+        alone_steps.append(MicroStep(ranks=ranks, seq_ids=(i,), recompute=level))
+    flat = Plan(steps=flat.steps + tuple(alone_steps), planner="dcp", dropped=dropped)
+    return arrange(
+        flat,
+        lengths,
+        costs,
+        levels=levels,
+        partial=options.partial_recompute and view.num_layers is not None,
+        pinned=sorted(options.pinned or {}),
+    )
+
+
 def _plan(
-    lengths: Sequence[int], cost_model: CostModel, options: DCPOptions, *, shared_jobs=True
+    lengths: Sequence[int],
+    cost_model: CostModel,
+    options: DCPOptions,
+    *,
+    shared_jobs: bool = True,
+    join_steps: bool = True,
 ) -> tuple[Plan, set[str]]:
     """The plan, and what in it goes beyond the three-level planner: ``jobs`` (sequences placed
     together as one shared job; ``shared_jobs=False`` places each alone), ``joined`` (steps on
-    the same ranks joined after placement), ``partial`` (a partial full recompute)."""
+    the same ranks joined after placement; ``join_steps=False`` joins none), ``partial`` (a
+    partial full recompute). The steps of docs/planner.md, 'How it decides', in order."""
     lens = check_lengths(lengths)
-    num_ranks = cost_model.num_ranks
-    sizes = pow2_sizes(num_ranks, options.max_cp_size)
-    allowed = set(options.recompute_levels) | {"full"}
-    levels_allowed = [lv for lv in RECOMPUTE_LEVELS if lv in allowed]
-    dropped = find_oversize(
-        lens, cost_model, max_cp_size=sizes[-1], on_oversize=options.on_oversize
+    batch = _Batch.of(lens, cost_model, options)
+    if batch.keep.size == 0:
+        return Plan(
+            steps=(), planner="dcp", predicted_step_time_s=0.0, dropped=batch.dropped
+        ), set()
+    solo = _solo_table(batch)  # 1
+    pinned_rows = _apply_pins(
+        options.pinned or {}, batch.keep, batch.kept, batch.sizes, cost_model, solo
     )
-    keep = np.setdiff1d(np.arange(len(lens)), np.asarray(dropped, dtype=np.int64))
-    if keep.size == 0:
-        return Plan(steps=(), planner="dcp", predicted_step_time_s=0.0, dropped=dropped), set()
-    kept = lens[keep].astype(np.float64)
+    assert not (solo[2][solo[1] != RECOMPUTE_LEVELS.index(Recompute.FULL)]).any()
+    packing = _Packing.of(batch, solo[0], pinned_rows)  # 2
+    shared = options.share_cp_groups and shared_jobs
+    jobs = _Jobs.of(batch, solo, packing, pinned_rows, shared=shared)  # 3
+    makespan, sched, packs = _search_targets(batch, jobs, packing)  # 3-4
+    steps = _to_steps(sched, packs, batch.sizes, batch.keep, jobs.members)
+    used = {"jobs"} if jobs.num_shared else set()
+    if options.share_cp_groups and join_steps and not pinned_rows:  # 5
+        merged = _merge_same_block(steps, lens, jobs.pack, makespan)
+        if merged is not None:
+            steps, makespan = merged
+            used.add("joined")
+    if any(step.recompute_layers for step in steps):
+        used.add("partial")
+    if sched.solo and not pinned_rows:
+        uniform = _uniform_candidate(batch, sched)
+        if uniform is not None and uniform[0] < makespan:
+            makespan, steps = uniform
+    plan = Plan(
+        steps=tuple(steps),
+        planner="dcp",
+        predicted_step_time_s=float(makespan),
+        dropped=batch.dropped,
+    )
+    return plan, used
 
-    # 1. Per sequence and level (CP = 2**k): step time alone at the fastest feasible recompute.
-    num_levels = len(sizes)
-    dur = np.full((keep.size, num_levels), np.inf)
-    rec = np.zeros((keep.size, num_levels), dtype=np.int64)
-    layers = np.zeros((keep.size, num_levels), dtype=np.int64)  # full's N; 0: all layers
-    partial = options.partial_recompute and cost_model.num_layers is not None
-    full_index = RECOMPUTE_LEVELS.index(Recompute.FULL)
-    for k, cp in enumerate(sizes):
-        for lv in levels_allowed:
+
+@dataclass(frozen=True)
+class _Batch:
+    """A batch as ``_plan`` sees it: the kept sequences and what every step of it needs."""
+
+    cost_model: CostModel
+    dropped: list[int]
+    keep: np.ndarray
+    """Batch indices of the sequences planned (the rest is ``dropped``)."""
+    kept: np.ndarray
+    """Their lengths (float64)."""
+    by_length: np.ndarray
+    """Rows of ``kept``, longest first (ties: in order)."""
+    sizes: list[int]
+    """The CP sizes a step may use (aligned power-of-two blocks)."""
+    levels: list[str]
+    """The recompute levels a step may use, cheapest memory last (``full`` always)."""
+    partial: bool
+    """Whether a full step may recompute only its first N layers."""
+
+    @classmethod
+    def of(cls, lens: np.ndarray, cost_model: CostModel, options: DCPOptions) -> _Batch:
+        sizes = pow2_sizes(cost_model.num_ranks, options.max_cp_size)
+        allowed = set(options.recompute_levels) | {"full"}
+        dropped = find_oversize(
+            lens, cost_model, max_cp_size=sizes[-1], on_oversize=options.on_oversize
+        )
+        keep = np.setdiff1d(np.arange(len(lens)), np.asarray(dropped, dtype=np.int64))
+        return cls(
+            cost_model=cost_model,
+            dropped=dropped,
+            keep=keep,
+            kept=lens[keep].astype(np.float64),
+            by_length=np.argsort(-lens[keep], kind="stable"),
+            sizes=sizes,
+            levels=[lv for lv in RECOMPUTE_LEVELS if lv in allowed],
+            partial=options.partial_recompute and cost_model.num_layers is not None,
+        )
+
+
+def _solo_table(batch: _Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step 1: per sequence and CP size 2**k, its step time alone at the fastest recompute that
+    fits (inf: none), that level's index and full recompute's N (0: all layers)."""
+    cost_model, kept = batch.cost_model, batch.kept
+    num_levels = len(batch.sizes)
+    dur = np.full((kept.size, num_levels), np.inf)
+    rec = np.zeros((kept.size, num_levels), dtype=np.int64)
+    layers = np.zeros((kept.size, num_levels), dtype=np.int64)
+    for k, cp in enumerate(batch.sizes):
+        for lv in batch.levels:
             fits = cost_model.solo_mem_bytes(kept, cp, lv) <= cost_model.mem_budget_bytes
             n = None
-            if lv == Recompute.FULL and partial:
+            if lv == Recompute.FULL and batch.partial:
                 # The least N that fits is the fastest full recompute: time grows with N.
                 n = np.minimum(cost_model.min_recompute_layers(kept, cp), cost_model.num_layers)
             t = np.where(fits, cost_model.solo_step_time_s(kept, cp, lv, n), np.inf)
@@ -206,126 +322,176 @@ def _plan(
             rec[:, k] = np.where(better, RECOMPUTE_LEVELS.index(lv), rec[:, k])
             if n is not None:
                 layers[:, k] = np.where(better & (n < cost_model.num_layers), n, layers[:, k])
-    pinned_rows = _apply_pins(
-        options.pinned or {}, keep, kept, sizes, cost_model, (dur, rec, layers)
-    )
-    assert not (layers[rec != full_index]).any()
-    area = dur * np.asarray(sizes, dtype=np.float64)
+    return dur, rec, layers
 
-    # 2. Short sequences pack at CP=1 without recompute when that is their cheapest option.
-    cap_none = cost_model.max_tokens_per_rank("none") if "none" in levels_allowed else 0
-    marginal = cost_model.packed_marginal_s(kept, "none")
-    const_none = cost_model.step_constant_s("none")
-    packed_area = np.where(
-        kept <= cap_none, marginal + const_none * kept / max(cap_none, 1), np.inf
-    )
-    packable = packed_area <= area.min(axis=1)
-    packable[pinned_rows] = False
-    solo_time = dur[:, 0]  # CP=1 alone: a packable sequence that is big for the target goes solo
-    by_length = np.argsort(-kept, kind="stable")
 
-    # 3. Jobs: each sequence alone, or (share_cp_groups) sequences too long to pack at CP=1
-    # that are cheaper together in one micro-step. A job with several members is always solo.
-    pack = _PackConfigs(cost_model, sizes, levels_allowed, partial)
-    shared: list[_Job] = []
-    if options.share_cp_groups and shared_jobs:
-        free = ~packable
-        free[pinned_rows] = False
-        shared = _shared_jobs(kept, np.flatnonzero(free), dur, rec, layers, pack)
-    jdur = np.vstack([dur, *(job.dur for job in shared)])
-    jrec = np.vstack([rec, *(job.rec for job in shared)])
-    jlayers = np.vstack([layers, *(job.layers for job in shared)])
-    members = [[int(i)] for i in range(keep.size)] + [job.rows for job in shared]
-    in_shared = np.zeros(keep.size, dtype=bool)
-    for job in shared:
-        in_shared[job.rows] = True
-    jarea = jdur * np.asarray(sizes, dtype=np.float64)
-    jpacked = np.concatenate([packed_area, np.full(len(shared), np.inf)])
-    jpackable = np.concatenate([packable, np.zeros(len(shared), dtype=bool)])
-    jsolo_time = jdur[:, 0]
-    # A sequence in a shared job is placed only through it.
-    live = np.concatenate([~in_shared, np.ones(len(shared), dtype=bool)])
-    by_area = np.argsort(-np.minimum(jarea.min(axis=1), jpacked), kind="stable")
-    by_area = by_area[live[by_area]]
-    prefs = np.argsort(jarea, axis=1, kind="stable")
+@dataclass(frozen=True)
+class _Packing:
+    """Step 2: which sequences pack at CP = 1 without recompute, and what packing costs."""
 
-    def run(target_s: float) -> tuple[float, _Schedule, list[list[list[int]]]]:
-        sched = _Schedule(num_ranks, num_levels)
-        jsolo = ~jpackable | (jsolo_time > _SOLO_SHARE * target_s)
-        for j in by_area[jsolo[by_area]]:
-            best = None
-            for k in prefs[j]:
-                d = jdur[j, k]
-                if not np.isfinite(d):
-                    break
-                block = int(np.argmin(sched.maxes[k]))
-                finish = sched.maxes[k][block] + d
-                if finish <= target_s:
-                    best = (finish, k, block)
-                    break
-                if best is None or finish < best[0]:
-                    best = (finish, k, block)
-            _, k, block = best
-            sched.place(int(k), block, float(jdur[j, k]))
-            sched.solo.append((int(k), block, int(j), int(jrec[j, k]), int(jlayers[j, k])))
-        # Deal short sequences longest first to the least-loaded rank, packing up to cap_none.
-        solo = jsolo[: keep.size] | in_shared
-        loads = sched.maxes[0].tolist()
-        heap = [(load, r) for r, load in enumerate(loads)]
-        heapq.heapify(heap)
-        packs: list[list[list[int]]] = [[] for _ in range(num_ranks)]
-        room = [0] * num_ranks
-        for i in by_length[~solo[by_length]]:
-            length = int(kept[i])
-            load, r = heapq.heappop(heap)
-            if room[r] >= length:
-                room[r] -= length
-                packs[r][-1].append(int(i))
-                load += marginal[i]
-            else:
-                room[r] = cap_none - length
-                packs[r].append([int(i)])
-                load += const_none + marginal[i]
-            heapq.heappush(heap, (load, r))
-        return max(load for load, _ in heap), sched, packs
+    cap: int
+    """Most tokens one packed micro-step holds."""
+    marginal: np.ndarray
+    """Seconds each sequence adds to a packed micro-step."""
+    constant_s: float
+    """Seconds a packed micro-step costs whatever it holds."""
+    area: np.ndarray
+    """Rank-seconds of each sequence packed (its share of the step constant included); inf
+    where it does not fit a pack."""
+    packable: np.ndarray
+    """Whether packing is the sequence's cheapest option (pinned sequences never pack)."""
 
-    best = run(np.inf)
-    if not packable.all() or solo_time.max() > _SOLO_SHARE * best[0]:
-        bound = lower_bound_s(kept, cost_model, cp_sizes=sizes, partial_recompute=partial)
+    @classmethod
+    def of(cls, batch: _Batch, dur: np.ndarray, pinned_rows: list[int]) -> _Packing:
+        cost_model, kept = batch.cost_model, batch.kept
+        cap = cost_model.max_tokens_per_rank("none") if "none" in batch.levels else 0
+        marginal = cost_model.packed_marginal_s(kept, "none")
+        const = cost_model.step_constant_s("none")
+        area = np.where(kept <= cap, marginal + const * kept / max(cap, 1), np.inf)
+        packable = area <= (dur * np.asarray(batch.sizes, dtype=np.float64)).min(axis=1)
+        packable[pinned_rows] = False
+        return cls(cap=cap, marginal=marginal, constant_s=const, area=area, packable=packable)
+
+
+@dataclass(frozen=True)
+class _Jobs:
+    """Step 3: the solo jobs (each sequence alone, then the shared jobs of several sequences
+    too long to pack at CP = 1 that are cheaper together) and their per-CP-size tables; rows
+    below ``batch.kept.size`` are the sequences themselves."""
+
+    pack: _PackConfigs
+    dur: np.ndarray
+    rec: np.ndarray
+    layers: np.ndarray
+    members: list[list[int]]
+    """Rows of the kept sequences each job holds."""
+    in_shared: np.ndarray
+    """Per kept sequence: whether a shared job holds it (it is placed only through that job)."""
+    packable: np.ndarray
+    by_area: np.ndarray
+    """Live jobs, most rank-seconds first."""
+    prefs: np.ndarray
+    """Per job, its CP sizes' indices, fewest rank-seconds first."""
+    num_shared: int
+
+    @classmethod
+    def of(
+        cls,
+        batch: _Batch,
+        solo: tuple[np.ndarray, np.ndarray, np.ndarray],
+        packing: _Packing,
+        pinned_rows: list[int],
+        *,
+        shared: bool,
+    ) -> _Jobs:
+        dur, rec, layers = solo
+        kept, sizes = batch.kept, np.asarray(batch.sizes, dtype=np.float64)
+        pack = _PackConfigs(batch.cost_model, batch.sizes, batch.levels, batch.partial)
+        jobs: list[_Job] = []
+        if shared:
+            free = ~packing.packable
+            free[pinned_rows] = False
+            jobs = _shared_jobs(kept, np.flatnonzero(free), dur, rec, layers, pack)
+        in_shared = np.zeros(kept.size, dtype=bool)
+        for job in jobs:
+            in_shared[job.rows] = True
+        jdur = np.vstack([dur, *(job.dur for job in jobs)])
+        jpacked = np.concatenate([packing.area, np.full(len(jobs), np.inf)])
+        # A sequence in a shared job is placed only through it.
+        live = np.concatenate([~in_shared, np.ones(len(jobs), dtype=bool)])
+        jarea = jdur * sizes
+        by_area = np.argsort(-np.minimum(jarea.min(axis=1), jpacked), kind="stable")
+        return cls(
+            pack=pack,
+            dur=jdur,
+            rec=np.vstack([rec, *(job.rec for job in jobs)]),
+            layers=np.vstack([layers, *(job.layers for job in jobs)]),
+            members=[[int(i)] for i in range(kept.size)] + [job.rows for job in jobs],
+            in_shared=in_shared,
+            packable=np.concatenate([packing.packable, np.zeros(len(jobs), dtype=bool)]),
+            by_area=by_area[live[by_area]],
+            prefs=np.argsort(jarea, axis=1, kind="stable"),
+            num_shared=len(jobs),
+        )
+
+
+def _place(
+    batch: _Batch, jobs: _Jobs, packing: _Packing, target_s: float
+) -> tuple[float, _Schedule, list[list[list[int]]]]:
+    """Steps 3-4 for one target makespan: solo jobs largest first, each on the CP size with the
+    fewest rank-seconds that finishes on the least-loaded block by ``target_s`` (else the one
+    finishing first); then short sequences dealt longest first to the least-loaded rank,
+    packing up to the cap. Returns (makespan, schedule, per-rank packs of kept rows)."""
+    num_ranks, kept = batch.cost_model.num_ranks, batch.kept
+    sched = _Schedule(num_ranks, len(batch.sizes))
+    jsolo = ~jobs.packable | (jobs.dur[:, 0] > _SOLO_SHARE * target_s)
+    for j in jobs.by_area[jsolo[jobs.by_area]]:
+        best = None
+        for k in jobs.prefs[j]:
+            d = jobs.dur[j, k]
+            if not np.isfinite(d):
+                break
+            block = int(np.argmin(sched.maxes[k]))
+            finish = sched.maxes[k][block] + d
+            if finish <= target_s:
+                best = (finish, k, block)
+                break
+            if best is None or finish < best[0]:
+                best = (finish, k, block)
+        _, k, block = best
+        sched.place(int(k), block, float(jobs.dur[j, k]))
+        sched.solo.append((int(k), block, int(j), int(jobs.rec[j, k]), int(jobs.layers[j, k])))
+    # Deal short sequences longest first to the least-loaded rank, packing up to the cap.
+    solo = jsolo[: kept.size] | jobs.in_shared
+    heap = [(load, r) for r, load in enumerate(sched.maxes[0].tolist())]
+    heapq.heapify(heap)
+    packs: list[list[list[int]]] = [[] for _ in range(num_ranks)]
+    room = [0] * num_ranks
+    for i in batch.by_length[~solo[batch.by_length]]:
+        length = int(kept[i])
+        load, r = heapq.heappop(heap)
+        if room[r] >= length:
+            room[r] -= length
+            packs[r][-1].append(int(i))
+            load += packing.marginal[i]
+        else:
+            room[r] = packing.cap - length
+            packs[r].append([int(i)])
+            load += packing.constant_s + packing.marginal[i]
+        heapq.heappush(heap, (load, r))
+    return max(load for load, _ in heap), sched, packs
+
+
+def _search_targets(
+    batch: _Batch, jobs: _Jobs, packing: _Packing
+) -> tuple[float, _Schedule, list[list[list[int]]]]:
+    """Step 4: ``_place`` without a target, then with targets rising from the lower bound;
+    the fastest placement wins."""
+    best = _place(batch, jobs, packing, np.inf)
+    solo_time = jobs.dur[: batch.kept.size, 0]
+    if not packing.packable.all() or solo_time.max() > _SOLO_SHARE * best[0]:
+        bound = lower_bound_s(
+            batch.kept, batch.cost_model, cp_sizes=batch.sizes, partial_recompute=batch.partial
+        )
         for factor in _TARGET_FACTORS:
             if bound * factor >= best[0]:
                 break
-            trial = run(bound * factor)
+            trial = _place(batch, jobs, packing, bound * factor)
             if trial[0] < best[0]:
                 best = trial
-    makespan, sched, packs = best
-    steps = _to_steps(sched, packs, sizes, keep, members)
-    used = {"jobs"} if shared else set()
-    if options.share_cp_groups and not pinned_rows:
-        merged = _merge_same_block(steps, lens, pack, makespan)
-        if merged is not None:
-            steps, makespan = merged
-            used.add("joined")
-    if any(step.recompute_layers for step in steps):
-        used.add("partial")
-    if sched.solo and not pinned_rows:
-        # Few-sequence batches: when one long job sets the makespan, the short ones are better
-        # off riding in its CP group than queueing behind it. Try that uniform plan too.
-        level, _, _, r, _ = max(sched.solo, key=lambda s: (s[0], -s[2]))
-        cp = sizes[level]
-        # The top job's recompute, raised until the longest sequence fits alongside.
-        fitting = [lv for lv in RECOMPUTE_LEVELS[r:] if cost_model.fits([kept.max()], cp, lv)]
-        if level > 0 and fitting:
-            uniform = _uniform_plan(kept, keep, cost_model, cp, fitting[0], partial=partial)
-            if uniform[0] < makespan:
-                makespan, steps = uniform
-    plan = Plan(
-        steps=tuple(steps),
-        planner="dcp",
-        predicted_step_time_s=float(makespan),
-        dropped=dropped,
-    )
-    return plan, used
+    return best
+
+
+def _uniform_candidate(batch: _Batch, sched: _Schedule) -> tuple[float, list[MicroStep]] | None:
+    """Few-sequence batches: when one long job sets the makespan, the short ones are better off
+    riding in its CP group than queueing behind it: every sequence at the top job's CP size and
+    recompute, raised until the longest sequence fits alongside (``None``: not applicable)."""
+    level, _, _, r, _ = max(sched.solo, key=lambda s: (s[0], -s[2]))
+    cp, cost_model = batch.sizes[level], batch.cost_model
+    fitting = [lv for lv in RECOMPUTE_LEVELS[r:] if cost_model.fits([batch.kept.max()], cp, lv)]
+    if level == 0 or not fitting:
+        return None
+    return _uniform_plan(batch.kept, batch.keep, cost_model, cp, fitting[0], partial=batch.partial)
 
 
 def _apply_pins(
@@ -419,216 +585,6 @@ def _uniform_plan(
             )
         makespan = max(makespan, load)
     return makespan, steps
-
-
-@dataclass(frozen=True)
-class _Job:
-    """Sequences (rows of the kept lengths) run together in one solo micro-step: per CP size,
-    its step time alone at the fastest feasible recompute (inf: none fits), that level's index
-    and full recompute's N (0: all layers)."""
-
-    rows: list[int]
-    dur: np.ndarray
-    rec: np.ndarray
-    layers: np.ndarray
-
-    def area(self, sizes: np.ndarray) -> float:
-        return float((self.dur * sizes).min())
-
-
-class _PackConfigs:
-    """The fastest feasible (recompute, N) of one micro-step holding several sequences, per CP
-    size: the same choice step 1 of ``_plan`` makes for one sequence, with memory counting the
-    step's total tokens."""
-
-    def __init__(
-        self, cost_model: CostModel, sizes: list[int], levels: list[str], partial: bool
-    ) -> None:
-        self.cost_model = cost_model
-        self.sizes = sizes
-        self.levels = levels
-        self.partial = partial
-        c = cost_model.coefficients
-        constant = max(cost_model.step_constant_s(level) for level in RECOMPUTE_LEVELS)
-        # Rank-seconds a merge can save at each size at most: the formula is additive over
-        # a step's sequences except for these per-step terms (and the overlap max, which is
-        # subadditive), so merged area >= the parts' areas minus this.
-        self.max_saving = np.array(
-            [cp * (constant + (cp - 1) * c.cp_hop_latency_s) for cp in sizes]
-        )
-        if partial:
-            none, full = (cost_model.mem_bytes_per_token(level) for level in ("none", "full"))
-            self._none_per_token, self._saved_per_token = none, none - full
-            self._free = cost_model.mem_budget_bytes - cost_model.static_mem_bytes
-
-    def least_layers(self, tokens: int, cp: int) -> int | None:
-        """``CostModel.min_recompute_layers`` for one step of ``tokens`` (``None``: not even
-        all layers fit) in plain floats: numpy's per-call cost on one-element arrays made
-        planning about 30% slower at 8K sequences on 1,024 GPUs. A unit test keeps the two
-        equal."""
-        cm, layers = self.cost_model, self.cost_model.num_layers
-        if self._saved_per_token > 0:
-            guess = layers * (self._none_per_token - self._free * cp / tokens)
-            n = min(max(1, math.ceil(guess / self._saved_per_token)), layers + 1)
-        else:
-            n = 1
-        while n > 1 and cm.fits([tokens], cp, "full", n - 1):
-            n -= 1
-        while n <= layers and not cm.fits([tokens], cp, "full", n):
-            n += 1
-        return n if n <= layers else None
-
-    def worth_trying(self, k: int, area: float) -> bool:
-        """Whether joining parts of ``area`` rank-seconds at CP ``sizes[k]`` could save at least
-        0.1% (``max_saving``): smaller gains are not worth the planning time."""
-        return self.max_saving[k] > _MIN_SAVING * area
-
-    def best(self, lengths: list[int], k: int, ranks: tuple[int, ...] | None = None):
-        """(seconds, level index, N or 0) of the step at CP ``sizes[k]``; seconds inf if no
-        level fits."""
-        cm, cp = self.cost_model, self.sizes[k]
-        total = sum(lengths)
-        best = (np.inf, 0, 0)
-        for level in self.levels:
-            n = None
-            if level == Recompute.FULL and self.partial:
-                n = self.least_layers(total, cp)  # fits by construction
-                if n is None:
-                    continue
-            elif not cm.fits(lengths, cp, level):
-                continue
-            t = cm.step_time_s(lengths, cp, level, ranks, recompute_layers=n)
-            if t < best[0]:
-                kept_n = n if n is not None and n < cm.num_layers else 0
-                best = (t, RECOMPUTE_LEVELS.index(level), kept_n)
-        return best
-
-    def table(self, lengths: list[int], max_k: int) -> tuple[np.ndarray, ...]:
-        """``best`` at every CP size up to ``sizes[max_k]`` (larger sizes: inf)."""
-        K = len(self.sizes)
-        dur, rec, layers = np.full(K, np.inf), np.zeros(K, np.int64), np.zeros(K, np.int64)
-        for k in range(min(max_k, K - 1) + 1):
-            dur[k], rec[k], layers[k] = self.best(lengths, k)
-        return dur, rec, layers
-
-
-def _shared_jobs(
-    kept: np.ndarray,
-    rows: np.ndarray,
-    dur: np.ndarray,
-    rec: np.ndarray,
-    layers: np.ndarray,
-    pack: _PackConfigs,
-) -> list[_Job]:
-    """Greedily join neighbours (shortest first) among ``rows`` (sequences too long to pack at
-    CP=1) while the joined micro-step has fewer rank-seconds at its cheapest CP size than its
-    parts apart. A job holds at most the batch's longest sequence or a rank's even share of the
-    batch's tokens, whichever is more, so it never gets harder to balance than the batch
-    already is, and uses at most twice the CP size its largest part would. Returns the jobs
-    with two or more members."""
-    if rows.size < 2:
-        return []
-    sizes = np.asarray(pack.sizes, dtype=np.float64)
-    areas = dur * sizes
-    area, best_k = areas.min(axis=1), areas.argmin(axis=1)
-    cap = max(float(kept.max()), float(kept.sum()) / pack.cost_model.num_ranks)
-    out: list[_Job] = []
-    cur: _Job | None = None
-    cur_area = cur_k = 0
-    for i in rows[np.argsort(kept[rows], kind="stable")]:
-        i = int(i)
-        if cur is not None:
-            total = float(kept[cur.rows].sum() + kept[i])
-            max_k = max(cur_k, int(best_k[i])) + 1
-            worth = pack.worth_trying(min(max_k, len(pack.sizes) - 1), cur_area + area[i])
-            if total <= cap and worth:
-                lens = [int(x) for x in kept[cur.rows]] + [int(kept[i])]
-                joined = _Job(cur.rows + [i], *pack.table(lens, max_k))
-                joined_area = joined.area(sizes)
-                if joined_area < cur_area + area[i]:
-                    cur, cur_area = joined, joined_area
-                    cur_k = int(np.argmin(joined.dur * sizes))
-                    continue
-            if len(cur.rows) > 1:
-                out.append(cur)
-        cur = _Job([i], dur[i], rec[i], layers[i])
-        cur_area, cur_k = area[i], int(best_k[i])
-    if cur is not None and len(cur.rows) > 1:
-        out.append(cur)
-    return out
-
-
-def _merge_same_block(
-    steps: list[MicroStep], lengths: np.ndarray, pack: _PackConfigs, makespan_s: float
-) -> tuple[list[MicroStep], float] | None:
-    """Join micro-steps that run on the same ranks when one step is cheaper than the parts
-    (fixed costs paid once). A block's steps are contiguous in ``_to_steps``' order and no other
-    rank waits on them, so joining only shortens that block; the simulator confirms it against
-    ``makespan_s``, the steps' own. Returns the joined steps and their simulated makespan, or
-    ``None`` if nothing joined."""
-    lens = [int(x) for x in lengths]
-    by_ranks: dict[tuple[int, ...], list[int]] = {}
-    for index, step in enumerate(steps):
-        by_ranks.setdefault(step.ranks, []).append(index)
-    replaced: dict[int, MicroStep | None] = {}
-    for ranks, indices in by_ranks.items():
-        if len(indices) < 2 or len(ranks) not in pack.sizes:
-            continue
-        bins = _join_block(ranks, [steps[i] for i in indices], indices, lens, pack)
-        if len(bins) == len(indices):
-            continue
-        replaced.update({index: None for index in indices})
-        replaced.update(bins)
-    if not replaced:
-        return None
-    joined = [step for i, s in enumerate(steps) if (step := replaced.get(i, s)) is not None]
-    after = simulate(Plan(steps=tuple(joined)), lens, pack.cost_model).makespan_s
-    return (joined, after) if after <= makespan_s else None
-
-
-def _join_block(
-    ranks: tuple[int, ...],
-    steps: list[MicroStep],
-    indices: list[int],
-    lens: list[int],
-    pack: _PackConfigs,
-) -> dict[int, MicroStep]:
-    """The steps of one block joined greedily (fewest tokens first, each into the step where
-    joining saves the most): {position of the joined step's first part: step}."""
-    cm, k = pack.cost_model, pack.sizes.index(len(ranks))
-    bins: dict[int, tuple[MicroStep, float]] = {}
-    order = sorted(range(len(steps)), key=lambda x: (sum(lens[s] for s in steps[x].seq_ids), x))
-    for x in order:
-        step = steps[x]
-        seq = [lens[s] for s in step.seq_ids]
-        t = cm.step_time_s(
-            seq, step.cp_size, step.recompute, ranks, recompute_layers=step.recompute_layers
-        )
-        best = None
-        if not pack.worth_trying(
-            k, len(ranks) * (t + max((v[1] for v in bins.values()), default=0))
-        ):
-            bins[indices[x]] = (step, t)
-            continue
-        for first, (other, t_other) in bins.items():
-            seq_ids = tuple(sorted(other.seq_ids + step.seq_ids))
-            joined_t, r, n = pack.best([lens[s] for s in seq_ids], k, ranks)
-            saving = t_other + t - joined_t
-            if saving > 1e-12 * (t_other + t) and (best is None or saving > best[0]):
-                joined = MicroStep(
-                    ranks=ranks,
-                    seq_ids=seq_ids,
-                    recompute=RECOMPUTE_LEVELS[r],
-                    recompute_layers=n or None,
-                )
-                best = (saving, first, joined, joined_t)
-        if best is None:
-            bins[indices[x]] = (step, t)
-        else:
-            _, first, joined, joined_t = best
-            del bins[first]
-            bins[min(first, indices[x])] = (joined, joined_t)
-    return {first: step for first, (step, _) in bins.items()}
 
 
 def _to_steps(

@@ -2,7 +2,11 @@
 
 ``simulate`` executes steps in list order: a micro-step starts when every rank of its group is
 free (and after any barrier listed in ``plan.barriers``: step indices before which all
-ranks synchronise, as Megatron's Hybrid-CP schedule does after every group).
+ranks synchronise, as Megatron's Hybrid-CP schedule does after every group). Under pipeline
+parallelism (the spec's ``options.pipeline_parallel_size`` > 1) it runs every (stage, planner
+rank)'s events of ``dcp.planning.pipeline.rank_events`` instead: a forward or backward starts
+when every rank of its group on its stage is free, a message when its sender and receiver are
+(blocking pairs), each lasting its stage's time (``dcp.costmodel.pipeline``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcp.costmodel import CostModel
+from dcp.costmodel.pipeline import PipelineCosts
 from dcp.plan import Plan
+from dcp.planning.pipeline import StepCosts, event_keys, stage_peak_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +35,11 @@ class SimResult:
     comm_share: float
     """Exposed CP communication / total busy rank-seconds."""
     num_steps: int
+    num_stages: int = 1
+    """Pipeline stages: with more than one, ``busy_s`` and ``idle_s`` hold one entry per
+    (stage, planner rank), stage-major, and busy time includes stage-to-stage transfers."""
+    stage_peak_mem_bytes: tuple[float, ...] = ()
+    """Per pipeline stage, the most bytes any of its GPUs holds (with one stage: empty)."""
 
     @property
     def utilization(self) -> float:
@@ -37,8 +48,14 @@ class SimResult:
             return 0.0
         return float(np.mean(self.busy_s)) / self.makespan_s
 
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of GPU time spent waiting: pipeline fill and drain, waits for a group's
+        slowest member or stage (``1 - utilization``)."""
+        return 1.0 - self.utilization if self.makespan_s > 0 else 0.0
+
     def to_dict(self) -> dict:
-        return {
+        out = {
             "makespan_s": self.makespan_s,
             "utilization": self.utilization,
             "peak_mem_bytes": self.peak_mem_bytes,
@@ -46,6 +63,11 @@ class SimResult:
             "num_steps": self.num_steps,
             "max_idle_s": max(self.idle_s, default=0.0),
         }
+        if self.num_stages > 1:
+            out["num_stages"] = self.num_stages
+            out["bubble_fraction"] = self.bubble_fraction
+            out["stage_peak_mem_bytes"] = list(self.stage_peak_mem_bytes)
+        return out
 
 
 def simulate(
@@ -58,6 +80,10 @@ def simulate(
     """Execute ``plan`` on ``cost_model``; raises ``ValueError`` for ranks outside the cluster.
     ``times_s``: each step's seconds instead of the cost model's (a what-if; its exposed
     communication is then counted as none)."""
+    if cost_model.pipeline_parallel_size > 1:
+        if times_s is not None:
+            raise ValueError("times_s (a what-if of step times) needs a plan without pipelining")
+        return simulate_pipeline(plan, lengths, PipelineCosts.of(cost_model))
     if times_s is not None and len(times_s) != len(plan.steps):
         raise ValueError(f"times_s has {len(times_s)} entries for {len(plan.steps)} steps")
     num_ranks = cost_model.num_ranks
@@ -97,4 +123,63 @@ def simulate(
         peak_mem_bytes=peak_mem,
         comm_share=comm_total / busy_total if busy_total > 0 else 0.0,
         num_steps=len(plan.steps),
+    )
+
+
+def simulate_pipeline(
+    plan: Plan,
+    lengths: Sequence[int],
+    costs: PipelineCosts,
+    *,
+    step_costs: StepCosts | None = None,
+) -> SimResult:
+    """Execute ``plan`` under ``costs``' pipeline (module docstring): every event in key order
+    starts when all its participants are free, which is when a blocking execution of every
+    (stage, rank)'s event list starts it. ``step_costs``: a memo of this batch's micro-steps
+    shared with other calls."""
+    num_ranks, num_stages = costs.cost_model.num_ranks, costs.num_stages
+    if plan.barriers:
+        raise ValueError("plan barriers are not supported under pipeline parallelism")
+    for index, step in enumerate(plan.steps):
+        if step.ranks[0] < 0 or step.ranks[-1] >= num_ranks:
+            raise ValueError(f"step {index} uses ranks {step.ranks} outside [0, {num_ranks})")
+    step_costs = step_costs or StepCosts(costs, lengths)
+    times = [step_costs.times(step) for step in plan.steps]
+    transfer = [step_costs.transfer_s(step) for step in plan.steps]
+    ranks_of = [step.ranks for step in plan.steps]
+    free = [[0.0] * num_ranks for _ in range(num_stages)]
+    busy = [[0.0] * num_ranks for _ in range(num_stages)]
+    compute_total = comm_total = 0.0
+    for _, is_compute, s, kind, m in event_keys(plan, num_stages):
+        ranks = ranks_of[m]
+        if is_compute:
+            duration = times[m][s][kind]
+            stage_free, stage_busy = free[s], busy[s]
+            end = max(stage_free[r] for r in ranks) + duration
+            for r in ranks:
+                stage_free[r] = end
+                stage_busy[r] += duration
+            compute_total += duration * len(ranks)
+            if kind == 1:
+                comm_total += times[m][s][2] * len(ranks)
+            continue
+        upper, lower, duration = free[s], free[s + 1], transfer[m]
+        for r in ranks:
+            end = max(upper[r], lower[r]) + duration
+            upper[r] = lower[r] = end
+            busy[s][r] += duration
+            busy[s + 1][r] += duration
+    makespan = max(max(row) for row in free) if plan.steps else 0.0
+    memory = stage_peak_bytes(plan, lengths, costs, step_costs=step_costs)
+    stage_peaks = tuple(float(row.max()) for row in memory.peak_bytes)
+    flat = [b for row in busy for b in row]
+    return SimResult(
+        makespan_s=makespan,
+        busy_s=tuple(flat),
+        idle_s=tuple(makespan - b for b in flat),
+        peak_mem_bytes=max(stage_peaks) if plan.steps else 0.0,
+        comm_share=comm_total / compute_total if compute_total > 0 else 0.0,
+        num_steps=len(plan.steps),
+        num_stages=num_stages,
+        stage_peak_mem_bytes=stage_peaks,
     )

@@ -6,13 +6,15 @@ model does; without ``cp_size``/``recompute`` it returns the fastest such config
 (the batch is then the whole run). A training run fixes its configuration once, over its own
 batches (``fixed_static_config``); ``plan_static_per_batch`` is the variant that re-chooses for
 every batch, under its own planner name. ``tuned=True`` is the static oracle, stronger than any
-static Megatron run. See docs/planner.md, 'Baselines'.
+static Megatron run. Under pipeline parallelism each replica's micro-batches run megatron's
+1F1B (``_plan_static_pipelined``). See docs/planner.md, 'Baselines'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcp.costmodel import CostModel
+from dcp.costmodel.pipeline import PipelineCosts, planning_view
 from dcp.plan import (
     ON_OVERSIZE,
     RECOMPUTE_LEVELS,
@@ -30,7 +33,7 @@ from dcp.plan import (
     check_int,
 )
 from dcp.planning.common import pow2_sizes, split_oversize
-from dcp.planning.simulator import simulate
+from dcp.planning.simulator import simulate, simulate_pipeline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +76,9 @@ def static_configs(
     """Every (CP size, recompute) a static run sized for ``max_seq_len`` can use, smallest CP and
     cheapest recompute first; ``cp_size``/``recompute``, where given, keep only matching ones.
     The candidates of every static choice: the benchmark's fixed runs, ``fixed_static_config``
-    and ``plan_static``."""
+    and ``plan_static``. Under pipeline parallelism a configuration must hold as many such
+    micro-batches as a stage has in flight (``planning_view``)."""
+    cost_model = planning_view(cost_model)
     return [
         (cp, lv)
         for cp in pow2_sizes(cost_model.num_ranks)
@@ -123,6 +128,7 @@ def fixed_static_config(
 
 def _kept_max_seq_len(cost_model: CostModel, max_seq_len: int) -> int:
     """The longest sequence a run that drops what no configuration can hold is sized for."""
+    cost_model = planning_view(cost_model)
     holdable = pow2_sizes(cost_model.num_ranks)[-1] * cost_model.max_tokens_per_rank("full")
     return min(max_seq_len, holdable)
 
@@ -149,6 +155,8 @@ def plan_static(
     ``max_seq_len`` tokens (Megatron's ``--seq-length``), packed and dealt by token counts as a
     static run without a cost model does; ``tuned`` adds the oracle's micro-batches.
     """
+    if cost_model.pipeline_parallel_size > 1:
+        return _plan_static_pipelined(lengths, cost_model, options)
     cp_size, recompute, tuned = options.cp_size, options.recompute, options.tuned
     lens, dropped, keep = split_oversize(lengths, cost_model, on_oversize=options.on_oversize)
     if keep.size == 0:
@@ -173,6 +181,26 @@ def plan_static(
                 best = plan
     assert best is not None
     return dataclasses.replace(best, dropped=dropped)
+
+
+def _plan_static_pipelined(
+    lengths: Sequence[int], cost_model: CostModel, options: StaticOptions
+) -> Plan:
+    """Static PP + CP as megatron's 1F1B runs it: the static plan made on the pipeline's
+    planning view (each micro-batch sized so the P - s a stage holds in flight fit), each
+    replica's micro-batches in turn (replica 0's first, replica 1's first, ..., replica 0's
+    second, ...): micro-batch m of every replica shares a slot of the schedule, as megatron's
+    data-parallel replicas run their m-th micro-batch together."""
+    costs = PipelineCosts.of(cost_model)
+    plan = plan_static(lengths, cost_model=costs.planning_model(), options=options)
+    by_replica: dict[tuple[int, ...], list[MicroStep]] = {}
+    for step in plan.steps:
+        by_replica.setdefault(step.ranks, []).append(step)
+    rounds = itertools.zip_longest(*by_replica.values())
+    steps = tuple(step for members in rounds for step in members if step is not None)
+    lens = [int(x) for x in lengths]
+    makespan = simulate_pipeline(dataclasses.replace(plan, steps=steps), lens, costs).makespan_s
+    return dataclasses.replace(plan, steps=steps, predicted_step_time_s=makespan)
 
 
 def plan_static_per_batch(

@@ -17,14 +17,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dcp.costmodel import CostModel, load_cost_model
+from dcp.costmodel import CostModel, load_cost_model, load_spec
+from dcp.costmodel.pipeline import PipelineCosts, planning_view
 from dcp.plan import PLANNERS, RECOMPUTE_LEVELS, STATIC_PER_BATCH, Plan
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
 from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.offload import offload_what_if
-from dcp.planning.simulator import simulate
+from dcp.planning.pipeline import check_plan_memory
+from dcp.planning.pipeline_planner import longest_first
+from dcp.planning.simulator import SimResult, simulate
 from dcp.planning.static import StaticOptions, plan_static, static_configs
 from dcp.planning.workloads import WORKLOADS, get_workload, make_batch
 
@@ -43,24 +46,45 @@ THREE_LEVEL = "dcp-3level"
 """DCP's planner with its finer options off (``dcp.planning.THREE_LEVEL_OPTIONS``: none /
 selective / full of all layers, one non-short sequence per micro-step), for the side-by-side
 comparison."""
+LONGEST_FIRST = "dcp-longest-first"
+"""Under pipeline parallelism: DCP's micro-steps in plain longest-first order, with the
+recompute that order's in-flight activations need (``pipeline_planner.longest_first``)."""
 SWEEP_PLANNERS: tuple[str, ...] = (
     *(p for p in PLANNERS if p != STATIC_PER_BATCH),
     ORACLE,
     THREE_LEVEL,
 )
-BASELINES: tuple[str, ...] = tuple(p for p in SWEEP_PLANNERS if p != "dcp")
+PIPELINE_PLANNERS: tuple[str, ...] = ("dcp", LONGEST_FIRST, "static", "megatron")
+"""What the sweep compares under pipeline parallelism by default."""
+PIPELINE_RECIPES: tuple[tuple[str, tuple[int, ...]], ...] = (
+    ("llama3-70b-tp4pp8", (32, 64, 128, 256)),
+    ("llama3-405b", (256, 512, 1024)),
+)
+"""The pipeline-parallel comparison of docs/results.md: model preset, H200 counts."""
+BASELINES: tuple[str, ...] = (*(p for p in SWEEP_PLANNERS if p != "dcp"), LONGEST_FIRST)
 SPEEDUPS = tuple(f"speedup_vs_{b}" for b in BASELINES)
 
 
-def _checked_time(plan: Plan, lengths: list[int], cost_model: CostModel) -> float:
-    """Simulated makespan after checking the plan is executable and fits memory."""
+def _checked_sim(plan: Plan, lengths: list[int], cost_model: CostModel) -> SimResult:
+    """The simulated plan, after checking it is executable and fits memory (every stage's)."""
     plan.validate(num_sequences=len(lengths), num_ranks=cost_model.num_ranks)
-    cost_model.check_plan_memory(plan, lengths)
-    return simulate(plan, lengths, cost_model).makespan_s
+    check_plan_memory(plan, lengths, cost_model)
+    return simulate(plan, lengths, cost_model)
+
+
+def _checked_time(plan: Plan, lengths: list[int], cost_model: CostModel) -> float:
+    return _checked_sim(plan, lengths, cost_model).makespan_s
+
+
+NONE_FITS = "none fits"
+"""A baseline's ``config`` when none of its configurations holds the workload's longest
+sequence (its ``step_time_s`` is then empty and it gets no speedup)."""
 
 
 def _best_fixed(runs: dict[str, list[float]]) -> tuple[str, list[float]]:
     """The config with the least total time over the workload's batches."""
+    if not runs:
+        return NONE_FITS, []
     key = min(runs, key=lambda k: (sum(runs[k]), k))
     return key, runs[key]
 
@@ -92,36 +116,53 @@ def evaluate(
     # what other group shapes could gain.
     pow2 = pow2_sizes(cost_model.num_ranks)
     row["lower_bound_pow2_s"] = [lower_bound_s(b, cost_model, cp_sizes=pow2) for b in batches]
+    piped = cost_model.pipeline_parallel_size > 1
+    if LONGEST_FIRST in planners and not piped:
+        raise ValueError(f"{LONGEST_FIRST} compares pipeline orders: it needs PP > 1")
     for name, options in (
         ("dcp", DCPOptions()),
         (THREE_LEVEL, DCPOptions(**THREE_LEVEL_OPTIONS)),
     ):
-        if name not in planners:
+        if name not in planners and not (name == "dcp" and LONGEST_FIRST in planners):
             continue
-        times, plan_ms, mix, offload_s = [], [], Counter(), []
+        times, plan_ms, mix, offload_s, bubbles, plans = [], [], Counter(), [], [], []
         for b in batches:
             start = time.perf_counter()
-            plan = plan_dcp(b, cost_model=cost_model, options=options)
+            try:
+                plan = plan_dcp(b, cost_model=cost_model, options=options)
+            except ValueError as exc:
+                # A batch no plan can run (pipelines: too many long sequences in flight).
+                row[name] = {"step_time_s": [], "error": str(exc)}
+                break
             plan_ms.append((time.perf_counter() - start) * 1e3)
             on_plan()
-            times.append(_checked_time(plan, b, cost_model))
+            sim = _checked_sim(plan, b, cost_model)
+            times.append(sim.makespan_s)
+            bubbles.append(sim.bubble_fraction)
+            plans.append(plan)
             for step in plan.steps:
                 partial = "" if step.recompute_layers is None else f"/{step.recompute_layers}"
                 mix[f"cp{len(step.ranks)}/{step.recompute}{partial}"] += len(step.seq_ids)
-            if name == "dcp":
+            if name == "dcp" and not piped:
                 # GPU-only what-if (dcp.planning.offload): not a planner, never executed.
                 offload_s.append(offload_what_if(plan, b, cost_model)[0])
+        if name in row:
+            continue
         row[name] = {"step_time_s": times, "plan_ms": plan_ms, "mix": dict(sorted(mix.items()))}
+        if piped:
+            row[name]["bubble_fraction"] = bubbles
         if offload_s:
             row[name]["offload_what_if_s"] = offload_s
             row["offload_what_if_gain"] = sum(times) / sum(offload_s)
+        if name == "dcp" and LONGEST_FIRST in planners:
+            row[LONGEST_FIRST] = _longest_first(plans, batches, cost_model)
     for planner, tuned in (("static", False), (ORACLE, True)):
         if planner not in planners:
             continue
-        runs, plan_ms = {}, []
+        runs, plan_ms, bubbles = {}, [], {}
         for cp, level in static_configs(cost_model, max_seq_len):
             key = f"cp{cp}/{level}"
-            runs[key] = []
+            runs[key], bubbles[key] = [], []
             options = StaticOptions(
                 cp_size=cp, recompute=level, max_seq_len=max_seq_len, tuned=tuned
             )
@@ -130,23 +171,30 @@ def evaluate(
                 plan = plan_static(b, cost_model=cost_model, options=options)
                 plan_ms.append((time.perf_counter() - start) * 1e3)
                 on_plan()
-                runs[key].append(_checked_time(plan, b, cost_model))
+                sim = _checked_sim(plan, b, cost_model)
+                runs[key].append(sim.makespan_s)
+                bubbles[key].append(sim.bubble_fraction)
         config, times = _best_fixed(runs)
         row[planner] = {"step_time_s": times, "config": config, "plan_ms": plan_ms}
+        if piped:
+            row[planner]["bubble_fraction"] = bubbles.get(config, [])
     if "megatron" in planners:
-        runs, plan_ms, unaligned = {}, [], {}
+        runs, plan_ms, unaligned, bubbles, split = {}, [], {}, {}, {}
         for level in RECOMPUTE_LEVELS:
             try:
-                per_batch = []
-                unaligned[level] = 0
+                per_batch, bubbles[level] = [], []
+                unaligned[level] = split[level] = 0
                 options = MegatronOptions(recompute=level)
                 for b in batches:
                     start = time.perf_counter()
                     plan = plan_megatron(b, cost_model=cost_model, options=options)
                     plan_ms.append((time.perf_counter() - start) * 1e3)
                     on_plan()
-                    per_batch.append(_checked_time(plan, b, cost_model))
+                    sim = _checked_sim(plan, b, cost_model)
+                    per_batch.append(sim.makespan_s)
+                    bubbles[level].append(sim.bubble_fraction)
                     unaligned[level] += plan.unaligned_steps
+                    split[level] += plan.extra.get("split_micro_batches", 0)
                 runs[level] = per_batch
             except ValueError:
                 continue  # this level cannot hold the longest sequence
@@ -156,18 +204,35 @@ def evaluate(
             "config": config,
             "plan_ms": plan_ms,
             # Steps whose rank set is not an aligned power-of-two block (kept as scheduled).
-            "unaligned_steps": unaligned[config],
+            "unaligned_steps": unaligned.get(config, 0),
         }
+        if piped:
+            row["megatron"]["bubble_fraction"] = bubbles.get(config, [])
+            row["megatron"]["split_micro_batches"] = split.get(config, 0)
     _summarise(row, planners)
     return row
 
 
+def _longest_first(plans: list[Plan], batches: list[list[int]], cost_model: CostModel) -> dict:
+    """DCP's micro-steps of each batch in plain longest-first order (``LONGEST_FIRST``)."""
+    costs = PipelineCosts.of(cost_model)
+    times, bubbles = [], []
+    for plan, b in zip(plans, batches, strict=True):
+        reordered = longest_first(plan, b, costs)
+        if reordered is None:
+            raise ValueError(f"{LONGEST_FIRST}: no recompute fits DCP's steps in that order")
+        sim = _checked_sim(reordered, b, cost_model)
+        times.append(sim.makespan_s)
+        bubbles.append(sim.bubble_fraction)
+    return {"step_time_s": times, "bubble_fraction": bubbles}
+
+
 def _summarise(row: dict, planners: tuple[str, ...]) -> None:
-    if "dcp" not in planners:
+    if "dcp" not in planners or not row["dcp"]["step_time_s"]:
         return
     dcp = row["dcp"]["step_time_s"]
     for other in BASELINES:
-        if other in planners:
+        if other in planners and row[other]["step_time_s"]:
             base = row[other]["step_time_s"]
             row[f"speedup_vs_{other}"] = sum(base) / sum(dcp)
             row[f"min_batch_speedup_vs_{other}"] = min(
@@ -188,18 +253,21 @@ def simulate_batches(
     *,
     label: str,
     max_seq_len: int,
-    planners: Sequence[str] = SWEEP_PLANNERS,
+    planners: Sequence[str] | None = None,
     log: Log = _quiet,
     on_plan: Callable[[], None] | None = None,
 ) -> dict:
     """Every planner of ``planners`` on the given global batches (training lengths, e.g.
     sampled from a user's corpus), simulated on ``cost_model``: per batch and overall step
     times, the lower bound, the speedups and DCP's CP/recompute mix (sequences per
-    ``cp<size>/<level>``). Static baselines are sized for ``max_seq_len``."""
-    planners = tuple(planners)
-    unknown = set(planners) - set(SWEEP_PLANNERS)
+    ``cp<size>/<level>``). Static baselines are sized for ``max_seq_len``. ``planners``:
+    ``PIPELINE_PLANNERS`` or ``SWEEP_PLANNERS`` by default, as the cost model pipelines or not."""
+    piped = cost_model.pipeline_parallel_size > 1
+    planners = tuple(planners or (PIPELINE_PLANNERS if piped else SWEEP_PLANNERS))
+    known = (*SWEEP_PLANNERS, LONGEST_FIRST)
+    unknown = set(planners) - set(known)
     if unknown:
-        raise ValueError(f"unknown planner(s) {sorted(unknown)}; choose from {SWEEP_PLANNERS}")
+        raise ValueError(f"unknown planner(s) {sorted(unknown)}; choose from {known}")
     if not batches:
         raise ValueError("no global batches to simulate")
     log(
@@ -214,6 +282,7 @@ def simulate_batches(
         "spec": cost_model.name,
         "num_planner_ranks": cost_model.num_ranks,
         "tensor_parallel_size": cost_model.tensor_parallel_size,
+        "pipeline_parallel_size": cost_model.pipeline_parallel_size,
         "planners": planners,
         "batch_lengths": [len(b) for b in batches],
         "batch_tokens": [sum(b) for b in batches],
@@ -280,7 +349,7 @@ def run_sweep(
     model: str = "llama3-8b",
     clusters: Sequence[int] = (8, 32, 64, 256, 1024),
     workloads: Sequence[str] = tuple(WORKLOADS),
-    planners: Sequence[str] = SWEEP_PLANNERS,
+    planners: Sequence[str] | None = None,
     batches: int = 2,
     tokens_per_rank: int | None = None,
     seed: int = 0,
@@ -289,14 +358,19 @@ def run_sweep(
 ) -> dict:
     """Every planner on ``batches`` global batches of every workload on every H200 cluster
     preset ``h200x<N>+<model>``, with per-cluster and overall geometric means. A model with
-    tensor parallelism (``llama3-70b``: TP = 8) plans over N / TP planner ranks; a cluster too
-    small to hold the model's static memory is skipped and listed in ``skipped_clusters``.
-    ``plan_time_cases``: (GPUs, sequences) pairs to time DCP's planner on. ``log`` receives
-    progress lines."""
-    planners = tuple(planners)
-    unknown = set(planners) - set(SWEEP_PLANNERS)
+    tensor parallelism (``llama3-70b``: TP = 8) plans over N / TP planner ranks, one with
+    pipeline parallelism (``llama3-70b-tp4pp8``, ``llama3-405b``) over N / (TP × PP) with the
+    workloads' tokens per planner rank times PP (each stage's share stays the same) and
+    ``PIPELINE_PLANNERS`` by default (else ``SWEEP_PLANNERS``); a cluster that cannot hold the
+    model's static memory or split into its TP × PP is skipped and listed in
+    ``skipped_clusters``. ``plan_time_cases``: (GPUs, sequences) pairs to time DCP's planner on.
+    ``log`` receives progress lines."""
+    piped = load_spec(model).get("options", {}).get("pipeline_parallel_size", 1) > 1
+    planners = tuple(planners or (PIPELINE_PLANNERS if piped else SWEEP_PLANNERS))
+    known = (*SWEEP_PLANNERS, LONGEST_FIRST)
+    unknown = set(planners) - set(known)
     if unknown:
-        raise ValueError(f"unknown planner(s) {sorted(unknown)}; choose from {SWEEP_PLANNERS}")
+        raise ValueError(f"unknown planner(s) {sorted(unknown)}; choose from {known}")
     for w in workloads:
         get_workload(w)
     if batches < 1:
@@ -313,13 +387,21 @@ def run_sweep(
     started = time.perf_counter()
     for size in clusters:
         preset = f"h200x{size}"
-        cost_model = load_cost_model(f"{preset}+{model}")
+        try:
+            cost_model = load_cost_model(f"{preset}+{model}")
+        except ValueError as exc:  # the cluster does not split into the model's TP x PP
+            log(f"{preset}+{model}: skipped, {exc}")
+            results["skipped_clusters"].append({"preset": preset, "reason": str(exc)})
+            done += len(workloads)
+            continue
         results["tensor_parallel_size"] = cost_model.tensor_parallel_size
-        log(cost_model.describe())
-        if cost_model.static_mem_bytes >= cost_model.mem_budget_bytes:
+        results["pipeline_parallel_size"] = cost_model.pipeline_parallel_size
+        log(planning_view(cost_model).describe())
+        static = planning_view(cost_model).static_mem_bytes
+        if static >= cost_model.mem_budget_bytes:
             # Weights, grads and an optimizer shard over too few ranks fill the GPU already.
             reason = (
-                f"static memory {cost_model.static_mem_bytes / 1e9:.1f} GB per GPU exceeds the "
+                f"static memory {static / 1e9:.1f} GB per GPU exceeds the "
                 f"{cost_model.mem_budget_bytes / 1e9:.1f} GB budget on {size} GPUs"
             )
             log(f"{preset}+{model}: skipped, {reason}")
@@ -328,13 +410,14 @@ def run_sweep(
             continue
         rows = []
         for name in workloads:
+            per_rank = tokens_per_rank or get_workload(name).tokens_per_rank
             lengths = [
                 make_batch(
                     name,
                     num_ranks=cost_model.num_ranks,
                     seed=seed,
                     batch_index=i,
-                    tokens_per_rank=tokens_per_rank,
+                    tokens_per_rank=per_rank * cost_model.pipeline_parallel_size,
                 )
                 for i in range(batches)
             ]

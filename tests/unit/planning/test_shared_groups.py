@@ -125,7 +125,7 @@ def test_training_config_switches_reach_the_planner():
 @pytest.mark.parametrize("spec", ["cpu-tiny+cpu-mem-tight", "h200x32+llama3-8b"])
 def test_pack_configs_least_layers_equals_the_cost_models(spec):
     """The planner's plain-float ``least_layers`` is the cost model's ``min_recompute_layers``."""
-    from dcp.planning.dcp_planner import _PackConfigs
+    from dcp.planning.joins import _PackConfigs
 
     cm = load_cost_model(spec, world_size=2) if spec.startswith("cpu") else load_cost_model(spec)
     pack = _PackConfigs(cm, [1, 2, 4], ["none", "selective", "full"], partial=True)

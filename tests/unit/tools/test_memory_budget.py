@@ -9,6 +9,7 @@ import pytest
 
 from dcp.costmodel import load_cost_model
 from dcp.costmodel.budget import memory_budget
+from dcp.costmodel.pipeline import PipelineCosts
 from tools import memory_budget as tool
 
 REPO = Path(__file__).resolve().parents[3]
@@ -120,3 +121,34 @@ def test_recompute_levels_are_named_by_their_megatron_settings(capsys):
     assert "megatron's default modules are ['core_attn'] alone" in legend[1]
     assert legend[2].endswith(Recompute.FULL.megatron_settings)
     assert lines[header + 4].split()[:2] == ["cp", "recompute"]
+
+
+def test_a_pipeline_spec_is_checked_per_stage(capsys):
+    """Llama-3-70B at TP 4, PP 8 on 256 H200s (NVIDIA's recipe's TP and PP): every number is per
+    GPU of the tightest stage, with its in-flight micro-steps."""
+    spec = "h200x256+llama3-70b-tp4pp8"
+    argv = ["--spec", spec, "--max-seq-len", "131072"]
+    assert tool.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["pipeline_parallel_size"], out["num_planner_ranks"]) == (8, 8)
+    assert out["stage_layers"] == [10] * 8
+    costs = PipelineCosts.of(load_cost_model(spec))
+    view = costs.planning_model()
+    assert out["static_bytes_per_gpu"] == max(out["stage_static_bytes_per_gpu"])
+    # The first and last stages hold the embedding and the output layer.
+    first, middle, last = (out["stage_static_bytes_per_gpu"][s] for s in (0, 3, 7))
+    assert first > middle < last
+    for cell in out["cells"]:
+        # The planners' own rule for a micro-step with its stage's in-flight company ...
+        assert cell["fits"] == view.fits([131072], cell["cp_size"], cell["recompute"])
+        # ... and, among small micro-steps, far less.
+        assert cell["total_bytes_alone_per_gpu"] < cell["total_bytes_per_gpu"]
+    cells = {(c["cp_size"], c["recompute"]): c for c in out["cells"]}
+    assert not cells[1, "none"]["fits"] and cells[8, "none"]["fits"]
+    assert cells[1, "selective"]["fits_alone"]
+
+
+def test_spec_mode_needs_the_longest_sequence():
+    with pytest.raises(SystemExit) as exc:
+        tool.main(["--spec", "h200x256+llama3-70b-tp4pp8"])
+    assert exc.value.code == 2

@@ -184,3 +184,17 @@ def test_plan_cli_plans_planner_ranks_under_tp(lengths_file, capsys):
     assert "on 32 planner ranks (TP 8: 256 GPUs)" in captured.err
     plan = Plan.from_dict(json.loads(captured.out))
     assert max(r for s in plan.steps for r in s.ranks) < 32
+
+
+def test_plan_cli_plans_one_stage_of_a_pipeline(lengths_file, capsys):
+    spec = "h200x128+llama3-70b-tp4pp8"
+    rc = plan_cli.main(["--lengths", str(lengths_file), "--spec", spec])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "on 4 planner ranks (TP 4 x PP 8: 128 GPUs)" in captured.err
+    plan = Plan.from_dict(json.loads(captured.out))
+    lengths = json.loads(lengths_file.read_text())
+    # The predicted time is the pipelined simulator's.
+    assert plan.predicted_step_time_s == pytest.approx(
+        simulate(plan, lengths, load_cost_model(spec)).makespan_s
+    )

@@ -1,0 +1,279 @@
+"""The cost model under pipeline parallelism: one ``CostModel`` per stage, and the stage link.
+
+A spec's ``options.pipeline_parallel_size`` = P splits the model's L layers over P stages
+(``stage_layer_counts``); the ``CostModel`` built from the spec still prices the whole model on
+one planner rank, and ``PipelineCosts`` derives each stage's from it by scaling the terms of the
+one formula (``CostModel._time_terms``), so no second formula exists:
+
+- the per-layer terms (linear layers, attention, CP ring traffic and hop latency, activation
+  bytes) by the stage's share of the layers, L_s / L; the sequence-parallel collectives by the
+  stage's share of them (10 per layer, and the embedding's and the output layer's own);
+- the output layer and loss (time and logits bytes) on the last stage only;
+- full recompute keeps one layer's working set whatever the layer count, so a stage's ``full``
+  bytes are ``share·full + (1 - share)·none / L``;
+- static memory by the stage's share of the parameters: its layers, the embedding on the first
+  stage, the final norm and output layer on the last (megatron keeps a copy of a tied embedding
+  on the last stage too);
+- fixed per-micro-step costs (launches, per-document work) once per stage.
+
+A micro-step's ``recompute_layers`` N is counted per stage: each stage fully recomputes its first
+min(N, L_s) layers, as megatron does with ``recompute_method="block"`` (megatron-core's
+``TransformerConfig.recompute_num_layers``: "the number of transformer layers to recompute
+within each pipeline stage").
+
+Between stages each GPU sends its sequence-parallel slice of the activations, [tokens / TP,
+hidden] in the model's dtype, forward, and the same gradient back (megatron's p2p shapes under
+sequence parallelism: ``pipeline_parallel.schedules.get_tensor_shapes``), over the inter-node
+link when a stage fills at least a node (TP × planner ranks >= GPUs per node: stages are
+megatron's outermost rank axis), else over the intra-node link, plus one link latency.
+
+Pure Python + numpy. See docs/design.md, 'Pipelines'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dcp.costmodel.formula import CostModel
+from dcp.costmodel.spec import (
+    _DTYPE_BYTES,
+    TP_GATHERS_SCATTERS_OUTSIDE_LAYERS,
+    TP_GATHERS_SCATTERS_PER_LAYER,
+    Coefficients,
+    monotone_activations,
+    spec_param_counts,
+    tp_collectives_per_step,
+)
+from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Recompute
+
+FORWARD_SHARE = 1.0 / 3.0
+"""The forward pass's share of a micro-step's time without recompute (a GEMM's backward costs
+twice its forward); recompute runs inside the backward pass. The pipeline splits each
+micro-step's stage time into its forward and backward by this share."""
+# The embedding's sequence-parallel collectives (forward reduce-scatter, backward all-gather);
+# the output layer has the rest of TP_GATHERS_SCATTERS_OUTSIDE_LAYERS.
+_EMBEDDING_TP_COLLECTIVES = 2
+
+
+def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Transformer layers on each pipeline stage: L // P each, and the L % P extra layers on the
+    stages farthest from both ends (ties: the earlier stage), so the first and last stages,
+    which also hold the embedding and the output layer, get fewer: Llama 3 405B's 126 layers
+    over 16 stages are 7 + 14 × 8 + 7 (megatron's ``--decoder-first-pipeline-num-layers`` /
+    ``--decoder-last-pipeline-num-layers`` give such splits)."""
+    if num_stages < 1 or num_stages > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size must be between 1 and the model's {num_layers} layers, "
+            f"got {num_stages}"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    inner_first = sorted(range(num_stages), key=lambda s: (-min(s, num_stages - 1 - s), s))
+    counts = [base] * num_stages
+    for stage in inner_first[:extra]:
+        counts[stage] += 1
+    return tuple(counts)
+
+
+def stage_recompute_layers(step: MicroStep, stage_layers: int) -> int | None:
+    """``step.recompute_layers`` on a stage of ``stage_layers`` layers (counted per stage:
+    ``None``, all of them, when N covers the stage)."""
+    n = step.recompute_layers
+    return None if n is None or n >= stage_layers else n
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Per-stage cost models of a ``CostModel`` whose spec has ``pipeline_parallel_size`` > 1
+    (module docstring), the stage-to-stage link, and the planner's view of the pipeline."""
+
+    cost_model: CostModel
+    """The whole model on one planner rank (what the spec describes)."""
+    stages: tuple[CostModel, ...]
+    """Stage s's cost model: its layers (``model.num_layers``), memory and time per rank."""
+    p2p_bytes_per_token: float
+    """Bytes each GPU sends to the next stage per local token (and receives back as gradient)."""
+    p2p_bytes_per_s: float
+    p2p_latency_s: float
+
+    @classmethod
+    def of(cls, cost_model: CostModel) -> PipelineCosts:
+        """The stages of ``cost_model`` (it needs a model spec and options)."""
+        model, options = cost_model.model, cost_model.options
+        if model is None or options is None:
+            raise ValueError("a pipeline needs a cost model built from a spec with a model")
+        counts = stage_layer_counts(model.num_layers, cost_model.pipeline_parallel_size)
+        # A stage, and the planner's view, are models without pipelining of their own.
+        flat = dataclasses.replace(options, pipeline_parallel_size=1)
+        stages = tuple(
+            CostModel(
+                coefficients=_stage_coefficients(cost_model, counts, stage),
+                num_ranks=cost_model.num_ranks,
+                ranks_per_node=cost_model.ranks_per_node,
+                name=f"{cost_model.name} stage {stage}",
+                model=dataclasses.replace(model, num_layers=counts[stage]),
+                options=flat,
+            )
+            for stage in range(len(counts))
+        )
+        c = cost_model.coefficients
+        # Stages are megatron's outermost rank axis: a stage's peer is a stage-size of GPUs away.
+        crosses_nodes = cost_model.num_ranks >= cost_model.ranks_per_node
+        return cls(
+            cost_model=cost_model,
+            stages=stages,
+            p2p_bytes_per_token=model.hidden_size
+            * _DTYPE_BYTES[options.dtype]
+            / options.tensor_parallel_size,
+            p2p_bytes_per_s=c.inter_node_bytes_per_s if crosses_nodes else c.intra_node_bytes_per_s,
+            p2p_latency_s=options.link_latency_s,
+        )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def layer_counts(self) -> tuple[int, ...]:
+        return tuple(stage.num_layers for stage in self.stages)
+
+    def p2p_time_s(self, tokens_per_rank: float) -> float:
+        """Seconds one activation (or gradient) transfer of a micro-step takes between stages."""
+        return tokens_per_rank * self.p2p_bytes_per_token / self.p2p_bytes_per_s + (
+            self.p2p_latency_s
+        )
+
+    def step_times(
+        self, step: MicroStep, lengths: Sequence[int]
+    ) -> tuple[tuple[float, float, float], ...]:
+        """(forward, backward, exposed CP communication) seconds of ``step`` on each stage, per
+        rank of its group (``lengths``: the batch's; the backward includes the recompute)."""
+        seq = [lengths[i] for i in step.seq_ids]
+        out = []
+        for stage in self.stages:
+            n = stage_recompute_layers(step, stage.num_layers)
+            total, comm = stage.step_terms(
+                seq, step.cp_size, step.recompute, step.ranks, recompute_layers=n
+            )
+            if step.recompute == Recompute.NONE:
+                plain = total
+            else:
+                plain = stage.step_time_s(seq, step.cp_size, Recompute.NONE, step.ranks)
+            forward = FORWARD_SHARE * plain
+            out.append((forward, total - forward, comm))
+        return tuple(out)
+
+    def step_activation_bytes(self, step: MicroStep, lengths: Sequence[int]) -> tuple[float, ...]:
+        """Bytes ``step`` keeps on each rank of its group, per stage, from its forward to its
+        backward (activations; the last stage also its logits)."""
+        seq = [lengths[i] for i in step.seq_ids]
+        return tuple(
+            stage.step_mem_bytes(
+                seq,
+                step.cp_size,
+                step.recompute,
+                stage_recompute_layers(step, stage.num_layers),
+            )
+            - stage.static_mem_bytes
+            for stage in self.stages
+        )
+
+    def planning_model(self, *, in_flight: bool = True) -> CostModel:
+        """One ``CostModel`` over the planner ranks for a planner to balance positions and size
+        micro-steps with: its time upper-bounds every stage's (each coefficient the largest of
+        the stages'), and a micro-step fits its memory when it fits every stage with, if
+        ``in_flight``, the P - s micro-steps stage s holds under 1F1B all as large as it
+        (else alone). Exact memory with the micro-steps actually in flight:
+        ``dcp.planning.pipeline.stage_peak_bytes``."""
+        stages = [stage.coefficients for stage in self.stages]
+        merged = {}
+        for f in dataclasses.fields(Coefficients):
+            values = [getattr(c, f.name) for c in stages]
+            if isinstance(values[0], dict):
+                merged[f.name] = {lv: max(v[lv] for v in values) for lv in RECOMPUTE_LEVELS}
+            else:
+                merged[f.name] = max(values)
+        # The logits workspace lives only while a micro-step's loss is computed.
+        copies = [self.num_stages - s if in_flight else 1 for s in range(self.num_stages)]
+        merged["activation_bytes_per_token"] = {
+            lv: max(
+                k * c.activation_bytes_per_token[lv] + c.logits_bytes_per_token
+                for k, c in zip(copies, stages, strict=True)
+            )
+            for lv in RECOMPUTE_LEVELS
+        }
+        merged["logits_bytes_per_token"] = 0.0
+        widest = max(self.stages, key=lambda stage: stage.num_layers)
+        what = "in flight" if in_flight else "alone"
+        return dataclasses.replace(
+            widest,
+            coefficients=Coefficients(**merged),
+            name=f"{self.cost_model.name} (pipeline view, micro-steps {what})",
+        )
+
+
+def planning_view(cost_model: CostModel) -> CostModel:
+    """What a planner sizes single micro-steps with: ``cost_model`` itself without pipelining,
+    else ``PipelineCosts.planning_model()`` (in flight)."""
+    if cost_model.pipeline_parallel_size == 1:
+        return cost_model
+    return PipelineCosts.of(cost_model).planning_model()
+
+
+def _stage_coefficients(cost_model: CostModel, counts: tuple[int, ...], stage: int) -> Coefficients:
+    """Stage ``stage``'s coefficients (module docstring)."""
+    c = cost_model.coefficients
+    model, options = cost_model.model, cost_model.options
+    layers, stage_layers = sum(counts), counts[stage]
+    share = stage_layers / layers
+    first, last = stage == 0, stage == len(counts) - 1
+
+    per_layer = sum(TP_GATHERS_SCATTERS_PER_LAYER)
+    outside = 0
+    if first:
+        outside += _EMBEDDING_TP_COLLECTIVES
+    if last:
+        outside += sum(TP_GATHERS_SCATTERS_OUTSIDE_LAYERS) - _EMBEDDING_TP_COLLECTIVES
+    whole = tp_collectives_per_step(layers)
+    tp_share = (per_layer * stage_layers + outside) / whole
+    # Recompute repeats a fixed number of collectives per layer: the same count per stage layer.
+    recompute_tp = {
+        lv: frac * whole * share / (per_layer * stage_layers + outside)
+        for lv, frac in c.recompute_tp_frac.items()
+    }
+
+    act = c.activation_bytes_per_token
+    one_layer = act[Recompute.NONE] / layers
+    activations = monotone_activations(
+        {
+            "none": share * act[Recompute.NONE],
+            "selective": share * act[Recompute.SELECTIVE],
+            "full": share * act[Recompute.FULL] + (1.0 - share) * one_layer,
+        }
+    )
+
+    counts_all = spec_param_counts(model, options)
+    h, vocab = model.hidden_size, model.vocab_size
+    per_layer_params = (counts_all.linear + 2 * h * layers) / layers
+    params = per_layer_params * stage_layers
+    if first:
+        params += vocab * h
+    if last:
+        params += h + vocab * h  # final norm, output layer (or the tied embedding's copy)
+    if len(counts) == 1:
+        params = counts_all.total
+    return dataclasses.replace(
+        c,
+        linear_s_per_token=c.linear_s_per_token * share,
+        attention_s_per_token2=c.attention_s_per_token2 * share,
+        logits_s_per_token=c.logits_s_per_token if last else 0.0,
+        tp_comm_s_per_token=c.tp_comm_s_per_token * tp_share,
+        tp_latency_s=c.tp_latency_s * tp_share,
+        recompute_tp_frac=recompute_tp,
+        cp_bytes_per_token=c.cp_bytes_per_token * share,
+        cp_hop_latency_s=c.cp_hop_latency_s * share,
+        static_mem_bytes=c.static_mem_bytes * params / counts_all.total,
+        activation_bytes_per_token=activations,
+        logits_bytes_per_token=c.logits_bytes_per_token if last else 0.0,
+    )

@@ -1,0 +1,29 @@
+"""tools.simulate under pipeline parallelism: the planners side by side with bubble fractions."""
+
+from __future__ import annotations
+
+import json
+
+from dcp.planning.sweep import LONGEST_FIRST, PIPELINE_PLANNERS
+from tools import simulate as tool
+
+
+def test_a_pipeline_model_prints_bubbles(tmp_path, capsys):
+    argv = ["--model", "llama3-70b-tp4pp8", "--clusters", "8,64", "--workloads", "sft"]
+    argv += ["--batches", "1", "--no-plan-time", "--out-dir", str(tmp_path)]
+    assert tool.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "TP 4 x PP 8" in table and "bubble" in table and "SIMULATED" in table
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["pipeline_parallel_size"] == 8
+    assert tuple(results["planners"]) == PIPELINE_PLANNERS
+    # 8 GPUs do not split into TP 4 x PP 8.
+    assert [c["preset"] for c in results["skipped_clusters"]] == ["h200x8"]
+    (row,) = results["clusters"][0]["rows"]
+    for planner in PIPELINE_PLANNERS:
+        (bubble,) = row[planner]["bubble_fraction"]
+        assert 0.0 < bubble < 1.0
+    # The sft batch's tokens per planner rank: the workload's 16K times PP.
+    assert row["tokens"] >= 2 * 16 * 1024 * 8
+    for baseline in (LONGEST_FIRST, "static", "megatron"):
+        assert row[f"speedup_vs_{baseline}"] > 0
