@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from dcp.costmodel.spec import ModelSpec, Options, optimizer_bytes_per_param
 from dcp.plan import check_choice
 from dcp.schema import check_range
+from megatron_patches.cpu import cpu_tensors_stay
 from megatron_patches.fusions import wgrad_fusion_available
 from megatron_patches.rope import set_rope_frequencies
 
@@ -331,12 +332,38 @@ MEMINFO_PATH = Path("/proc/meminfo")
 """Linux's memory counters; ``MemAvailable`` is what processes can allocate without swapping."""
 
 
+def stage_num_params(cfg: ModelConfig, pipeline_parallel_size: int = 1) -> int:
+    """Parameters of the largest pipeline stage (``pipeline_layout``'s split: the first stage
+    also holds the embedding, the last the final norm and the output layer or, tied, its own
+    copy of the embedding); the whole model's without pipelining."""
+    if pipeline_parallel_size == 1:
+        return cfg.num_params()
+    from dcp.costmodel.pipeline import stage_layer_counts
+
+    counts = cfg.shape.param_counts(tied_embeddings=cfg.tie_embeddings)
+    per_layer = counts.attention_per_layer + counts.mlp_per_layer + 2 * cfg.hidden_size
+    embedding = cfg.padded_vocab_size * cfg.hidden_size
+    layers = stage_layer_counts(cfg.num_layers, pipeline_parallel_size)
+    last = len(layers) - 1
+    return max(
+        n * per_layer
+        + (embedding if s == 0 else 0)
+        + (embedding + cfg.hidden_size if s == last else 0)
+        for s, n in enumerate(layers)
+    )
+
+
 def model_state_bytes(
-    cfg: ModelConfig, *, tensor_parallel_size: int, optimizer_shards: int = 1
+    cfg: ModelConfig,
+    *,
+    tensor_parallel_size: int,
+    optimizer_shards: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> float:
     """Bytes one rank holds for the model's weights (in ``cfg.dtype``), fp32 main grads and
     Adam state (``optimizer_bytes_per_param``, split over ``optimizer_shards`` ranks by the
-    distributed optimizer), all split over TP. Activations come on top."""
+    distributed optimizer), all split over TP, on the largest pipeline stage
+    (``stage_num_params``). Activations come on top."""
     # The cost-model spec's default main-grad bytes: megatron's fp32 gradient buffer.
     grad_bytes = Options.grad_bytes_per_param
     per_param = (
@@ -344,7 +371,8 @@ def model_state_bytes(
         + grad_bytes
         + optimizer_bytes_per_param(cfg.dtype) / optimizer_shards
     )
-    return cfg.num_params() / tensor_parallel_size * per_param
+    params = stage_num_params(cfg, pipeline_parallel_size)
+    return params / tensor_parallel_size * per_param
 
 
 def available_memory_bytes() -> int | None:
@@ -366,7 +394,11 @@ def available_memory_bytes() -> int | None:
 
 
 def check_model_fits(
-    cfg: ModelConfig, *, tensor_parallel_size: int, optimizer_shards: int = 1
+    cfg: ModelConfig,
+    *,
+    tensor_parallel_size: int,
+    optimizer_shards: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> None:
     """Raise ``ValueError`` when the model's weights, gradients and optimizer state alone
     (``model_state_bytes``) exceed the memory this process can still allocate, so a model that
@@ -374,7 +406,10 @@ def check_model_fits(
     every rank before the model is built, after the rank's GPU is selected. Passing promises no
     fit: activations come on top."""
     need = model_state_bytes(
-        cfg, tensor_parallel_size=tensor_parallel_size, optimizer_shards=optimizer_shards
+        cfg,
+        tensor_parallel_size=tensor_parallel_size,
+        optimizer_shards=optimizer_shards,
+        pipeline_parallel_size=pipeline_parallel_size,
     )
     free = available_memory_bytes()
     if free is None or need <= free:
@@ -385,10 +420,12 @@ def check_model_fits(
     raise ValueError(
         f"the model does not fit: its {cfg.num_params():,} parameters need "
         f"{need / 2**30:.1f} GiB per rank for weights, gradients and optimizer state "
-        f"(tensor parallel size {tensor_parallel_size}, optimizer state {sharding}), but only "
+        f"(tensor parallel size {tensor_parallel_size}, pipeline stages "
+        f"{pipeline_parallel_size}, optimizer state {sharding}), but only "
         f"{free / 2**30:.1f} GiB of {device} memory is available: make the model smaller "
         f"(model.hidden_size, model.num_layers, model.ffn_hidden_size, model.vocab_size), split "
-        f"it over more ranks (parallel.tensor_parallel_size){shard}"
+        f"it over more ranks (parallel.tensor_parallel_size, parallel.pipeline_parallel_size)"
+        f"{shard}"
     )
 
 
@@ -499,9 +536,11 @@ def layer_spec(cfg: ModelConfig):
     return spec
 
 
-def block_spec(cfg: ModelConfig):
-    """The decoder's spec: ``layer_spec`` for every layer and the final norm that goes with it
-    (TE's, or DCP's ``RMSNorm`` on the local spec; megatron would pick its torch norm)."""
+def block_spec(cfg: ModelConfig, num_layers: int | None = None):
+    """The decoder's spec: ``layer_spec`` for each of ``num_layers`` layers (default: all the
+    model's; a pipeline stage's own count under pipeline parallelism: megatron builds one layer
+    per listed spec) and the final norm that goes with it (TE's, or DCP's ``RMSNorm`` on the
+    local spec; megatron would pick its torch norm)."""
     from megatron.core.transformer.transformer_block import (
         LayerNormImpl,
         TransformerBlockSubmodules,
@@ -519,50 +558,141 @@ def block_spec(cfg: ModelConfig):
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         final_norm = WrappedTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=final_norm)
+    count = cfg.num_layers if num_layers is None else num_layers
+    return TransformerBlockSubmodules(layer_specs=[spec] * count, layer_norm=final_norm)
+
+
+def pipeline_layout(num_layers: int, num_stages: int) -> list[list[str]]:
+    """megatron's ``pipeline_model_parallel_layout`` for DCP's split of the layers over the
+    stages (``stage_layer_counts``, the split the cost model prices): the embedding on the first
+    stage, the loss (final norm, output layer) on the last."""
+    from dcp.costmodel.pipeline import stage_layer_counts
+
+    layout = [["decoder"] * n for n in stage_layer_counts(num_layers, num_stages)]
+    layout[0].insert(0, "embedding")
+    layout[-1].append("loss")
+    return layout
 
 
 def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, **tf_overrides):
     """A fresh ``GPTModel`` with deterministic init (same ``seed`` → same weights everywhere).
 
     ``pg_collection`` defaults to megatron's parallel_state groups, which must be initialised;
-    its TP group sets the tensor parallelism (sequence parallel on when TP > 1). With CPU
+    its TP group sets the tensor parallelism (sequence parallel on when TP > 1), its pipeline
+    group the stage this rank builds (its layers of ``pipeline_layout``; the embedding on the
+    first stage, the final norm and output layer on the last). With CPU
     initialisation (no GPU) the weights do not depend on the TP size: megatron builds every
     TP-split weight whole from the same random stream and keeps this rank's slice
     (``tensor_parallel.layers._initialize_affine_weight_cpu``, with SwiGLU's ``[gate; up]``
     interleaved by ``stride=2``), so a TP = 2 model is the TP = 1 model cut in two. On a GPU each
     TP rank draws its slice from its own stream (megatron's RNG tracker): same seed, same
-    weights for the same TP size.
+    weights for the same TP size. Under pipeline parallelism on CPU each stage keeps its part of
+    the whole model built the same way (every rank builds it once at start), so the weights do
+    not depend on the PP size either; on a GPU, same seed, same weights for the same TP and PP
+    sizes.
     """
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     check_device_support(cfg)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     tp = pg_collection.tp.size()
     check_tensor_parallel(cfg, tp)
+    stages = pg_collection.pp.size() if getattr(pg_collection, "pp", None) is not None else 1
+    if stages > 1:
+        model = _build(
+            cfg,
+            pg_collection,
+            seed,
+            stage=pg_collection.pp.rank(),
+            stages=stages,
+            pipeline_model_parallel_size=stages,
+            pipeline_model_parallel_layout=pipeline_layout(cfg.num_layers, stages),
+            **tf_overrides,
+        )
+        if not torch.cuda.is_available():
+            # CPU initialisation draws every weight whole from one stream, in construction
+            # order, so a stage built alone would draw its layers' weights where the model's
+            # first layers draw theirs. Take them from the whole model instead: the same seed
+            # gives the same model at every PP size (and TP size), as megatron's CPU path does
+            # for TP. On a GPU every stage and TP rank draws its own (megatron's RNG tracker).
+            whole = _build(cfg, pg_collection, seed, stage=0, stages=1, **tf_overrides)
+            _copy_stage_from(model, whole)
+    else:
+        model = _build(cfg, pg_collection, seed, stage=0, stages=1, **tf_overrides)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model
+
+
+_LAYERS = "decoder.layers."
+
+
+def stage_layer_indices(model: torch.nn.Module) -> dict[int, int]:
+    """A pipeline stage's layer index → the model's (empty when they agree: no pipelining, or
+    the first stage): megatron numbers each ``TransformerLayer`` globally (``layer_number``,
+    1-based) while the stage's ``decoder.layers`` counts from 0."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, TransformerLayer) and _LAYERS in name + ".":
+            index = int((name + ".").split(_LAYERS, 1)[1].split(".", 1)[0])
+            out[index] = module.layer_number - 1
+    return {} if all(k == v for k, v in out.items()) else out
+
+
+def _copy_stage_from(stage_model: torch.nn.Module, whole: torch.nn.Module) -> None:
+    """Each tensor of ``stage_model`` (one pipeline stage of a bare ``GPTModel``) set to the
+    same tensor of ``whole`` (the model built without pipeline stages, at the same TP size):
+    its layers renumbered to the model's, the last stage's copy of a tied embedding from the
+    embedding."""
+    layers = stage_layer_indices(stage_model)
+    source = whole.state_dict()
+    tied_copy = stage_model.share_embeddings_and_output_weights and not stage_model.pre_process
+    with torch.no_grad():
+        for name, tensor in stage_model.state_dict(keep_vars=True).items():
+            if not isinstance(tensor, torch.Tensor) or name.endswith("_extra_state"):
+                continue
+            key = name
+            if name.startswith(_LAYERS) and layers:
+                index, rest = name[len(_LAYERS) :].split(".", 1)
+                key = f"{_LAYERS}{layers[int(index)]}.{rest}"
+            elif tied_copy and name == "output_layer.weight":
+                key = "embedding.word_embeddings.weight"
+            tensor.copy_(source[key])
+
+
+def _build(cfg: ModelConfig, pg_collection, seed: int, *, stage: int, stages: int, **tf_overrides):
+    """``GPTModel`` of pipeline stage ``stage`` of ``stages`` (1: the whole model), seeded."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from dcp.costmodel.pipeline import stage_layer_counts
+
+    tp = pg_collection.tp.size()
+    layers = stage_layer_counts(cfg.num_layers, stages)[stage]
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    model = GPTModel(
-        config=transformer_config(cfg, tensor_parallel_size=tp, **tf_overrides),
-        transformer_layer_spec=block_spec(cfg),
-        vocab_size=cfg.padded_vocab_size,
-        max_sequence_length=cfg.max_seq_len,
-        share_embeddings_and_output_weights=cfg.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_base=cfg.rotary_base,
-        pg_collection=pg_collection,
-    )
+    with cpu_tensors_stay():  # tied embeddings under PP copy the embedding with .cuda()
+        model = GPTModel(
+            config=transformer_config(cfg, tensor_parallel_size=tp, **tf_overrides),
+            transformer_layer_spec=block_spec(cfg, layers),
+            vocab_size=cfg.padded_vocab_size,
+            max_sequence_length=cfg.max_seq_len,
+            pre_process=stage == 0,
+            post_process=stage == stages - 1,
+            share_embeddings_and_output_weights=cfg.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=cfg.rotary_base,
+            pg_collection=pg_collection,
+        )
     set_rope_frequencies(model, rope_inv_freq(cfg))
-    if cfg.padded_vocab_size > cfg.vocab_size:
+    if cfg.padded_vocab_size > cfg.vocab_size and model.post_process:
         rows = cfg.padded_vocab_size // tp  # this rank's slice of the vocabulary
         first = pg_collection.tp.rank() * rows
         if first + rows > cfg.vocab_size:
             model.output_layer.register_forward_hook(_VocabPaddingMask(cfg.vocab_size - first))
-    if torch.cuda.is_available():
-        model = model.cuda()
     return model
 
 

@@ -56,6 +56,25 @@ def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, i
     return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
 
 
+@contextlib.contextmanager
+def cpu_tensors_stay():
+    """Within the block, on a machine without CUDA, ``Tensor.cuda()`` returns the tensor itself.
+    megatron-core moves tensors with a literal ``.cuda()`` in a few set-up paths, e.g. the copy
+    of the embedding a tied output layer gets on the last pipeline stage
+    (``LanguageModule.setup_embeddings_and_output_layer``: ``weight.data.cuda()`` before its
+    all-reduce over the embedding group). Scoped, not global: a ``.cuda()`` anywhere else on a
+    CPU run stays an error."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
 def is_applied() -> bool:
     return _APPLIED
 

@@ -56,6 +56,10 @@ class Layout:
     def tp_rank(self, rank: int) -> int:
         return rank % self.tensor_parallel_size
 
+    def stage(self, rank: int) -> int:
+        """The pipeline stage of ``rank`` (stages are blocks of world / PP consecutive ranks)."""
+        return rank // (self.world_size // self.pipeline_parallel_size)
+
     def to_dict(self) -> dict[str, int]:
         return {
             "world_size": self.world_size,

@@ -35,7 +35,13 @@ from dcp.checkpoint.restore import CorruptCheckpointError, RankState, canonical_
 from dcp.checkpoint.rng import from_tensors
 from dcp.checkpoint.tensorfile import TensorFile, TensorFileError
 from dcp.files import load_json, parse_json, reading
-from dcp.weights.canonical import EXTRA_STATE, VOCAB_TENSORS, model_names, repad_vocab
+from dcp.weights.canonical import (
+    EXTRA_STATE,
+    VOCAB_TENSORS,
+    held_elsewhere,
+    model_names,
+    repad_vocab,
+)
 from dcp.weights.tensor_parallel import cut, join, split_spec, tp_coordinates
 
 logger = logging.getLogger(__name__)
@@ -168,7 +174,9 @@ class Checkpoint:
         tp_rank, tp_size = tp_coordinates()
         expected = {c for c, n in names.items() if not n.endswith(EXTRA_STATE)}
         missing = sorted(expected - set(self.index.model))
-        unexpected = sorted(set(self.index.model) - expected)
+        unexpected = sorted(
+            c for c in set(self.index.model) - expected if not held_elsewhere(c, module)
+        )
         if missing or unexpected:
             raise ValueError(
                 f"{self.path}: checkpoint and model disagree: missing from the checkpoint "
@@ -272,7 +280,7 @@ class Checkpoint:
                     tp_size=tp_size,
                 ),
             )
-            for piece in optimizer_pieces(optimizer, module)
+            for piece in optimizer_pieces(optimizer, module, tied_copy=True)
         ]
 
     # -- RNG ---------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ def load_legacy_optimizer(optimizer, saved) -> None:
 
 
 def canonical_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    from dcp.weights.canonical import canonical_name
+    from dcp.weights.canonical import param_names
 
+    names = param_names(module)
     for name, param in module.named_parameters():
-        yield canonical_name(name), param
+        yield names[name], param

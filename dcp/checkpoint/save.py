@@ -114,7 +114,7 @@ def stage(
     tensors in place (the caller writes before it changes them)."""
     tp = layout.tensor_parallel_size
     tp_rank = layout.tp_rank(rank)
-    owner = writers(tensors, layout)
+    owner = writers(tensors, layout, stage=layout.stage(rank))
     staged = Staged(shared=shared)
     live: dict[str, torch.Tensor] = {}
     splits = {t.name: t.split for t in tensors}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dcp.checkpoint.index import Layout
-from dcp.weights.canonical import EXTRA_STATE, canonical_name
+from dcp.weights.canonical import EXTRA_STATE, param_names, state_names, tied_copy_name
 from dcp.weights.tensor_parallel import split_spec
 from megatron_patches.optimizer_state import param_pieces
 
@@ -42,23 +42,30 @@ class LocalTensor:
 def local_tensors(module: torch.nn.Module) -> list[LocalTensor]:
     """This rank's model tensors under canonical names, in canonical order. ``_extra_state``
     entries are left out: DCP's models keep nothing there (TE's FP8 current scaling has no
-    state; delayed scaling, which has, is refused)."""
+    state; delayed scaling, which has, is refused). So is the last pipeline stage's copy of a
+    tied embedding: the first stage saves it, and a load gives the copy the same tensor."""
     out = []
+    names = state_names(module)
+    copy = tied_copy_name(module)
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if name.endswith(EXTRA_STATE) or not isinstance(tensor, torch.Tensor):
+        if name.endswith(EXTRA_STATE) or not isinstance(tensor, torch.Tensor) or name == copy:
             continue
-        out.append(LocalTensor(canonical_name(name), tensor.detach(), split_spec(tensor)))
+        out.append(LocalTensor(names[name], tensor.detach(), split_spec(tensor)))
     return sorted(out, key=lambda t: t.name)
 
 
-def writers(tensors: list[LocalTensor], layout: Layout) -> dict[tuple[str, int], int]:
-    """(canonical name, TP rank) → the global rank that writes that slice (module docstring).
-    Replicated tensors have one entry, TP rank 0's, which any rank may write."""
+def writers(
+    tensors: list[LocalTensor], layout: Layout, *, stage: int = 0
+) -> dict[tuple[str, int], int]:
+    """(canonical name, TP rank) → the global rank that writes that slice (module docstring),
+    for the tensors of pipeline stage ``stage`` (held by that stage's ranks only). Replicated
+    tensors have one entry, TP rank 0's, which any rank of the stage may write."""
     tp = layout.tensor_parallel_size
+    ranks = [r for r in range(layout.world_size) if layout.stage(r) == stage]
     holders: dict[int, list[int]] = {
-        t: [r for r in range(layout.world_size) if layout.tp_rank(r) == t] for t in range(tp)
+        t: [r for r in ranks if layout.tp_rank(r) == t] for t in range(tp)
     }
-    load = [(0, r) for r in range(layout.world_size)]  # (bytes given, rank): a min-heap
+    load = [(0, r) for r in ranks]  # (bytes given, rank): a min-heap
     heapq.heapify(load)
     per_tp = {t: [(0, r) for r in holders[t]] for t in range(tp)}
     for heap in per_tp.values():
@@ -97,11 +104,18 @@ class OptimizerPiece:
     tensors: dict[str, torch.Tensor]
 
 
-def optimizer_pieces(optimizer, module: torch.nn.Module) -> Iterator[OptimizerPiece]:
-    """Every piece of optimizer state this rank holds, by canonical parameter name."""
-    names = {id(p): canonical_name(n) for n, p in module.named_parameters()}
+def optimizer_pieces(
+    optimizer, module: torch.nn.Module, *, tied_copy: bool = False
+) -> Iterator[OptimizerPiece]:
+    """Every piece of optimizer state this rank holds, by canonical parameter name; the last
+    pipeline stage's copy of a tied embedding only with ``tied_copy`` (a load fills it, a save
+    leaves it to the first stage)."""
+    canonical = param_names(module)
+    copy = None if tied_copy else tied_copy_name(module)
+    names = {id(p): canonical[n] for n, p in module.named_parameters() if n != copy}
     for param, start, end, tensors in param_pieces(optimizer):
-        yield OptimizerPiece(names[id(param)], start, end, tensors)
+        if id(param) in names:  # not the tied copy (its state equals the first stage's)
+            yield OptimizerPiece(names[id(param)], start, end, tensors)
 
 
 def runtime_parts(module: torch.nn.Module, optimizer, *, shared: dict | None) -> dict:

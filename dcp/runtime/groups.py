@@ -1,18 +1,20 @@
 """Every process group a plan may use, created once at start and looked up by planner ranks.
 
-The mesh: world = TP × (DP·CP). A *planner rank* is one TP group of ``tensor_parallel_size``
-consecutive global ranks (megatron-core's default rank order puts TP innermost), so global rank
-``g`` is TP rank ``g % tp`` of planner rank ``g // tp``. Plans name planner ranks. For a step on
-planner ranks ``B``, a global rank with TP rank ``t`` runs context-parallel with the ranks of the
-same TP rank across ``B`` (``{p·tp + t : p ∈ B}``, its *CP group*), and the step's
-tensor-and-context group is the union over every TP rank (``{p·tp + t : p ∈ B, t < tp}``). At
-TP = 1 both are ``B`` itself.
+The mesh: world = PP × (DP·CP) × TP in megatron-core's default rank order ("tp-cp-ep-dp-pp": TP
+innermost, pipeline stages outermost). A stage holds ``world / PP`` consecutive global ranks; a
+*planner rank* is one TP group of ``tensor_parallel_size`` consecutive ranks within a stage, so
+global rank ``g`` is TP rank ``g % tp`` of planner rank ``(g % S) // tp`` on stage ``g // S``
+(``S = world / PP``). Plans name planner ranks; a micro-step on planner ranks ``B`` runs on every
+stage, at the same positions. On its stage, a global rank with TP rank ``t`` runs
+context-parallel with the ranks of the same TP rank across ``B`` (its *CP group*), and the
+step's tensor-and-context group is the union over every TP rank. At TP = PP = 1 both are ``B``
+itself.
 
 ``GroupRegistry`` builds every group a plan may use at start (a plan must never wait for a group
 to be made): power-of-two sized, aligned contiguous blocks of planner ranks (for P planner ranks,
 blocks ``[i*k, (i+1)*k)`` for k = 1, 2, 4, ... up to the largest power of two ≤ P), plus all of
 them when P is not a power of two: 2P - 1 blocks for a power of two, each with a CP group per TP
-rank and a tensor-and-context group.
+rank and a tensor-and-context group, on every pipeline stage.
 
 How they are made, at 1,024 ranks (torch 2.11-2.14, ``distributed_c10d``):
 
@@ -60,39 +62,56 @@ def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class Mesh:
-    """Where one global rank sits in world = TP × planner ranks (TP innermost)."""
+    """Where one global rank sits in world = PP × planner ranks × TP (TP innermost, stages
+    outermost)."""
 
     world_size: int
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
-        if tp < 1 or self.world_size % tp:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp < 1 or pp < 1 or self.world_size % (tp * pp):
             raise ValueError(
-                f"tensor_parallel_size={tp} must be >= 1 and divide the world size "
-                f"{self.world_size} (launch a multiple of TP ranks)"
+                f"tensor_parallel_size={tp} times pipeline_parallel_size={pp} must divide the "
+                f"world size {self.world_size} (launch a multiple of TP x PP ranks)"
             )
 
     @property
+    def stage_size(self) -> int:
+        """Global ranks per pipeline stage."""
+        return self.world_size // self.pipeline_parallel_size
+
+    @property
     def num_planner_ranks(self) -> int:
-        """Ranks the planner distributes work over (one per TP group)."""
-        return self.world_size // self.tensor_parallel_size
+        """Ranks the planner distributes work over (one per TP group of a stage)."""
+        return self.stage_size // self.tensor_parallel_size
+
+    def stage(self, rank: int) -> int:
+        return rank // self.stage_size
 
     def planner_rank(self, rank: int) -> int:
-        return rank // self.tensor_parallel_size
+        return rank % self.stage_size // self.tensor_parallel_size
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tensor_parallel_size
 
-    def cp_ranks(self, block: Sequence[int], tp_rank: int) -> tuple[int, ...]:
-        """Global ranks of TP rank ``tp_rank``'s CP group on the planner ranks ``block``."""
-        tp = self.tensor_parallel_size
-        return tuple(p * tp + tp_rank for p in block)
+    def global_rank(self, *, stage: int, planner_rank: int, tp_rank: int) -> int:
+        return stage * self.stage_size + planner_rank * self.tensor_parallel_size + tp_rank
 
-    def tp_cp_ranks(self, block: Sequence[int]) -> tuple[int, ...]:
-        """Global ranks of the tensor-and-context group on the planner ranks ``block``."""
-        tp = self.tensor_parallel_size
-        return tuple(p * tp + t for p in block for t in range(tp))
+    def cp_ranks(self, block: Sequence[int], tp_rank: int, stage: int = 0) -> tuple[int, ...]:
+        """Global ranks of TP rank ``tp_rank``'s CP group on the planner ranks ``block`` of
+        pipeline stage ``stage``."""
+        return tuple(self.global_rank(stage=stage, planner_rank=p, tp_rank=tp_rank) for p in block)
+
+    def tp_cp_ranks(self, block: Sequence[int], stage: int = 0) -> tuple[int, ...]:
+        """Global ranks of the tensor-and-context group on the planner ranks ``block`` of
+        pipeline stage ``stage``."""
+        return tuple(
+            self.global_rank(stage=stage, planner_rank=p, tp_rank=t)
+            for p in block
+            for t in range(self.tensor_parallel_size)
+        )
 
 
 def members_only_sizes(num_planner_ranks: int) -> set[int]:
@@ -120,14 +139,16 @@ class GroupRegistry:
         self,
         *,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         backend: str | None = None,
         timeout_s: float | None = None,
         members_only: bool = True,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupRegistry needs torch.distributed to be initialised first")
-        self.mesh = Mesh(dist.get_world_size(), tensor_parallel_size)
+        self.mesh = Mesh(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size)
         self.rank = dist.get_rank()
+        self.stage = self.mesh.stage(self.rank)
         self.planner_rank = self.mesh.planner_rank(self.rank)
         self.tp_rank = self.mesh.tp_rank(self.rank)
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
@@ -159,18 +180,27 @@ class GroupRegistry:
 
         self._cp: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._tp_cp: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        for block in aligned_blocks(self.mesh.num_planner_ranks):
-            local = len(block) in local_sizes
-            for t in range(tensor_parallel_size):
-                cp = group(self.mesh.cp_ranks(block, t), local=local)
-                if t == self.tp_rank:
-                    self._cp[block] = cp
-            self._tp_cp[block] = group(self.mesh.tp_cp_ranks(block), local=local)
+        # Every rank walks every stage's groups in one order: world-wide creation needs it, and
+        # members-only creation gives each member the same count of groups before each one.
+        for stage in range(pipeline_parallel_size):
+            for block in aligned_blocks(self.mesh.num_planner_ranks):
+                local = len(block) in local_sizes
+                for t in range(tensor_parallel_size):
+                    cp = group(self.mesh.cp_ranks(block, t, stage), local=local)
+                    if stage == self.stage and t == self.tp_rank:
+                        self._cp[block] = cp
+                tp_cp = group(self.mesh.tp_cp_ranks(block, stage), local=local)
+                if stage == self.stage:
+                    self._tp_cp[block] = tp_cp
         self._created = [g for g in created.values() if g is not None]
 
     @property
     def tensor_parallel_size(self) -> int:
         return self.mesh.tensor_parallel_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.mesh.pipeline_parallel_size
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
@@ -203,7 +233,14 @@ class GroupRegistry:
 
     def cp_global_ranks(self, ranks: Sequence[int]) -> tuple[int, ...]:
         """Global ranks of this rank's CP group on the planner ranks ``ranks``."""
-        return self.mesh.cp_ranks(ranks, self.tp_rank)
+        return self.mesh.cp_ranks(ranks, self.tp_rank, self.stage)
+
+    def stage_peer(self, stage: int) -> int:
+        """The global rank at this rank's position (planner rank and TP rank) on ``stage``:
+        where its activations go to and its gradients come from."""
+        return self.mesh.global_rank(
+            stage=stage, planner_rank=self.planner_rank, tp_rank=self.tp_rank
+        )
 
     def member_groups(self) -> list[dist.ProcessGroup]:
         """The groups this rank belongs to."""

@@ -1,8 +1,9 @@
 """Process set-up for the DCP runtime: megatron's patches and parallel state.
 
-The mesh is world = TP × (DP·CP): megatron's parallel_state is initialised with the run's TP size
-and PP = CP = 1, so its TP groups are consecutive ranks and DDP reduces over the fixed DP×CP group
-of each TP rank (the planner ranks). DCP regroups planner ranks into CP groups per micro-step
+The mesh is world = PP × (DP·CP) × TP: megatron's parallel_state is initialised with the run's TP
+and PP sizes and CP = 1, so its TP groups are consecutive ranks, its pipeline stages are blocks
+of world / PP consecutive ranks, and DDP reduces over the fixed DP×CP group of each TP rank of a
+stage (the stage's planner ranks). DCP regroups planner ranks into CP groups per micro-step
 (``dcp.runtime.groups``).
 """
 
@@ -19,12 +20,17 @@ import megatron_patches
 from dcp.runtime.groups import Mesh
 
 
-def init(*, timeout_s: float | None = None, tensor_parallel_size: int = 1) -> None:
+def init(
+    *,
+    timeout_s: float | None = None,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> None:
     """Prepare this process for DCP (idempotent): on a GPU machine select the device of
     ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
     megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
-    megatron's parallel state with ``tensor_parallel_size``, its groups created with
-    ``timeout_s`` (default: torch's)."""
+    megatron's parallel state with ``tensor_parallel_size`` and ``pipeline_parallel_size``, its
+    groups created with ``timeout_s`` (default: torch's)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # megatron's distributed optimizer calls these every step; torch 2.14 marks them deprecated
@@ -42,15 +48,22 @@ def init(*, timeout_s: float | None = None, tensor_parallel_size: int = 1) -> No
         category=UserWarning,
     )
     megatron_patches.apply()
-    init_megatron_parallel(timeout_s=timeout_s, tensor_parallel_size=tensor_parallel_size)
+    init_megatron_parallel(
+        timeout_s=timeout_s,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+    )
 
 
 def init_megatron_parallel(
-    *, timeout_s: float | None = None, tensor_parallel_size: int | None = None
+    *,
+    timeout_s: float | None = None,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
 ) -> int:
-    """Initialise megatron's parallel_state with ``tensor_parallel_size`` (default 1) and
-    PP = CP = 1 (idempotent; a second call asking for another TP size raises). Returns the TP
-    size in effect."""
+    """Initialise megatron's parallel_state with ``tensor_parallel_size`` and
+    ``pipeline_parallel_size`` (default 1 each) and CP = 1 (idempotent; a second call asking
+    for other sizes raises). Returns the TP size in effect."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -62,24 +75,43 @@ def init_megatron_parallel(
         )
     if ps.model_parallel_is_initialized():
         current = ps.get_tensor_model_parallel_world_size()
+        stages = ps.get_pipeline_model_parallel_world_size()
         if tensor_parallel_size is not None and tensor_parallel_size != current:
             raise ValueError(
                 f"megatron's parallel state is already initialised with TP = {current}, not "
                 f"{tensor_parallel_size}"
             )
+        if pipeline_parallel_size is not None and pipeline_parallel_size != stages:
+            raise ValueError(
+                f"megatron's parallel state is already initialised with PP = {stages}, not "
+                f"{pipeline_parallel_size}"
+            )
         return current
     tp = 1 if tensor_parallel_size is None else tensor_parallel_size
-    Mesh(dist.get_world_size(), tp)  # the world must split into TP groups
+    pp = 1 if pipeline_parallel_size is None else pipeline_parallel_size
+    Mesh(dist.get_world_size(), tp, pp)  # the world must split into TP groups and stages
     extra = {}
     if timeout_s is not None:
         extra["distributed_timeout_minutes"] = max(1, math.ceil(timeout_s / 60))
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
         context_parallel_size=1,
         **extra,
     )
-    # dcp.runtime.groups numbers planner ranks by TP groups of consecutive ranks, megatron's
-    # default order ("tp-cp-ep-dp-pp": TP innermost).
-    assert ps.get_tensor_model_parallel_rank() == dist.get_rank() % tp
+    # dcp.runtime.groups numbers planner ranks by TP groups of consecutive ranks and stages by
+    # blocks of world / PP ranks, megatron's default order ("tp-cp-ep-dp-pp": TP innermost, PP
+    # outermost).
+    mesh = Mesh(dist.get_world_size(), tp, pp)
+    assert ps.get_tensor_model_parallel_rank() == mesh.tp_rank(dist.get_rank())
+    assert ps.get_pipeline_model_parallel_rank() == mesh.stage(dist.get_rank())
     return tp
+
+
+def pipeline_parallel_size() -> int:
+    """Pipeline stages of megatron's parallel state (1 before it is initialised)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1
+    return ps.get_pipeline_model_parallel_world_size()

@@ -12,7 +12,12 @@ group's query heads, then its key head, then its value head; ``mlp.linear_fc1`` 
   ``pre_mlp_layernorm.weight`` at ``mlp.linear_fc1.layer_norm_weight``
   (megatron-core ``gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec``);
 - ``_extra_state`` entries carry module state that is not a parameter (TE's FP8 scaling state);
-  they are kept when they hold something and left to the model's own otherwise.
+  they are kept when they hold something and left to the model's own otherwise;
+- under pipeline parallelism a stage numbers its layers from 0 (``decoder.layers.0`` of stage 1
+  is the model's layer ``L0``, the first stage's layer count): canonical names number layers
+  across the whole model, from each layer's own ``layer_number`` (megatron's global, 1-based
+  number), and the last stage's copy of a tied embedding (``output_layer.weight``, megatron's
+  ``shared_embedding``) is ``embedding.word_embeddings.weight``.
 
 ``canonical_state`` maps a model's state dict to canonical names and ``load_canonical`` maps
 canonical names back onto any such model, so checkpoints and the Hugging Face converter
@@ -49,13 +54,92 @@ def _strip_wrappers(name: str) -> str:
     return name
 
 
-def canonical_name(name: str) -> str:
-    """The canonical name of a model state-dict key (wrapper prefixes and fused norms undone)."""
+_LAYERS = "decoder.layers."
+TIED_OUTPUT = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def canonical_name(name: str, layers: Mapping[int, int] | None = None) -> str:
+    """The canonical name of a model state-dict key (wrapper prefixes and fused norms undone);
+    ``layers`` maps a pipeline stage's layer indices to the model's (``stage_layers``)."""
     name = _strip_wrappers(name)
+    if layers and name.startswith(_LAYERS):
+        index, rest = name[len(_LAYERS) :].split(".", 1)
+        name = f"{_LAYERS}{layers[int(index)]}.{rest}"
     for te_suffix, canonical_suffix in _TE_TO_CANONICAL.items():
         if name.endswith("." + te_suffix):
             return name[: -len(te_suffix)] + canonical_suffix
     return name
+
+
+def stage_layers(model: torch.nn.Module) -> dict[int, int]:
+    """This pipeline stage's layer index → the model's (empty without pipeline parallelism):
+    ``dcp.model.stage_layer_indices``."""
+    from dcp.model import stage_layer_indices
+
+    return stage_layer_indices(model)
+
+
+def tied_copy_name(model: torch.nn.Module) -> str | None:
+    """The state-dict name of the last pipeline stage's copy of a tied embedding in ``model``,
+    or None (module docstring)."""
+    if not _tied_copy(model):
+        return None
+    return next(n for n, c in state_names(model).items() if c == EMBEDDING)
+
+
+def _tied_copy(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a last pipeline stage holding its own copy of a tied embedding."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return bool(
+        getattr(inner, "share_embeddings_and_output_weights", False)
+        and getattr(inner, "post_process", False)
+        and not getattr(inner, "pre_process", True)
+    )
+
+
+def state_names(model: torch.nn.Module) -> dict[str, str]:
+    """The model's own state-dict name → canonical name, for every entry (module docstring)."""
+    layers = stage_layers(model)
+    tied = _tied_copy(model)
+    out = {}
+    for name in model.state_dict():
+        canonical = canonical_name(name, layers)
+        out[name] = EMBEDDING if tied and canonical == TIED_OUTPUT else canonical
+    return out
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def held_elsewhere(name: str, model: torch.nn.Module) -> bool:
+    """Whether canonical ``name`` is a tensor of another pipeline stage of ``model``'s pipeline
+    (``model`` is one stage): a layer outside its range, the embedding of a later stage's, the
+    final norm or output layer of an earlier one's. Without pipeline parallelism: never."""
+    inner = _inner(model)
+    config = getattr(inner, "config", None)  # a module that is not megatron's: no stages
+    if getattr(config, "pipeline_model_parallel_size", 1) <= 1:
+        return False
+    if name.startswith(_LAYERS):
+        index = int(name[len(_LAYERS) :].split(".", 1)[0])
+        own = set(stage_layers(model).values()) or set(range(len(inner.decoder.layers)))
+        return index not in own and 0 <= index < inner.config.num_layers
+    if name.startswith("embedding."):
+        return not inner.pre_process
+    if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        return not inner.post_process
+    return False
+
+
+def param_names(model: torch.nn.Module) -> dict[str, str]:
+    """``state_names`` for the model's parameters (``named_parameters`` names)."""
+    names = state_names(model)
+    return {n: names[n] for n, _ in model.named_parameters()}
 
 
 def canonical_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -81,7 +165,7 @@ def _empty_extra_state(value: Any) -> bool:
 
 def model_names(model: torch.nn.Module) -> dict[str, str]:
     """Canonical name → the model's own state-dict name, for every entry of ``model``."""
-    return {canonical_name(name): name for name in model.state_dict()}
+    return {canonical: name for name, canonical in state_names(model).items()}
 
 
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -122,7 +206,7 @@ def load_canonical(
                 like = own[names[c]]
                 rows = like.size(0) * (tp_size if is_split(like) else 1)
                 state[c] = repad_vocab(state[c], rows, vocab_size=vocab_size, name=c)
-    unexpected = sorted(set(state) - set(names))
+    unexpected = sorted(c for c in set(state) - set(names) if not held_elsewhere(c, model))
     missing = sorted(c for c, n in names.items() if c not in state and not n.endswith(EXTRA_STATE))
     if unexpected or missing:
         raise KeyError(

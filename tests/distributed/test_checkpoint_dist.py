@@ -2,7 +2,9 @@
 written at one layout continues training at another with the same losses and weights as the
 uninterrupted run (model, fp32 main parameters and Adam's moments resharded), for the
 distributed optimizer and the replicated one; an asynchronous save publishes only once every
-rank's writer finished."""
+rank's writer finished. Under pipeline parallelism each stage writes its own layers and a load
+at another PP size (or none) reads the layers it holds.
+"""
 
 from __future__ import annotations
 
@@ -36,38 +38,60 @@ def _plan(num_planner_ranks: int):
     return Plan(steps=tuple(steps), planner="test")
 
 
-def _runtime(tp: int, distributed: bool):
+def _runtime(tp: int, distributed: bool, pp: int = 1, model: dict | None = None):
     import dataclasses
 
     from dcp.model import ModelConfig
     from dcp.runtime.runtime import Runtime
+    from dcp.runtime.setup import init_megatron_parallel
 
+    init_megatron_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     optim = dataclasses.replace(OPTIM, distributed=distributed, decay_steps=8)
     return Runtime.from_config(
-        ModelConfig(**TINY, make_vocab_size_divisible_by=8),
+        ModelConfig(**{**TINY, "make_vocab_size_divisible_by": 8, **(model or {})}),
         optim,
         seed=SEED,
         tensor_parallel_size=tp,
     )
 
 
-def _steps(runtime, tp: int, n: int) -> list[float]:
+def _steps(runtime, tp: int, n: int, pp: int = 1) -> list[float]:
     from dcp.runtime.dispatch import InMemorySource
 
-    plan = _plan(dist.get_world_size() // tp)
+    plan = _plan(dist.get_world_size() // (tp * pp))
     return [runtime.train_step(plan, InMemorySource(DOCS)).loss for _ in range(n)]
 
 
-def train_save_continue(root: str, tp: int, distributed: bool, asynchronous: bool) -> dict:
+def _weights(runtime) -> dict:
+    """Every stage's whole weights by canonical name (each stage's planner rank 0 sends)."""
+    from dcp.collectives import all_gather_object
+    from dcp.weights.canonical import state_names
+
+    names = state_names(runtime.model.module)
+    mine = {names[n]: w for n, w in to_numpy(runtime.weights().items()).items()}
+    merged: dict = {}
+    for part in all_gather_object(mine if runtime.registry.planner_rank == 0 else {}):
+        merged.update(part)
+    return merged
+
+
+def train_save_continue(
+    root: str,
+    tp: int,
+    distributed: bool,
+    asynchronous: bool,
+    pp: int = 1,
+    model: dict | None = None,
+) -> dict:
     """``STEPS_BEFORE`` steps, a checkpoint, ``STEPS_AFTER`` more: losses and final weights."""
     from dcp.checkpoint import CheckpointSaver, Layout
     from dcp.checkpoint.state import runtime_parts
 
     try:
-        runtime = _runtime(tp, distributed)
-        before = _steps(runtime, tp, STEPS_BEFORE)
+        runtime = _runtime(tp, distributed, pp, model)
+        before = _steps(runtime, tp, STEPS_BEFORE, pp)
         saver = CheckpointSaver(
-            Path(root), layout=Layout(dist.get_world_size(), tp), rank=dist.get_rank()
+            Path(root), layout=Layout(dist.get_world_size(), tp, pp), rank=dist.get_rank()
         )
         shared = {"sampler": None, "scheduler": {"step": STEPS_BEFORE}, "extra": {}}
         saver.save(
@@ -81,13 +105,13 @@ def train_save_continue(root: str, tp: int, distributed: bool, asynchronous: boo
             ),
         )
         published_early = (Path(root) / "step_000002").exists()
-        after = _steps(runtime, tp, STEPS_AFTER)  # the writers work meanwhile
+        after = _steps(runtime, tp, STEPS_AFTER, pp)  # the writers work meanwhile
         saver.wait()
         files = sorted(p.name for p in (Path(root) / "step_000002").iterdir())
         return {
             "before": before,
             "after": after,
-            "weights": to_numpy(runtime.weights().items()),
+            "weights": _weights(runtime),
             "published_early": published_early,
             "files": files,
         }
@@ -95,24 +119,31 @@ def train_save_continue(root: str, tp: int, distributed: bool, asynchronous: boo
         cleanup()
 
 
-def resume_and_continue(root: str, tp: int, distributed: bool) -> dict:
-    """A fresh runtime at (this world, ``tp``) resumed from the checkpoint: the next losses."""
+def resume_and_continue(
+    root: str, tp: int, distributed: bool, pp: int = 1, model: dict | None = None
+) -> dict:
+    """A fresh runtime at (this world, ``tp``, ``pp``) resumed from the checkpoint: the next
+    losses."""
     from dcp.checkpoint import Layout, apply, open_checkpoint, resolve_checkpoint
 
     try:
-        runtime = _runtime(tp, distributed)
+        runtime = _runtime(tp, distributed, pp, model)
         ckpt = open_checkpoint(resolve_checkpoint(root))
-        layout = Layout(dist.get_world_size(), tp)
+        layout = Layout(dist.get_world_size(), tp, pp)
         state = ckpt.read(
             runtime.model.module, runtime.optimizer, rank=dist.get_rank(), layout=layout
         )
         apply(state, runtime.model.module, runtime.optimizer)
         runtime.step = ckpt.step
         return {
-            "after": _steps(runtime, tp, STEPS_AFTER),
-            "weights": to_numpy(runtime.weights().items()),
+            "after": _steps(runtime, tp, STEPS_AFTER, pp),
+            "weights": _weights(runtime),
             "rng_carried": state.rng is not None,
-            "saved_layout": (ckpt.layout.world_size, ckpt.layout.tensor_parallel_size),
+            "saved_layout": (
+                ckpt.layout.world_size,
+                ckpt.layout.tensor_parallel_size,
+                ckpt.layout.pipeline_parallel_size,
+            ),
         }
     finally:
         cleanup()
@@ -137,7 +168,7 @@ def test_a_checkpoint_at_tp2_on_4_ranks_continues_at_other_layouts(tmp_path, dis
         resumed = run_on_ranks(
             world, resume_and_continue, str(tmp_path), tp, distributed, timeout_s=300
         )[0]
-        assert resumed["saved_layout"] == (4, 2)
+        assert resumed["saved_layout"] == (4, 2, 1)
         assert resumed["rng_carried"] == ((world, tp) == (4, 2))
         assert _close(reference["after"], resumed["after"]), (world, tp, reference, resumed)
         for name, value in reference["weights"].items():
@@ -147,4 +178,32 @@ def test_a_checkpoint_at_tp2_on_4_ranks_continues_at_other_layouts(tmp_path, dis
                 rtol=1e-5,
                 atol=1e-7,
                 err_msg=f"{name} {world} {tp}",
+            )
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
+def test_a_checkpoint_at_pp2_continues_at_other_pipeline_sizes(tmp_path, tied):
+    """4 ranks at PP 2 (2 planner ranks) save; PP 2 on 4 and 2 ranks and no pipeline on 4 and 2
+    ranks continue with the uninterrupted losses and weights. Tied: only the first stage writes
+    the embedding, and the last stage's copy is filled from it on load."""
+    model = {"tie_embeddings": True} if tied else None
+    saved = run_on_ranks(
+        4, train_save_continue, str(tmp_path), 1, True, True, 2, model, timeout_s=300
+    )
+    reference = saved[0]
+    for world, pp in ((4, 2), (2, 2), (4, 1), (2, 1)):
+        resumed = run_on_ranks(
+            world, resume_and_continue, str(tmp_path), 1, True, pp, model, timeout_s=300
+        )[0]
+        assert resumed["saved_layout"] == (4, 1, 2)
+        assert resumed["rng_carried"] == ((world, pp) == (4, 2))
+        assert _close(reference["after"], resumed["after"]), (world, pp, reference, resumed)
+        assert set(resumed["weights"]) == set(reference["weights"])
+        for name, value in reference["weights"].items():
+            np.testing.assert_allclose(
+                resumed["weights"][name],
+                value,
+                rtol=1e-5,
+                atol=1e-7,
+                err_msg=f"{name} {world} {pp}",
             )
