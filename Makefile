@@ -12,7 +12,7 @@ PYTHON312   := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/pyth
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo demo-tp data test unit test-compat lint format bench compare simulate extend-context \
+.PHONY: setup demo demo-tp demo-pp data test unit test-compat lint format bench compare simulate extend-context \
         clean
 
 setup: $(STAMP)
@@ -42,6 +42,10 @@ demo: data
 demo-tp: data
 	$(VENV)/bin/torchrun --nproc-per-node 4 -m pretrain.pretrain_gpt \
 	  --config pretrain/configs/tiny_cpu.yaml name=demo-tp2 parallel.tensor_parallel_size=2 $(ARGS)
+
+demo-pp: data
+	$(VENV)/bin/torchrun --nproc-per-node 4 -m pretrain.pretrain_gpt \
+	  --config pretrain/configs/tiny_cpu.yaml name=demo-pp2 parallel.pipeline_parallel_size=2 $(ARGS)
 
 # Context extension on CPU (pretrain/configs/extend_context_cpu.yaml): a 512-token base model,
 # exported to Hugging Face format, imported and continued at 2K then 4K tokens.

@@ -225,6 +225,22 @@ def broadcast(tensor: torch.Tensor, *, src: int, group=None) -> torch.Tensor:
     return tensor
 
 
+def send(tensor: torch.Tensor, *, dst: int, group=None) -> None:
+    """``tensor`` to global rank ``dst``, returning once it is on its way (gloo: written to the
+    connection; NCCL: queued on the communicator's stream, which waits for the kernels that
+    produce it). A pipeline's messages: ``dcp.runtime.pipeline``."""
+    _check([tensor], "send")
+    dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, *, src: int, group=None) -> torch.Tensor:
+    """Fill ``tensor`` with what global rank ``src`` sends (its shape and dtype must be what
+    the sender sends: both sides know it from the plan); returns ``tensor``."""
+    _check([tensor], "recv")
+    dist.recv(tensor, src=src, group=group)
+    return tensor
+
+
 def barrier(group=None) -> None:
     """Every member of ``group`` (default: every rank) reaches this point."""
     device_ids = _group_device_ids(group)

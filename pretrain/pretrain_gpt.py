@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         # rank together, like every other start-up phase (dcp.train.agree).
         agree("reading the config", lambda: _raise(config_error))
         # megatron patches this machine needs + parallel state (TP groups of consecutive ranks)
-        dcp.init(timeout_s=startup, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
+        dcp.init(
+            timeout_s=startup,
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            pipeline_parallel_size=cfg.parallel.pipeline_parallel_size,
+        )
         trainer = Trainer(cfg)
         trainer.train(stop)
         if trainer.stopped:

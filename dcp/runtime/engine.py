@@ -31,8 +31,9 @@ class DCPEngine:
     (``dcp.build_gpt_model`` or ``dcp.model.layer_spec``), bare or DDP-wrapped.
     ``optimizer``: any torch optimizer over its parameters (or megatron's on GPU).
     ``spec``: cost-model preset name, spec JSON path, or ``CostModel``; its cluster must have as
-    many GPUs as the job has ranks, and its TP size must be megatron's (``dcp.init``'s
-    ``tensor_parallel_size``). ``planner``: ``dcp`` | ``static`` | ``megatron``.
+    many GPUs as the job has ranks, and its TP and PP sizes must be megatron's (``dcp.init``'s
+    ``tensor_parallel_size`` and ``pipeline_parallel_size``; under PP, ``model`` is this rank's
+    stage, as ``dcp.build_gpt_model`` builds it). ``planner``: ``dcp`` | ``static`` | ``megatron``.
     """
 
     def __init__(
@@ -49,7 +50,10 @@ class DCPEngine:
             raise RuntimeError("initialise torch.distributed first (e.g. launch with torchrun)")
         self.runtime = Runtime(model, optimizer, clip_grad=clip_grad, lr_schedule=lr_schedule)
         self.cost_model = load_cost_model(
-            spec, world_size=dist.get_world_size(), tensor_parallel_size=self.runtime.tp
+            spec,
+            world_size=dist.get_world_size(),
+            tensor_parallel_size=self.runtime.tp,
+            pipeline_parallel_size=self.runtime.pp,
         )
         self.planner = planner
 

@@ -28,8 +28,9 @@ from dcp.runtime.builders import build_model_and_optimizer, wrap_ddp
 from dcp.runtime.builders import local_token_multiple as model_token_multiple
 from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
+from dcp.runtime.pipeline import run_pipelined_plan
 from dcp.runtime.schedule import run_plan
-from dcp.runtime.setup import init_megatron_parallel
+from dcp.runtime.setup import init_megatron_parallel, pipeline_parallel_size
 from dcp.weights.tensor_parallel import gather_whole
 from megatron_patches.cpu_optimizer import cuda_on_cpu
 from megatron_patches.ddp_buckets import gather_reduced_grads
@@ -90,15 +91,19 @@ class Runtime:
         from megatron.core.distributed import DistributedDataParallel
 
         self.tp = init_megatron_parallel()
+        self.pp = pipeline_parallel_size()
         if clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {clip_grad}")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.registry = registry or GroupRegistry(tensor_parallel_size=self.tp)
-        if self.registry.tensor_parallel_size != self.tp:
+        self.registry = registry or GroupRegistry(
+            tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp
+        )
+        built = (self.registry.tensor_parallel_size, self.registry.pipeline_parallel_size)
+        if built != (self.tp, self.pp):
             raise ValueError(
-                f"the group registry is built for TP = {self.registry.tensor_parallel_size}, "
-                f"megatron's parallel state has TP = {self.tp}"
+                f"the group registry is built for TP = {built[0]}, PP = {built[1]}; megatron's "
+                f"parallel state has TP = {self.tp}, PP = {self.pp}"
             )
         self.model = model if isinstance(model, DistributedDataParallel) else wrap_ddp(model)
         built_tp = self.model.config.tensor_model_parallel_size
@@ -167,9 +172,11 @@ class Runtime:
                 p.grad = None
 
     def forward_backward(self, plan: Plan, source: SequenceSource):
-        """Run this rank's micro-steps and reduce gradients; no optimizer step."""
+        """Run this rank's micro-steps (its events of the plan's pipeline under pipeline
+        parallelism) and reduce gradients; no optimizer step."""
         self.zero_grad()
-        return run_plan(
+        run = run_pipelined_plan if self.pp > 1 else run_plan
+        return run(
             self.model,
             plan,
             source=source,

@@ -78,6 +78,31 @@ def verify_plan_agreement(plan: Plan, global_loss_tokens: int, *, group=None) ->
         )
 
 
+def check_groups(plan: Plan, registry: GroupRegistry) -> None:
+    """Raise unless every CP group ``plan`` uses was created at start."""
+    missing = registry.missing(plan.group_shapes())
+    if missing:
+        raise RuntimeError(
+            f"plan uses CP groups {missing[:4]} that were not created at start "
+            f"(created: {len(registry.shapes)} aligned blocks)"
+        )
+
+
+def finalize_grads(model) -> None:
+    """megatron's own end of a step on a DDP-wrapped ``model`` (a bare module: nothing): the
+    DP×CP reduction (``finish_grad_sync``), the TP sum of sequence-parallel norm and QK-norm
+    gradients (``_allreduce_non_tensor_model_parallel_grads``; a no-op at TP = 1) and, under
+    pipeline parallelism, the tied embedding's gradient over the first and last stage
+    (``_allreduce_embedding_grads``). No ``num_tokens``: the loss is already divided by the
+    global token count."""
+    if not hasattr(model, "finish_grad_sync"):
+        return
+    from megatron.core.distributed import finalize_model_grads
+
+    with phase("the gradient reduction over all ranks"):
+        finalize_model_grads([model])
+
+
 def run_plan(
     model,
     plan: Plan,
@@ -95,12 +120,7 @@ def run_plan(
     me = registry.planner_rank
     lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
     result = ScheduleResult(global_loss_tokens=sum(lengths.values()))
-    missing = registry.missing(plan.group_shapes())
-    if missing:
-        raise RuntimeError(
-            f"plan uses CP groups {missing[:4]} that were not created at start "
-            f"(created: {len(registry.shapes)} aligned blocks)"
-        )
+    check_groups(plan, registry)
     with phase("the plan agreement check before the first micro-step"):
         verify_plan_agreement(plan, result.global_loss_tokens)
 
@@ -159,15 +179,7 @@ def run_plan(
             result.tokens_read += batch.tokens_read
     timer.end_loop()
     result.loss_sum = loss_sum
-    if hasattr(model, "finish_grad_sync"):
-        from megatron.core.distributed import finalize_model_grads
-
-        with phase("the gradient reduction over all ranks"):
-            # megatron's own end of a step: DP×CP reduction (``finish_grad_sync``), then the TP
-            # sum of sequence-parallel norm and QK-norm gradients
-            # (``_allreduce_non_tensor_model_parallel_grads``; a no-op at TP = 1). No
-            # ``num_tokens``: the loss is already divided by the global token count.
-            finalize_model_grads([model])
+    finalize_grads(model)
     # After the reduction is queued: on a GPU the wait for the last micro-step's event lets the
     # gradient reduction run meanwhile.
     result.compute_time_s, result.step_times_s = timer.finish()

@@ -112,14 +112,16 @@ class BatchPlanner:
         *,
         world_size: int,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         max_seq_len: int | None = None,
         runtime_options: dict | None = None,
         ranks_per_node: int | None = None,
         model: ModelSpec | None = None,
     ) -> None:
         """``world_size``: the launched ranks (GPUs); plans are over ``world_size /
-        tensor_parallel_size`` planner ranks. ``max_seq_len``: the run's longest sequence; the
-        static baseline is sized for it (as a static Megatron run must be), not for each batch's
+        (tensor_parallel_size × pipeline_parallel_size)`` planner ranks. ``max_seq_len``: the
+        run's longest sequence; the static baseline is sized for it (as a static Megatron run
+        must be), not for each batch's
         longest. ``runtime_options`` (``dcp.costmodel.spec.runtime_options``) replace the
         spec's options the run fixes; with them, the spec's cluster is also sized to the launch
         (``world_size``, ``ranks_per_node``): the run and its launch are the truth for the
@@ -128,6 +130,7 @@ class BatchPlanner:
         self.cfg = dcp_cfg
         self.world_size = world_size
         self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.max_seq_len = max_seq_len
         self._runtime_options = runtime_options
         self._ranks_per_node = ranks_per_node
@@ -174,7 +177,10 @@ class BatchPlanner:
 
     def _load(self, spec: dict):
         return load_cost_model(
-            spec, world_size=self.world_size, tensor_parallel_size=self.tensor_parallel_size
+            spec,
+            world_size=self.world_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
 
     @property

@@ -152,15 +152,37 @@ class DistributedConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
-    """How the launched ranks are arranged: world = TP × planner ranks."""
+    """How the launched ranks are arranged: world = PP × planner ranks × TP."""
 
     tensor_parallel_size: int = 1
     """GPUs per tensor-parallel group: consecutive ranks (keep a group inside a node), with
-    sequence parallelism. DCP plans over world / TP planner ranks, one per group; the cost-model
-    spec must have the same ``options.tensor_parallel_size``."""
+    sequence parallelism. DCP plans over world / (TP × PP) planner ranks, one per group of a
+    stage; the cost-model spec's ``options.tensor_parallel_size`` is set to it."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages: blocks of world / PP consecutive ranks, each holding a share of the
+    layers (the first also the embedding, the last the output layer). Every stage runs each
+    micro-step at the same planner ranks, in the non-interleaved 1F1B order of the plan
+    (docs/design.md, 'Pipelines'); the cost model prices each stage."""
+    virtual_pipeline_parallel_size: int = 1
+    """Interleaved (virtual) stages per rank: only 1, DCP's schedule is non-interleaved."""
 
     def __post_init__(self) -> None:
         check_range(self.tensor_parallel_size, "parallel.tensor_parallel_size", ge=1, integer=True)
+        check_range(
+            self.pipeline_parallel_size, "parallel.pipeline_parallel_size", ge=1, integer=True
+        )
+        check_range(
+            self.virtual_pipeline_parallel_size,
+            "parallel.virtual_pipeline_parallel_size",
+            ge=1,
+            integer=True,
+        )
+        if self.virtual_pipeline_parallel_size != 1:
+            raise ValueError(
+                f"parallel.virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size}: "
+                "interleaved virtual stages are not supported (DCP runs a non-interleaved 1F1B "
+                "schedule per plan); set it to 1"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -283,6 +305,12 @@ class PretrainConfig:
             raise ValueError("runs_dir must be a non-empty path (use . for the current directory)")
         _check_allow_changes(self.resume.allow_changes)
         check_tensor_parallel(self.model, self.parallel.tensor_parallel_size)
+        stages = self.parallel.pipeline_parallel_size
+        if stages > self.model.num_layers:
+            raise ValueError(
+                f"parallel.pipeline_parallel_size={stages} exceeds model.num_layers="
+                f"{self.model.num_layers}: every stage needs a layer"
+            )
 
 
 def _check_allow_changes(keys: tuple[str, ...]) -> None:

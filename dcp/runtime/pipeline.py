@@ -1,0 +1,238 @@
+"""Run this rank's part of a plan under pipeline parallelism, then reduce once.
+
+A micro-step on planner ranks ``B`` runs on every stage, at positions ``B``: stage 0 embeds its
+tokens, each stage runs its layers in the step's CP group of that stage and sends its output
+activations to the same position of the next stage, the last stage computes the loss; the
+backward runs the other way, each stage sending the gradient of its input to the stage before.
+Every rank knows the plan, so the receiver knows each message's shape (this rank's tokens of
+the step, over TP under sequence parallelism, times the hidden size) and no shape is exchanged.
+
+What runs when is ``dcp.planning.pipeline.rank_events``: the non-interleaved 1F1B order over the
+plan's slots, each rank's subsequence of its stage's order, the messages placed between, every
+event with a key all its participants share. This module runs those events in order, nothing
+else: a forward (``F``), a backward (``B``), or a blocking send or receive to the same position
+on the next or previous stage. The order is why it cannot deadlock (docs/design.md, 'Pipelines'):
+each rank runs its events by increasing key, so the unfinished event with the least key has
+every participant at it, whatever the plan.
+
+A micro-step's CP group and recompute level are switched in for its forward and again for its
+backward (megatron's recompute re-runs the forward inside the backward, and CP attention's
+backward talks to its group). Between the two, the stage keeps the step's input activations and
+its output (the autograd graph); stage s has at most P - s steps in flight (the 1F1B bound the
+planner's memory check counts). ``recompute_layers`` counts the layers of this stage
+(``stage_recompute_layers``: megatron's ``recompute_num_layers`` is per pipeline stage).
+
+The loss, loss tokens and padding are counted on the last stage only (the others hold no loss),
+so the step's reduction over every rank adds each once; the divisor is the batch's loss tokens,
+as without pipelines. After the last event megatron's ``finalize_model_grads`` reduces the
+gradients once: over each stage's DP×CP group, the TP sums, and the tied embedding's gradient
+over the first and last stage (``_allreduce_embedding_grads``).
+
+On NCCL a send is queued on the pair's stream and a receive makes the compute stream wait for
+it (``ProcessGroupNCCL``: neither blocks the host); the messages of each pair of ranks are in key
+order on both sides, so their streams match them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from dcp.attention.layout import ShardLayout
+from dcp.collectives import phase, recv, run_device, send
+from dcp.costmodel.pipeline import stage_recompute_layers
+from dcp.plan import Plan
+from dcp.planning.pipeline import (
+    BACKWARD,
+    FORWARD,
+    RECV_ACTIVATION,
+    RECV_GRADIENT,
+    SEND_ACTIVATION,
+    SEND_GRADIENT,
+    rank_events,
+)
+from dcp.runtime.dispatch import LocalBatch, SequenceSource, local_batch
+from dcp.runtime.groups import GroupRegistry
+from dcp.runtime.schedule import ScheduleResult, check_groups, finalize_grads, verify_plan_agreement
+from dcp.runtime.timing import MicroStepTimer
+from megatron_patches._util import unwrap
+from megatron_patches.parallel_state import use_cp_group
+from megatron_patches.recompute import use_recompute
+
+
+@dataclass
+class _InFlight:
+    """One micro-step between its forward and its backward on this rank."""
+
+    batch: LocalBatch
+    layout: ShardLayout
+    group: object
+    input: torch.Tensor | None = None
+    """The activations received from the previous stage (stages > 0), requiring grad."""
+    output: torch.Tensor | None = None
+    """This stage's output activations (the last stage: the step's summed token loss)."""
+    grad: torch.Tensor | None = None
+    """The gradient of ``output`` received from the next stage."""
+
+
+def _stage_layers(model) -> int:
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    blocks = [m for m in unwrap(model).modules() if isinstance(m, TransformerBlock)]
+    return max((b.num_layers_per_pipeline_rank for b in blocks), default=0)
+
+
+def run_pipelined_plan(
+    model,
+    plan: Plan,
+    *,
+    source: SequenceSource,
+    registry: GroupRegistry,
+    local_token_multiple: int = 1,
+) -> ScheduleResult:
+    """Forward/backward this rank's events of ``plan`` on its pipeline stage (module
+    docstring); gradients end up reduced in ``model`` (megatron's DDP around one stage of a
+    GPTModel built for ``registry``'s pipeline)."""
+    stage, stages = registry.stage, registry.pipeline_parallel_size
+    me = registry.planner_rank
+    first, last = stage == 0, stage == stages - 1
+    lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
+    result = ScheduleResult(global_loss_tokens=sum(lengths.values()))
+    check_groups(plan, registry)
+    if plan.barriers:
+        raise ValueError(
+            f"plan {plan.planner!r} synchronises all ranks between its steps (barriers before "
+            f"steps {list(plan.barriers)[:4]}), which a pipeline's stages cannot: they run "
+            "different steps at once; plan it without barriers"
+        )
+    with phase("the plan agreement check before the first micro-step"):
+        verify_plan_agreement(plan, result.global_loss_tokens)
+
+    device = run_device()
+    inner = unwrap(model)
+    config = inner.config
+    hidden_dtype = config.pipeline_dtype or config.params_dtype
+    # Under sequence parallelism each TP rank holds 1/TP of the step's tokens between layers
+    # (megatron's p2p sends the same: ``schedules.get_tensor_shapes``).
+    tp_split = registry.tensor_parallel_size if config.sequence_parallel else 1
+    stage_layers = _stage_layers(model)
+    previous, following = (
+        registry.stage_peer(stage - 1) if not first else None,
+        registry.stage_peer(stage + 1) if not last else None,
+    )
+    no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+    timer = MicroStepTimer(device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    live: dict[int, _InFlight] = {}
+    if hasattr(model, "set_is_first_microbatch"):
+        model.set_is_first_microbatch()  # as in dcp.runtime.schedule: TE's FP8 weight caches
+
+    def prepare(index: int) -> _InFlight:
+        step = plan.steps[index]
+        layout = ShardLayout.aligned(
+            [lengths[i] for i in step.seq_ids],
+            cp_size=len(step.ranks),
+            local_token_multiple=local_token_multiple,
+        )
+        batch = local_batch(
+            source, step.seq_ids, layout=layout, cp_rank=step.ranks.index(me), device=device
+        )
+        return _InFlight(batch=batch, layout=layout, group=registry.get(step.ranks))
+
+    def activation_buffer(flight: _InFlight) -> torch.Tensor:
+        tokens = flight.layout.local_num_tokens // tp_split
+        return torch.empty(tokens, 1, config.hidden_size, dtype=hidden_dtype, device=device)
+
+    @contextlib.contextmanager
+    def step_context(index: int, what: str):
+        step = plan.steps[index]
+        with (
+            phase(f"plan step {index} {what} on stage {stage} (CP group {list(step.ranks)})"),
+            use_cp_group(
+                model,
+                group=live[index].group,
+                ranks=registry.cp_global_ranks(step.ranks),
+                tp_cp_group=registry.tp_cp(step.ranks),
+            ),
+            use_recompute(
+                model,
+                step.recompute.megatron_granularity,
+                stage_recompute_layers(step, stage_layers),
+            ),
+        ):
+            yield
+
+    events = rank_events(plan, stages, stage=stage, rank=me)
+    timer.begin_loop()
+    with no_sync:
+        for event in events:
+            index = event.step
+            if event.kind == RECV_ACTIVATION:
+                live[index] = prepare(index)
+                flight = live[index]
+                with phase(f"receiving plan step {index}'s activations from stage {stage - 1}"):
+                    flight.input = recv(activation_buffer(flight), src=previous)
+                flight.input.requires_grad_()
+            elif event.kind == FORWARD:
+                if first:
+                    live[index] = prepare(index)
+                flight = live[index]
+                timer.begin(index)
+                with step_context(index, "forward"):
+                    if not first:
+                        inner.set_input_tensor(flight.input)
+                    params = flight.layout.packed_seq_params(device=device, cp_group=flight.group)
+                    out = model(
+                        flight.batch.input_ids,
+                        flight.batch.position_ids,
+                        None,
+                        labels=flight.batch.labels if last else None,
+                        packed_seq_params=params,
+                    )
+                    if last:
+                        out = (out.float() * flight.batch.loss_mask).sum()
+                flight.output = out
+                timer.end(index)
+                result.tokens_read += flight.batch.tokens_read
+                if last:
+                    loss_sum += out.detach()
+                    result.loss_tokens += flight.batch.num_loss_tokens
+                    padding = flight.layout.local_num_tokens - flight.batch.num_loss_tokens
+                    result.padding_tokens += padding
+            elif event.kind == SEND_ACTIVATION:
+                with phase(f"sending plan step {index}'s activations to stage {stage + 1}"):
+                    send(live[index].output.detach(), dst=following)
+            elif event.kind == RECV_GRADIENT:
+                flight = live[index]
+                with phase(f"receiving plan step {index}'s gradient from stage {stage + 1}"):
+                    flight.grad = recv(activation_buffer(flight), src=following)
+            elif event.kind == BACKWARD:
+                flight = live[index]
+                timer.begin(index)
+                with step_context(index, "backward"):
+                    if last:
+                        (flight.output / result.global_loss_tokens).backward()
+                    else:
+                        torch.autograd.backward(flight.output, grad_tensors=flight.grad)
+                timer.end(index)
+                if first:
+                    del live[index]
+            elif event.kind == SEND_GRADIENT:
+                flight = live.pop(index)
+                with phase(f"sending plan step {index}'s input gradient to stage {stage - 1}"):
+                    send(flight.input.grad, dst=previous)
+            else:  # pragma: no cover - rank_events makes only the kinds above
+                raise AssertionError(f"unknown pipeline event {event.kind!r}")
+    timer.end_loop()
+    assert not live, f"micro-steps {sorted(live)} were never finished"
+    result.loss_sum = loss_sum
+    finalize_grads(model)
+    result.compute_time_s, times = timer.finish()
+    # A micro-step's forward and backward are timed apart: its time is their sum.
+    summed: dict[int, float] = {}
+    for index, seconds in times:
+        summed[index] = summed.get(index, 0.0) + seconds
+    result.step_times_s = sorted(summed.items())
+    return result
