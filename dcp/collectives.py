@@ -35,8 +35,9 @@ into a message naming the rank, the phase and the step; ``is_peer_lost`` tells a
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,9 +79,29 @@ def current_phase() -> str | None:
 
 
 def where(exc: BaseException | None = None) -> str:
-    """Where this thread is, or where ``exc`` was raised (the phase block it left)."""
+    """Where this thread is, or where ``exc`` was raised (the phase block it left, and the
+    collective of this module it left, if any)."""
     name = getattr(exc, _PHASE_ATTR, None) or current_phase()
-    return f"in {name}" if name else "outside any named collective phase"
+    op = getattr(exc, _OP_ATTR, None)
+    place = f"in {name}" if name else "outside any named collective phase"
+    return f"{place}, in {op}" if op else place
+
+
+_OP_ATTR = "collective_op"
+
+
+def _names_errors[F: Callable](fn: F) -> F:
+    """An error leaving collective ``fn`` carries its name (``where`` adds it to the phase)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            exc.__dict__.setdefault(_OP_ATTR, fn.__name__)
+            raise
+
+    return wrapper
 
 
 # -- devices -----------------------------------------------------------------------------------
@@ -169,6 +190,7 @@ def _group_device_ids(group) -> list[int] | None:
 
 
 # -- collectives -------------------------------------------------------------------------------
+@_names_errors
 def all_reduce(tensor: torch.Tensor, *, op: str = SUM, group=None) -> torch.Tensor:
     """In place over ``group`` (default: every rank); returns ``tensor``."""
     _check([tensor], "all_reduce")
@@ -176,6 +198,7 @@ def all_reduce(tensor: torch.Tensor, *, op: str = SUM, group=None) -> torch.Tens
     return tensor
 
 
+@_names_errors
 def all_gather(tensor: torch.Tensor, *, group=None) -> list[torch.Tensor]:
     """Every member's ``tensor`` (same shape on every member), in group-rank order."""
     _check([tensor], "all_gather")
@@ -185,6 +208,7 @@ def all_gather(tensor: torch.Tensor, *, group=None) -> list[torch.Tensor]:
     return parts
 
 
+@_names_errors
 def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     """Every member's ``tensor`` concatenated along dim 0 into ``out``."""
     _check([out, tensor], "all_gather_into_tensor")
@@ -192,6 +216,7 @@ def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, *, group=None) -> t
     return out
 
 
+@_names_errors
 def reduce_scatter(out: torch.Tensor, parts: list[torch.Tensor], *, group=None) -> torch.Tensor:
     """``out`` = the sum over members of their ``parts[my group rank]``."""
     _check([out, *parts], "reduce_scatter")
@@ -199,6 +224,7 @@ def reduce_scatter(out: torch.Tensor, parts: list[torch.Tensor], *, group=None) 
     return out
 
 
+@_names_errors
 def reduce_scatter_into(out: torch.Tensor, whole: torch.Tensor, *, group=None) -> torch.Tensor:
     """``out`` = the sum over members of their ``whole``'s chunk of this member (dim 0)."""
     _check([out, whole], "reduce_scatter_tensor")
@@ -206,6 +232,7 @@ def reduce_scatter_into(out: torch.Tensor, whole: torch.Tensor, *, group=None) -
     return out
 
 
+@_names_errors
 def gather(tensor: torch.Tensor, *, dst: int, group=None) -> list[torch.Tensor] | None:
     """Every member's ``tensor`` on global rank ``dst`` (in group-rank order); ``None``
     elsewhere."""
@@ -218,6 +245,7 @@ def gather(tensor: torch.Tensor, *, dst: int, group=None) -> list[torch.Tensor] 
     return parts
 
 
+@_names_errors
 def broadcast(tensor: torch.Tensor, *, src: int, group=None) -> torch.Tensor:
     """``tensor`` of global rank ``src`` on every member, in place."""
     _check([tensor], "broadcast")
@@ -225,6 +253,7 @@ def broadcast(tensor: torch.Tensor, *, src: int, group=None) -> torch.Tensor:
     return tensor
 
 
+@_names_errors
 def send(tensor: torch.Tensor, *, dst: int, group=None) -> None:
     """``tensor`` to global rank ``dst``, returning once it is on its way (gloo: written to the
     connection; NCCL: queued on the communicator's stream, which waits for the kernels that
@@ -233,6 +262,7 @@ def send(tensor: torch.Tensor, *, dst: int, group=None) -> None:
     dist.send(tensor.contiguous(), dst=dst, group=group)
 
 
+@_names_errors
 def recv(tensor: torch.Tensor, *, src: int, group=None) -> torch.Tensor:
     """Fill ``tensor`` with what global rank ``src`` sends (its shape and dtype must be what
     the sender sends: both sides know it from the plan); returns ``tensor``."""
@@ -241,6 +271,7 @@ def recv(tensor: torch.Tensor, *, src: int, group=None) -> torch.Tensor:
     return tensor
 
 
+@_names_errors
 def barrier(group=None) -> None:
     """Every member of ``group`` (default: every rank) reaches this point."""
     device_ids = _group_device_ids(group)
@@ -250,6 +281,7 @@ def barrier(group=None) -> None:
         dist.barrier(group=group, device_ids=device_ids)
 
 
+@_names_errors
 def all_gather_object(obj: object, *, group=None) -> list:
     """Every member's ``obj`` (pickled by torch). Only for values this process made itself
     (statuses, times): never for anything read from a file."""
@@ -260,6 +292,7 @@ def all_gather_object(obj: object, *, group=None) -> list:
     return out
 
 
+@_names_errors
 def broadcast_object(obj: object, *, src: int = 0) -> object:
     """Global rank ``src``'s ``obj`` on every rank (pickled by torch; values this process made
     itself only)."""
@@ -268,6 +301,7 @@ def broadcast_object(obj: object, *, src: int = 0) -> object:
     return box[0]
 
 
+@_names_errors
 def all_reduce_int(value: int, *, op: str = SUM) -> int:
     """``value`` of every rank reduced with ``op`` over the default group (a collective; one
     host read); ``value`` itself in a process without a process group (a world of one)."""
@@ -278,6 +312,7 @@ def all_reduce_int(value: int, *, op: str = SUM) -> int:
     return int(to_host(flag)[0])
 
 
+@_names_errors
 def all_gather_ints(values: Sequence[int]) -> list[list[int]]:
     """Every rank's ``values`` (the same length on every rank), by rank; one host read."""
     mine = to_device(list(values), dtype=torch.int64)

@@ -419,46 +419,11 @@ class Trainer:
         self.metrics.note(PLAN_NOTATION)
         try:
             for step in range(self.start_step + 1, cfg.train.steps + 1):
-                batch, planned, plan_time_s, sampler_state = plans.next()
-                # A stop signal rides on the step's own reduction: every rank agrees on it
-                # without a collective of its own.
-                scalars = StepScalars()
-                scalars.add("stop", int(stop.requested), op=MAX)
-                # So does the checkpoint writers' status: an asynchronous save is published
-                # once every rank's files are durable.
-                scalars.add("checkpoint", self.checkpoints.status(), op=MAX)
-                stats = self.runtime.train_step(
-                    planned.plan,
-                    DatasetSource(self.dataset, batch),
-                    skip_nonfinite=cfg.train.on_nonfinite == "skip",
-                    scalars=scalars,
-                )
-                self.checkpoints.observe(int(stats.reduced["checkpoint"][0]))
-                with phase(f"the metrics record of step {step}"):
-                    record = self.recorder.record(
-                        step, stats, planned, plan_time_s, plan_wait_s=plans.wait_s
-                    )
-                skips.count(step, stats, planned)
-                if self.calibrator.calibrate(
-                    step, planned, stats.slowest_step_times_s, self.planner
-                ):
-                    plans.replan()
-                self.metrics.log(step, record.to_dict())
-                self.metrics.note(f"step {step}: {record.plan.summary()}")
-                records.append(record)
-                skips.check(step, newest=self.checkpoints.newest)
-                stopping = stats.reduced["stop"][0] > 0
-                if self.checkpoints.due(step) or stopping:
-                    # The last step's save and a stop's are finished before the loop moves on.
-                    last = stopping or step == cfg.train.steps
-                    self._save(step, sampler_state, wait=last)
+                # The step's named phases (plan agreement, micro-steps, reductions, the record)
+                # sit inside this one, so a collective no finer phase names is still placed.
+                with phase(f"step {step}, between its named phases"):
+                    stopping = self._one_step(step, plans, skips, stop, records)
                 if stopping:
-                    saved = self.checkpoints.last_saved
-                    self.stopped = (
-                        f"stopped by {stop.signal_name or 'a stop signal on another rank'} after "
-                        f"step {step}: checkpoint {saved}; run the same command again to resume"
-                    )
-                    self.metrics.note(self.stopped)
                     break
         except Exception as exc:
             if stop.requested:
@@ -485,6 +450,57 @@ class Trainer:
             stop.restore()
             plans.close()
         return records
+
+    def _one_step(
+        self,
+        step: int,
+        plans: PlanAhead,
+        skips: _SkipLimit,
+        stop: StopRequest,
+        records: list[StepRecord],
+    ) -> bool:
+        """Plan, train, record and (when due) checkpoint ``step``; whether the run stops after
+        it (a stop signal on any rank)."""
+        cfg = self.cfg
+        batch, planned, plan_time_s, sampler_state = plans.next()
+        # A stop signal rides on the step's own reduction: every rank agrees on it
+        # without a collective of its own.
+        scalars = StepScalars()
+        scalars.add("stop", int(stop.requested), op=MAX)
+        # So does the checkpoint writers' status: an asynchronous save is published
+        # once every rank's files are durable.
+        scalars.add("checkpoint", self.checkpoints.status(), op=MAX)
+        stats = self.runtime.train_step(
+            planned.plan,
+            DatasetSource(self.dataset, batch),
+            skip_nonfinite=cfg.train.on_nonfinite == "skip",
+            scalars=scalars,
+        )
+        self.checkpoints.observe(int(stats.reduced["checkpoint"][0]))
+        with phase(f"the metrics record of step {step}"):
+            record = self.recorder.record(
+                step, stats, planned, plan_time_s, plan_wait_s=plans.wait_s
+            )
+        skips.count(step, stats, planned)
+        if self.calibrator.calibrate(step, planned, stats.slowest_step_times_s, self.planner):
+            plans.replan()
+        self.metrics.log(step, record.to_dict())
+        self.metrics.note(f"step {step}: {record.plan.summary()}")
+        records.append(record)
+        skips.check(step, newest=self.checkpoints.newest)
+        stopping = stats.reduced["stop"][0] > 0
+        if self.checkpoints.due(step) or stopping:
+            # The last step's save and a stop's are finished before the loop moves on.
+            last = stopping or step == cfg.train.steps
+            self._save(step, sampler_state, wait=last)
+        if stopping:
+            saved = self.checkpoints.last_saved
+            self.stopped = (
+                f"stopped by {stop.signal_name or 'a stop signal on another rank'} after "
+                f"step {step}: checkpoint {saved}; run the same command again to resume"
+            )
+            self.metrics.note(self.stopped)
+        return stopping
 
     def _where_things_went(self, records: list[StepRecord]) -> None:
         """The end of the console output: the run against the best fixed configuration, where

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from dcp.collectives import current_phase, is_peer_lost, is_timeout, phase, where
+from dcp.collectives import all_reduce, current_phase, is_peer_lost, is_timeout, phase, where
 
 
 def test_an_error_carries_the_innermost_phase_it_left():
@@ -14,6 +15,14 @@ def test_an_error_carries_the_innermost_phase_it_left():
     assert current_phase() is None  # restored on the way out
     assert where(info.value) == "in gradient reduction"
     assert where(RuntimeError("elsewhere")) == "outside any named collective phase"
+
+
+def test_an_error_leaving_a_collective_names_it_too():
+    # No process group in this process: torch refuses the all_reduce itself.
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        with phase("the loss reduction of step 2"):
+            all_reduce(torch.zeros(1))
+    assert where(info.value) == "in the loss reduction of step 2, in all_reduce"
 
 
 @pytest.mark.parametrize(
