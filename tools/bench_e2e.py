@@ -6,9 +6,11 @@ without its finer options).
         [key.sub=value ...]
 
 Started without torchrun it re-launches itself under ``torchrun --standalone`` with ``--nproc``
-ranks (default: the spec's ``cluster.num_gpus``). Tensor parallelism comes from the spec
-(``options.tensor_parallel_size``) unless the config sets ``parallel.tensor_parallel_size``; the
-launch must match the spec (a clear error otherwise). Each planner trains a fresh model (same
+ranks (default: the spec's ``cluster.num_gpus``). Tensor and pipeline parallelism come from the
+spec (``options.tensor_parallel_size``, ``options.pipeline_parallel_size``) unless the config
+sets ``parallel.tensor_parallel_size`` / ``parallel.pipeline_parallel_size`` (``--nproc 4
+parallel.pipeline_parallel_size=2``: 2 stages x 2 planner ranks); the launch must match (a clear
+error otherwise). Each planner trains a fresh model (same
 seed) on the same global batches (same sampler seed) through the real trainer; ``static`` runs
 every fixed (CP size, recompute) configuration that holds the run's longest sequence and the
 fastest is the baseline. ``--rounds`` passes run
@@ -162,13 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from dcp.schema import load_config
-    from dcp.train.bench import with_spec_tensor_parallelism
+    from dcp.train.bench import with_spec_parallelism
     from dcp.train.config import PretrainConfig
 
     try:
-        base_cfg = with_spec_tensor_parallelism(
-            load_config(PretrainConfig, args.config, args.overrides)
-        )
+        base_cfg = with_spec_parallelism(load_config(PretrainConfig, args.config, args.overrides))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -190,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         "nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10)
     )
     try:
-        dcp.init(tensor_parallel_size=base_cfg.parallel.tensor_parallel_size)
+        dcp.init(
+            tensor_parallel_size=base_cfg.parallel.tensor_parallel_size,
+            pipeline_parallel_size=base_cfg.parallel.pipeline_parallel_size,
+        )
         results = run_benchmark(
             base_cfg,
             planners=args.planners,

@@ -57,16 +57,17 @@ def static_variants(base_cfg: PretrainConfig) -> list[tuple[str, dict]]:
     ]
 
 
-def with_spec_tensor_parallelism(cfg: PretrainConfig) -> PretrainConfig:
-    """``cfg`` with the TP size of its cost-model spec when the config leaves TP at its default
-    (the benchmark takes TP from the spec); an explicit, different TP is left for the trainer's
-    check to refuse."""
-    if cfg.parallel.tensor_parallel_size != 1:
-        return cfg
-    tp = load_cost_model(cfg.planning.spec).tensor_parallel_size
-    return dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel_size=tp)
-    )
+def with_spec_parallelism(cfg: PretrainConfig) -> PretrainConfig:
+    """``cfg`` with the TP and PP sizes of its cost-model spec where the config leaves them at
+    their default of 1 (the benchmark takes them from the spec); an explicit size stays, and the
+    run's own options are laid over the spec."""
+    spec = load_cost_model(cfg.planning.spec)
+    parallel = cfg.parallel
+    if parallel.tensor_parallel_size == 1:
+        parallel = dataclasses.replace(parallel, tensor_parallel_size=spec.tensor_parallel_size)
+    if parallel.pipeline_parallel_size == 1:
+        parallel = dataclasses.replace(parallel, pipeline_parallel_size=spec.pipeline_parallel_size)
+    return dataclasses.replace(cfg, parallel=parallel)
 
 
 def release_memory() -> None:

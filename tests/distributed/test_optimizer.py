@@ -1,10 +1,11 @@
 """megatron-core's optimizer as the runtime runs it on CPU (gloo): the distributed optimizer's
-sharded state (size, exact save/restore), bf16 training against fp32, and the FP8 weight-cache
-flag reset once per plan."""
+sharded state (size, exact restore from a sharded checkpoint), bf16 training against fp32, and
+the FP8 weight-cache flag reset once per plan."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,27 +74,39 @@ def test_distributed_optimizer_state_is_sharded(dtype):
         assert abs(got - expected_total / 2) <= 0.05 * expected_total, (per_rank, expected_total)
 
 
-def resume_exactly() -> dict:
-    """Three steps straight vs two steps, state saved, a fresh runtime restored, one step."""
+def resume_exactly(root: str) -> dict:
+    """Three steps straight vs two steps, a sharded checkpoint, a fresh runtime (another seed)
+    restored from it, one step."""
+    from dcp.checkpoint import CheckpointSaver, Layout, apply, open_checkpoint, resolve_checkpoint
+    from dcp.checkpoint.state import runtime_parts
+
     try:
         straight = _runtime()
         losses = _train(straight, range(3))
         first = _runtime()
         _train(first, range(2))
-        state = first.state_dict()
+        parts = runtime_parts(
+            first.model.module,
+            first.optimizer,
+            shared={"sampler": None, "scheduler": {"step": 2}, "extra": {}}
+            if dist.get_rank() == 0
+            else None,
+        )
         shard_bytes = sum(
             t.numel() * t.element_size()
-            for opt in state["optimizer"]["param_state"]
-            for per_dtype in opt.values()
-            if isinstance(per_dtype, dict)
-            for buckets in per_dtype.values()
-            for bucket in buckets
-            for entry in bucket
-            for t in entry.values()
-            if torch.is_tensor(t)
+            for piece in parts["pieces"]
+            for t in piece.tensors.values()
         )
+        layout = Layout(dist.get_world_size(), 1)
+        saver = CheckpointSaver(Path(root), layout=layout, rank=dist.get_rank())
+        saver.save(2, weights_finite=True, asynchronous=False, **parts)
         resumed = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED + 1)
-        resumed.load_state_dict(state)
+        ckpt = open_checkpoint(resolve_checkpoint(root))
+        state = ckpt.read(
+            resumed.model.module, resumed.optimizer, rank=dist.get_rank(), layout=layout
+        )
+        apply(state, resumed.model.module, resumed.optimizer)
+        resumed.step = ckpt.step
         last = _train(resumed, range(2, 3))
         same = all(
             torch.equal(a, b)
@@ -112,11 +125,11 @@ def resume_exactly() -> dict:
         cleanup()
 
 
-def test_sharded_optimizer_state_resumes_bit_exactly():
-    for out in run_on_ranks(2, resume_exactly, timeout_s=240):
+def test_sharded_optimizer_state_resumes_bit_exactly(tmp_path):
+    for out in run_on_ranks(2, resume_exactly, str(tmp_path), timeout_s=240):
         assert out["resumed_loss"] == out["losses"][2], out
         assert out["same_weights"], out
-        # The saved shard holds this rank's part (fp32 param + m + v = 12 B/param over 2
+        # This rank's optimizer pieces hold its part (fp32 param + m + v = 12 B/param over 2
         # ranks), not the whole buffers its tensors are views of.
         assert out["shard_bytes"] <= 0.6 * 12 * out["params"], out
 

@@ -58,13 +58,16 @@ def _wait_for_steps(
     timeout_s: float = 240,
     *,
     checkpoint: bool = False,
+    checkpoint_root: Path | None = None,
 ):
-    """Until ``steps`` steps are logged (and, with ``checkpoint``, a checkpoint is published:
-    an asynchronous save is published a step or more after the step it saves)."""
+    """Until ``steps`` steps are logged (and, with ``checkpoint``, a checkpoint is published
+    under ``checkpoint_root``, default ``run_dir/checkpoints``: an asynchronous save is
+    published a step or more after the step it saves)."""
     deadline = time.monotonic() + timeout_s
     path = run_dir / "metrics.jsonl"
+    latest = (checkpoint_root or run_dir / "checkpoints") / "latest"
     while time.monotonic() < deadline:
-        published = not checkpoint or (run_dir / "checkpoints" / "latest").exists()
+        published = not checkpoint or latest.exists()
         if published and path.exists() and len(path.read_text().splitlines()) >= steps:
             return
         if proc.poll() is not None:

@@ -132,7 +132,9 @@ def test_one_checkpoint_directory_has_one_writer(tmp_path):
     shared = f"checkpoint.root_dir={tmp_path / 'shared'}"
     first = launch(tmp_path, "first", *FAST, "train.steps=400", shared)
     try:
-        _wait_for_steps(first, tmp_path / "first", 3, checkpoint=True)
+        _wait_for_steps(
+            first, tmp_path / "first", 3, checkpoint=True, checkpoint_root=tmp_path / "shared"
+        )
         proc = launch(tmp_path, "second", *FAST, shared)
         out = proc.communicate(timeout=180)[0]
         assert proc.returncode != 0, out[-3000:]
