@@ -82,6 +82,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` / ``--nproc=N``: torchrun would take ``--nproc`` for an
+    abbreviation of its own ``--nproc-per-node`` (and refuse it as ambiguous)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def relaunch(argv: list[str], nproc: int) -> int:
     """Run this module under torchrun with ``nproc`` ranks; stdout passes through."""
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -92,7 +106,7 @@ def relaunch(argv: list[str], nproc: int) -> int:
         str(nproc),
         "-m",
         "tools.bench_e2e",
-        *argv,
+        *without_nproc(argv),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(cmd, env=env)

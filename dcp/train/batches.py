@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -78,6 +79,12 @@ class DatasetSource:
         return np.asarray(self._dataset.get_tokens(doc, start, stop - start), dtype=np.int64)
 
 
+def launch_ranks_per_node() -> int | None:
+    """The launcher's ranks per node (torchrun's ``LOCAL_WORLD_SIZE``), if it says."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def seq_lengths(batch: GlobalBatch) -> list[int]:
     """The planner's input: training length of each sequence of the batch."""
     return [train_len(n) for n in batch.lengths]
@@ -140,6 +147,32 @@ class BatchPlanner:
         self._static_config: tuple[int, str] | None = None
         self.cost_model = self._load(self.spec)
         self.peak_tflops_per_gpu = float(self.spec["cluster"]["peak_tflops"])
+
+    @classmethod
+    def for_run(cls, cfg, *, world_size: int, dataset) -> BatchPlanner:
+        """The planner a training run ``cfg`` (a ``PretrainConfig``) uses on ``world_size``
+        ranks over ``dataset``: the run's parallelism, dtype, optimizer, model and launch laid
+        over its spec (the trainer's, and the benchmark's for its static candidates)."""
+        from dcp.costmodel.spec import runtime_options
+
+        tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+        return cls(
+            cfg.planning,
+            world_size=world_size,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            max_seq_len=longest_seq_len(dataset),
+            runtime_options=runtime_options(
+                dtype=cfg.model.dtype,
+                distributed_optimizer=cfg.optim.distributed,
+                fp8=cfg.model.fp8,
+                tensor_parallel_size=tp,
+                tied_embeddings=cfg.model.tie_embeddings,
+                pipeline_parallel_size=pp,
+            ),
+            ranks_per_node=launch_ranks_per_node(),
+            model=cfg.model.shape,
+        )
 
     def lay(self, spec: dict) -> dict:
         """``spec`` with this run's options, launch and model laid over it (what every spec the

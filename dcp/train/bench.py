@@ -28,7 +28,7 @@ from dcp.observability.host import RunLoad, load_warnings
 from dcp.observability.record import StepRecord
 from dcp.planning import THREE_LEVEL_OPTIONS, static_configs
 from dcp.planning.sweep import THREE_LEVEL
-from dcp.train.batches import build_dataset, longest_seq_len
+from dcp.train.batches import BatchPlanner, build_dataset, longest_seq_len
 from dcp.train.config import PretrainConfig
 from dcp.train.trainer import Trainer
 
@@ -46,11 +46,9 @@ def static_variants(base_cfg: PretrainConfig) -> list[tuple[str, dict]]:
     candidates ``planner=static`` chooses its run's one configuration from
     (``dcp.planning.static_configs``); the benchmark measures each instead of predicting."""
     dataset = build_dataset(base_cfg.data, vocab_size=base_cfg.model.vocab_size)
-    cost_model = load_cost_model(
-        base_cfg.planning.spec,
-        world_size=dist.get_world_size(),
-        tensor_parallel_size=base_cfg.parallel.tensor_parallel_size,
-    )
+    cost_model = BatchPlanner.for_run(
+        base_cfg, world_size=dist.get_world_size(), dataset=dataset
+    ).cost_model
     return [
         (f"static-cp{cp}-{level}", {"static_cp_size": cp, "static_recompute": level})
         for cp, level in static_configs(cost_model, longest_seq_len(dataset))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import tempfile
 from pathlib import Path
 
@@ -43,7 +42,6 @@ from dcp.collectives import (
     set_collective_timeout,
     where,
 )
-from dcp.costmodel.spec import runtime_options
 from dcp.data.sampler import GlobalBatchSampler
 from dcp.files import reading
 from dcp.model import check_model_fits
@@ -58,7 +56,6 @@ from dcp.train.batches import (
     DatasetSource,
     PlannedBatch,
     build_dataset,
-    longest_seq_len,
     with_fixed_static_config,
 )
 from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator, restore_records
@@ -226,23 +223,7 @@ class Trainer:
         # compares it). A synthetic dataset's tokens follow from its config.
         fingerprint = getattr(self.dataset, "content_fingerprint", None)
         self.data_fingerprint = fingerprint() if fingerprint else None
-        self.planner = BatchPlanner(
-            cfg.planning,
-            world_size=self.world_size,
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            max_seq_len=longest_seq_len(self.dataset),
-            runtime_options=runtime_options(
-                dtype=cfg.model.dtype,
-                distributed_optimizer=cfg.optim.distributed,
-                fp8=cfg.model.fp8,
-                tensor_parallel_size=tp,
-                tied_embeddings=cfg.model.tie_embeddings,
-                pipeline_parallel_size=pp,
-            ),
-            ranks_per_node=_ranks_per_node(),
-            model=cfg.model.shape,
-        )
+        self.planner = BatchPlanner.for_run(cfg, world_size=self.world_size, dataset=self.dataset)
         # planner=static fixes its configuration once, before the run, over the run's first
         # batches (a fresh sampler: a resumed run chooses the same); config.yaml records it.
         planning = with_fixed_static_config(
@@ -566,9 +547,3 @@ class _SkipLimit:
             f"{first}-{step}); stopping (train.max_consecutive_skips={self.limit}); the "
             f"weights are those before step {first}; newest checkpoint: {newest()}"
         )
-
-
-def _ranks_per_node() -> int | None:
-    """The launcher's ranks per node (torchrun's ``LOCAL_WORLD_SIZE``), if it says."""
-    value = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None

@@ -26,3 +26,10 @@ def test_sizes_the_config_names_stay():
     )
     plain = load_config(PretrainConfig, CONFIG, [])
     assert with_spec_parallelism(plain) == plain  # cpu-tiny: TP 1, PP 1
+
+
+def test_the_relaunch_leaves_nproc_to_torchrun():
+    from tools.bench_e2e import without_nproc
+
+    argv = ["--nproc", "4", "--steps", "6", "--nproc=8", "parallel.pipeline_parallel_size=2"]
+    assert without_nproc(argv) == ["--steps", "6", "parallel.pipeline_parallel_size=2"]
