@@ -72,6 +72,17 @@ def load_distributed(optimizer, state: dict) -> None:
             _unshare_state_tensors(opt.optimizer)
 
 
+def _take_run_settings(groups: list[dict], current: list[dict]) -> None:
+    """Saved parameter groups ``groups`` with this run's settings (lr, weight decay, ...: all but
+    ``params`` and ``step``) from ``current``, the optimizer's groups; the counts must agree."""
+    if len(groups) != len(current):
+        raise ValueError(
+            f"checkpoint has {len(groups)} parameter groups, this run builds {len(current)}"
+        )
+    for group, now in zip(groups, current, strict=True):
+        group.update({k: v for k, v in now.items() if k not in ("params", "step")})
+
+
 def adopt_current_hyperparameters(saved: dict | list, optimizer) -> None:
     """Give the saved param groups ``optimizer``'s current settings (lr, weight decay, betas,
     ...), pairing groups by position (see the module doc)."""
@@ -81,13 +92,7 @@ def adopt_current_hyperparameters(saved: dict | list, optimizer) -> None:
         raise ValueError(f"checkpoint has {len(states)} optimizer states, this run {len(inner)}")
     for opt, st in zip(inner, states, strict=True):
         groups = st["optimizer"]["param_groups"] if "optimizer" in st else st["param_groups"]
-        current = opt.optimizer.param_groups
-        if len(groups) != len(current):
-            raise ValueError(
-                f"checkpoint has {len(groups)} parameter groups, this run builds {len(current)}"
-            )
-        for group, now in zip(groups, current, strict=True):
-            group.update({k: v for k, v in now.items() if k not in ("params", "step")})
+        _take_run_settings(groups, opt.optimizer.param_groups)
 
 
 def _clone_tensors(obj):
@@ -234,20 +239,14 @@ def allocate_state(optimizer, saved_groups: list[dict]) -> None:
         )
     for opt, saved in zip(inner, saved_groups, strict=True):
         groups = [dict(g) for g in saved["param_groups"]]
-        current = opt.optimizer.param_groups
-        if len(groups) != len(current):
-            raise ValueError(
-                f"checkpoint has {len(groups)} parameter groups, this run builds {len(current)}"
-            )
-        for group, now in zip(groups, current, strict=True):
-            group.update({k: v for k, v in now.items() if k not in ("params", "step")})
+        _take_run_settings(groups, opt.optimizer.param_groups)
         if isinstance(opt, DistributedOptimizer):
             # megatron allocates the shard's moments (``load_state_dict`` above) from the group
             # state, with one step tensor every parameter shares: each gets its own.
             opt.load_state_dict({"optimizer": {"param_groups": groups}})
             _unshare_state_tensors(opt.optimizer)
             continue
-        for group, now in zip(groups, current, strict=True):
+        for group, now in zip(groups, opt.optimizer.param_groups, strict=True):
             for p in now["params"]:
                 main = p
                 state = opt.optimizer.state[main]
