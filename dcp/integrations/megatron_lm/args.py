@@ -27,7 +27,18 @@ def parse_args(extra_args_provider=None, **kwargs) -> argparse.Namespace:
         return extra_args_provider(parser) if extra_args_provider else parser
 
     with arguments_on_cpu():
-        return parse_and_validate_args(extra_args_provider=provider, **kwargs)
+        args = parse_and_validate_args(extra_args_provider=provider, **kwargs)
+    if args.pipeline_model_parallel_size > 1:
+        # Megatron's validation sets it False ("set it if the dataloader supports generation of
+        # variable sequence lengths"): DCP's packed micro-batches and plans vary in length, so
+        # Megatron's pipeline schedule (static mode) exchanges each message's shape first
+        # (p2p_communication: ``_communicate_shapes`` under ``config.variable_seq_lengths``).
+        args.variable_seq_lengths = True
+        if not getattr(args, "num_experts", None):
+            # TransformerConfig.__post_init__ refuses variable lengths with the default
+            # "allgather" MoE token dispatcher even for a dense model, which has no dispatcher.
+            args.moe_token_dispatcher_type = "alltoall"
+    return args
 
 
 def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -163,12 +174,15 @@ def overridden_flags(args: argparse.Namespace) -> list[str]:
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` naming the flag for every Megatron setting DCP cannot run with."""
     problems = []
-    if args.pipeline_model_parallel_size != 1:
+    # Either flag asks for virtual stages; validation derives the size (None when 1).
+    flags = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1 or any(
+        getattr(args, name, None) is not None for name in flags
+    ):
         problems.append(
-            "pipeline parallelism is not supported by DCP yet: --pipeline-model-parallel-size 1"
+            "interleaved virtual pipeline stages are not supported by DCP: drop "
+            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        problems.append("virtual pipeline stages need pipeline parallelism: drop them")
     if args.micro_batch_size != 1:
         problems.append(
             "documents are packed into one sequence per micro-batch: --micro-batch-size 1"
@@ -212,7 +226,12 @@ def check_args(args: argparse.Namespace) -> None:
             problems.append(
                 "DCP chooses the CP size of every micro-step itself: --context-parallel-size 1"
             )
-        if args.dcp_calibration == "online" and not (args.dcp_metrics or args.save):
+        if args.pipeline_model_parallel_size > 1 and args.dcp_calibration == "online":
+            problems.append(
+                "online calibration fits whole-model micro-step times, which a pipeline stage "
+                "does not measure: --dcp-calibration fixed with --pipeline-model-parallel-size > 1"
+            )
+        elif args.dcp_calibration == "online" and not (args.dcp_metrics or args.save):
             problems.append(
                 "online calibration keeps its micro-step records beside the step records or "
                 "the checkpoints: give --dcp-metrics or --save"

@@ -172,10 +172,12 @@ class MegatronLMRun:
 
         args = get_args()
         tp = ps.get_tensor_model_parallel_world_size()
+        pp = ps.get_pipeline_model_parallel_world_size()
         planner = BatchPlanner(
             planning_config(args),
             world_size=dist.get_world_size(),
             tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
             max_seq_len=args.seq_length,
             runtime_options=runtime_options(
                 dtype="bf16" if args.bf16 else "fp32",
@@ -183,6 +185,7 @@ class MegatronLMRun:
                 fp8=bool(args.fp8),
                 tensor_parallel_size=tp,
                 tied_embeddings=not args.untie_embeddings_and_output_weights,
+                pipeline_parallel_size=pp,
             ),
             model=_model_spec(args),
         )
@@ -204,7 +207,7 @@ class MegatronLMRun:
             )
         return DCPForwardBackward(
             planner,
-            registry=GroupRegistry(tensor_parallel_size=tp),
+            registry=GroupRegistry(tensor_parallel_size=tp, pipeline_parallel_size=pp),
             dataset=self.dataset,
             on_step=self.recorder.on_plan,
             calibrator=calibrator,

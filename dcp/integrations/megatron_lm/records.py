@@ -81,9 +81,19 @@ def plan_fields(
     }
 
 
+def _writing_rank() -> int:
+    """The first global rank of the last pipeline stage (megatron's rank order: the stage is
+    the outermost coordinate), 0 without pipelining."""
+    from megatron.core import parallel_state as ps
+
+    world, stages = dist.get_world_size(), ps.get_pipeline_model_parallel_world_size()
+    return world - world // stages
+
+
 class LoopRecorder:
-    """Times Megatron's ``train_step`` and writes one record per step (global rank 0 writes);
-    the last rank prints the plan of every ``log_interval``-th step."""
+    """Times Megatron's ``train_step`` and writes one record per step (the first rank of the
+    last pipeline stage writes: global rank 0 without pipelining; Megatron reports the loss on
+    the last stage only); the last rank prints the plan of every ``log_interval``-th step."""
 
     def __init__(self, path: str | None, *, planner: str, log_interval: int = 1) -> None:
         self.path = Path(path) if path else None
@@ -119,7 +129,7 @@ class LoopRecorder:
 
         loss_reduced, skipped, grad_norm = out[0], out[1], out[5]
         wandb = get_wandb_writer()
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        rank0 = not dist.is_initialized() or dist.get_rank() == _writing_rank()
         if self._batch is None or not loss_reduced:
             return
         step = (iteration or 0) + 1

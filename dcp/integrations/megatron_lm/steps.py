@@ -1,12 +1,14 @@
 """The two ways a global batch of documents runs in Megatron's loop.
 
 - ``PackedMicroBatches`` + ``packed_forward_step``: Megatron's own schedule
-  (``forward_backward_no_pipelining``) over this data-parallel rank's packed micro-batches, at
+  (``forward_backward_no_pipelining``, or its 1F1B under pipeline parallelism with
+  ``variable_seq_lengths``) over this data-parallel rank's packed micro-batches, at
   the fixed ``--context-parallel-size`` (each document split zig-zag over the CP group, as TE's
   THD attention expects). The static baseline, and what any run without ``--dcp`` does.
 - ``DCPForwardBackward``: a ``forward_backward_func`` with Megatron's signature that plans the
-  whole global batch and runs the plan (``dcp.runtime.schedule.run_plan``): per-micro-step CP
-  groups and recompute levels, each rank reading only its own shards.
+  whole global batch and runs the plan (``dcp.runtime.schedule.run_plan``; under pipeline
+  parallelism ``dcp.runtime.pipeline.run_pipelined_plan``): per-micro-step CP groups and
+  recompute levels, each rank reading only its own shards.
 
 Both divide by the global batch's token count (``--calculate-per-token-loss``) and report
 ``{'lm loss': [loss sum, tokens]}``, which Megatron's ``train_step`` sums over the
@@ -28,6 +30,7 @@ from dcp.integrations.megatron_lm.data import DocumentBatch, DocumentBatches
 from dcp.integrations.megatron_lm.records import plan_fields
 from dcp.runtime.builders import local_token_multiple as _token_multiple
 from dcp.runtime.dispatch import compute_device, local_batch
+from dcp.runtime.pipeline import run_pipelined_plan
 from dcp.runtime.schedule import run_plan
 from dcp.train.batches import DatasetSource
 
@@ -138,7 +141,9 @@ class DCPForwardBackward:
         start = time.perf_counter()
         planned = self.planner.plan(batch)
         plan_time_s = time.perf_counter() - start
-        result = run_plan(
+        pipelined = self.registry.pipeline_parallel_size > 1
+        run = run_pipelined_plan if pipelined else run_plan
+        result = run(
             model[0],
             planned.plan,
             source=DatasetSource(self.dataset, batch),

@@ -51,6 +51,8 @@ def test_unsupported_megatron_settings_are_refused_with_the_flag():
         "--dataloader-type",
         "single",
         "--dcp",
+        "--dcp-calibration",
+        "online",
         "--pipeline-model-parallel-size",
         "2",
         "--context-parallel-size",
@@ -64,7 +66,7 @@ def test_unsupported_megatron_settings_are_refused_with_the_flag():
         dcp_mlm.check_args(args)
     message = str(err.value)
     for flag in (
-        "--pipeline-model-parallel-size 1",
+        "--dcp-calibration fixed",  # online calibration under pipeline parallelism
         "--micro-batch-size 1",
         "--dataloader-type external",
         "--calculate-per-token-loss",
@@ -88,6 +90,15 @@ def test_evaluation_is_refused_before_the_first_step_in_both_modes(flags, dcp):
     args = megatron_args(*GOOD, *flags, *(["--dcp"] if dcp else []))
     with pytest.raises(ValueError, match="--eval-iters 0"):
         dcp_mlm.check_args(args)
+
+
+def test_pipeline_parallelism_runs_with_fixed_calibration_and_no_virtual_stages():
+    pp = ("--pipeline-model-parallel-size", "2")
+    dcp_mlm.check_args(megatron_args(*GOOD, *pp))  # static: Megatron's own 1F1B
+    dcp_mlm.check_args(megatron_args(*GOOD, *pp, "--dcp", "--dcp-calibration", "fixed"))
+    virtual = megatron_args(*GOOD, *pp, "--num-virtual-stages-per-pipeline-rank", "2")
+    with pytest.raises(ValueError, match="interleaved virtual pipeline stages"):
+        dcp_mlm.check_args(virtual)
 
 
 def test_a_batch_size_ramp_up_is_refused():
