@@ -86,6 +86,38 @@ def weights(checkpoint: Path, iteration: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def only_checkpoint(ckpt: Path, iteration: int, into: Path) -> Path:
+    """A checkpoint directory ``into`` holding only ``ckpt``'s ``iteration`` (a link to it)."""
+    into.mkdir()
+    os.symlink(ckpt / f"iter_{iteration:07d}", into / f"iter_{iteration:07d}")
+    (into / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return into
+
+
+def assert_same_weights(a: Path, b: Path, *, min_tensors: int = 9) -> None:
+    """The model tensors of checkpoints ``a`` and ``b`` at the last step agree within 1e-4 of
+    each tensor's largest value."""
+    w_a, w_b = weights(a, STEPS), weights(b, STEPS)
+    assert w_a.keys() == w_b.keys() and len(w_a) >= min_tensors
+    for key, value in w_a.items():
+        scale = float(value.abs().max())
+        assert float((value - w_b[key]).abs().max()) <= 1e-4 * scale, key
+
+
+def assert_resumes_exactly(straight: list[dict], resumed: list[dict], ckpts: tuple) -> None:
+    """The resumed run's steps, tokens, losses and learning rates are the uninterrupted run's
+    from ``RESUME_FROM`` on, and so are its final weights (``ckpts``: both checkpoints)."""
+    assert [r["step"] for r in resumed] == list(range(RESUME_FROM + 1, STEPS + 1))
+    for a, b in zip(straight[RESUME_FROM:], resumed, strict=True):
+        assert a["tokens"] == b["tokens"], a["step"]
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a["step"], a["loss"], b["loss"])
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+    w_straight, w_resumed = (weights(c, STEPS) for c in ckpts)
+    assert w_straight.keys() == w_resumed.keys()
+    for key, value in w_straight.items():
+        torch.testing.assert_close(w_resumed[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict:
     commands = readme_commands()
@@ -103,10 +135,7 @@ def runs(corpus, tmp_path_factory) -> dict:
         result[f"{mode}-ckpt"] = ckpt
     result["root"] = root
     # Resume the DCP run from its step-5 checkpoint, in a copy that holds only that one.
-    resumed = root / "dcp-resume-ckpt"
-    resumed.mkdir()
-    os.symlink(result["dcp-ckpt"] / f"iter_{RESUME_FROM:07d}", resumed / f"iter_{RESUME_FROM:07d}")
-    (resumed / "latest_checkpointed_iteration.txt").write_text(str(RESUME_FROM))
+    resumed = only_checkpoint(result["dcp-ckpt"], RESUME_FROM, root / "dcp-resume-ckpt")
     result["resumed"] = run(
         commands["dcp"],
         data=corpus,
@@ -137,26 +166,12 @@ def test_dcp_plans_give_megatron_static_losses_and_weights(runs):
     assert "DCP overrides" not in (root / "static" / "console.txt").read_text()
     steps = re.findall(r"^DCP step (\d+): cp \{", console, re.M)
     assert steps == ["1", "5", "10"], steps
-    w_static = weights(runs["static-ckpt"], STEPS)
-    w_dcp = weights(runs["dcp-ckpt"], STEPS)
-    assert w_static.keys() == w_dcp.keys() and len(w_static) >= 9
-    for key, value in w_static.items():
-        scale = float(value.abs().max())
-        assert float((value - w_dcp[key]).abs().max()) <= 1e-4 * scale, key
+    assert_same_weights(runs["static-ckpt"], runs["dcp-ckpt"])
 
 
 def test_megatron_checkpoint_of_a_dcp_run_resumes_exactly(runs):
-    straight, resumed = runs["dcp"], runs["resumed"]
-    assert [r["step"] for r in resumed] == list(range(RESUME_FROM + 1, STEPS + 1))
-    tail = straight[RESUME_FROM:]
-    for a, b in zip(tail, resumed, strict=True):
-        assert a["tokens"] == b["tokens"], a["step"]
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a["step"], a["loss"], b["loss"])
-        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
-    w_straight = weights(runs["dcp-ckpt"], STEPS)
-    w_resumed = weights(runs["resumed-ckpt"], STEPS)
-    for key, value in w_straight.items():
-        torch.testing.assert_close(w_resumed[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    ckpts = (runs["dcp-ckpt"], runs["resumed-ckpt"])
+    assert_resumes_exactly(runs["dcp"], runs["resumed"], ckpts)
 
 
 def test_evaluation_in_the_static_mode_is_refused_before_the_first_step(corpus, tmp_path):

@@ -9,12 +9,18 @@ weights; a Megatron checkpoint of the DCP run resumes with the uninterrupted run
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
-import torch
 
-from tests.e2e.test_megatron_lm import RESUME_FROM, STEPS, readme_commands, run, weights
+from tests.e2e.test_megatron_lm import (
+    RESUME_FROM,
+    STEPS,
+    assert_resumes_exactly,
+    assert_same_weights,
+    only_checkpoint,
+    readme_commands,
+    run,
+)
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
@@ -29,15 +35,12 @@ def runs(corpus, tmp_path_factory) -> dict:
     commands = {mode: _on_4_ranks(argv) for mode, argv in readme_commands().items()}
     root = tmp_path_factory.mktemp("megatron_lm_pp")
     result = {}
-    for mode, extra in (("static", PP2), ("dcp", PP2)):
+    for mode in ("static", "dcp"):
         ckpt = root / f"{mode}-ckpt"
         save = ["--save", str(ckpt), "--save-interval", str(RESUME_FROM)]
-        result[mode] = run(commands[mode], data=corpus, out=root / mode, extra=[*extra, *save])
+        result[mode] = run(commands[mode], data=corpus, out=root / mode, extra=[*PP2, *save])
         result[f"{mode}-ckpt"] = ckpt
-    resumed = root / "dcp-resume-ckpt"
-    resumed.mkdir()
-    os.symlink(result["dcp-ckpt"] / f"iter_{RESUME_FROM:07d}", resumed / f"iter_{RESUME_FROM:07d}")
-    (resumed / "latest_checkpointed_iteration.txt").write_text(str(RESUME_FROM))
+    resumed = only_checkpoint(result["dcp-ckpt"], RESUME_FROM, root / "dcp-resume-ckpt")
     result["resumed"] = run(
         commands["dcp"],
         data=corpus,
@@ -57,23 +60,10 @@ def test_dcp_pipelined_plans_give_megatron_static_pipeline_losses_and_weights(ru
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
     cp_sizes = {k.rsplit("/", 1)[1] for r in dcp for k in r if k.startswith("plan/cp_hist/")}
     assert cp_sizes >= {"1", "2"}, cp_sizes  # DCP regrouped within each stage
-    w_static = weights(runs["static-ckpt"], STEPS)
-    w_dcp = weights(runs["dcp-ckpt"], STEPS)
-    # Every layer of both stages is in the checkpoint (global layer numbers).
-    assert w_static.keys() == w_dcp.keys() and len(w_static) >= 9
-    for key, value in w_static.items():
-        scale = float(value.abs().max())
-        assert float((value - w_dcp[key]).abs().max()) <= 1e-4 * scale, key
+    # Every layer of both stages is in the checkpoints (global layer numbers).
+    assert_same_weights(runs["static-ckpt"], runs["dcp-ckpt"])
 
 
 def test_a_pipelined_dcp_checkpoint_resumes_exactly(runs):
-    straight, resumed = runs["dcp"], runs["resumed"]
-    assert [r["step"] for r in resumed] == list(range(RESUME_FROM + 1, STEPS + 1))
-    for a, b in zip(straight[RESUME_FROM:], resumed, strict=True):
-        assert a["tokens"] == b["tokens"], a["step"]
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6), (a["step"], a["loss"], b["loss"])
-    w_straight = weights(runs["dcp-ckpt"], STEPS)
-    w_resumed = weights(runs["resumed-ckpt"], STEPS)
-    assert w_straight.keys() == w_resumed.keys()
-    for key, value in w_straight.items():
-        torch.testing.assert_close(w_resumed[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    ckpts = (runs["dcp-ckpt"], runs["resumed-ckpt"])
+    assert_resumes_exactly(runs["dcp"], runs["resumed"], ckpts)
