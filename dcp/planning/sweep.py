@@ -8,12 +8,13 @@ baselines: docs/planner.md, 'Baselines'; the results: docs/results.md.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -290,24 +291,52 @@ def simulate_batches(
     }
 
 
+@contextlib.contextmanager
+def on_one_core() -> Iterator[None]:
+    """Within the block this process runs on one core (where the OS lets it pin), so a plan
+    time is one core's, as a rank planning beside its training has."""
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if affinity:
+        os.sched_setaffinity(0, {min(affinity)})
+    try:
+        yield
+    finally:
+        if affinity:
+            os.sched_setaffinity(0, affinity)
+
+
+def timed_plans(
+    model: str,
+    num_gpus: int,
+    num_seqs: int,
+    *,
+    repeats: int,
+    seed: int,
+    workload: str = "lognormal",
+) -> tuple[list[int], CostModel, Plan, list[float]]:
+    """``num_seqs`` lengths of ``workload`` (drawn from ``seed``) planned by DCP ``repeats``
+    times on the ``h200x<num_gpus>+<model>`` preset: the lengths, the cost model, the plan and
+    each plan's seconds."""
+    cost_model = load_cost_model(f"h200x{num_gpus}+{model}")
+    rng = np.random.default_rng([seed, num_gpus, num_seqs])
+    lengths = get_workload(workload).draw(rng, num_seqs).tolist()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan = plan_dcp(lengths, cost_model=cost_model)
+        times.append(time.perf_counter() - start)
+    return lengths, cost_model, plan, times
+
+
 def plan_time_benchmark(
     model: str, cases: list[tuple[int, int]], *, repeats: int = 5, log: Log = _quiet
 ) -> list[dict]:
     """Median DCP plan time for ``num_sequences`` log-normal lengths on ``num_gpus`` (one core)."""
     out = []
-    old_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if old_affinity:
-        os.sched_setaffinity(0, {min(old_affinity)})
-    try:
+    with on_one_core():
         for num_gpus, num_seqs in cases:
-            cost_model = load_cost_model(f"h200x{num_gpus}+{model}")
-            rng = np.random.default_rng([7, num_gpus, num_seqs])
-            lengths = get_workload("lognormal").draw(rng, num_seqs).tolist()
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                plan_dcp(lengths, cost_model=cost_model)
-                times.append((time.perf_counter() - start) * 1e3)
+            *_, seconds = timed_plans(model, num_gpus, num_seqs, repeats=repeats, seed=7)
+            times = [s * 1e3 for s in seconds]
             out.append(
                 {
                     "num_gpus": num_gpus,
@@ -317,9 +346,6 @@ def plan_time_benchmark(
                 }
             )
             log(f"plan time: {num_seqs} seqs on {num_gpus} GPUs: {statistics.median(times):.1f} ms")
-    finally:
-        if old_affinity:
-            os.sched_setaffinity(0, old_affinity)
     return out
 
 

@@ -105,27 +105,15 @@ def plan_time_against_step(
     """For each (GPUs, sequences): DCP's plan time on one core (median of ``repeats``) and the
     simulated step time of the plan it makes (the cost model's, on the ``h200x<GPUs>`` preset):
     planning hides behind the previous step only while it is the shorter."""
-    import numpy as np
-
-    from dcp.costmodel import load_cost_model
-    from dcp.planning import plan_dcp
     from dcp.planning.simulator import simulate
-    from dcp.planning.workloads import get_workload
+    from dcp.planning.sweep import on_one_core, timed_plans
 
     out = []
-    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if affinity:
-        os.sched_setaffinity(0, {min(affinity)})
-    try:
+    with on_one_core():
         for num_gpus, num_seqs in cases:
-            cost_model = load_cost_model(f"h200x{num_gpus}+{model}")
-            rng = np.random.default_rng([11, num_gpus, num_seqs])
-            lengths = get_workload(workload).draw(rng, num_seqs).tolist()
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                plan = plan_dcp(lengths, cost_model=cost_model)
-                times.append(time.perf_counter() - start)
+            lengths, cost_model, plan, times = timed_plans(
+                model, num_gpus, num_seqs, repeats=repeats, seed=11, workload=workload
+            )
             step_s = simulate(plan, lengths, cost_model).makespan_s
             plan_s = statistics.median(times)
             row = {
@@ -143,7 +131,4 @@ def plan_time_against_step(
                 f"{num_seqs} sequences on {num_gpus} GPUs: plan {plan_s:.2f} s, simulated step "
                 f"{step_s:.2f} s ({row['plan_to_step']:.2f} of a step)"
             )
-    finally:
-        if affinity:
-            os.sched_setaffinity(0, affinity)
     return out
