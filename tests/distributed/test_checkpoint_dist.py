@@ -149,6 +149,13 @@ def resume_and_continue(
         cleanup()
 
 
+def _assert_same_weights(reference: dict, resumed: dict, where: str) -> None:
+    for name, value in reference["weights"].items():
+        np.testing.assert_allclose(
+            resumed["weights"][name], value, rtol=1e-5, atol=1e-7, err_msg=f"{name} {where}"
+        )
+
+
 def _close(a: list[float], b: list[float]) -> bool:
     return all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b, strict=True))
 
@@ -171,14 +178,7 @@ def test_a_checkpoint_at_tp2_on_4_ranks_continues_at_other_layouts(tmp_path, dis
         assert resumed["saved_layout"] == (4, 2, 1)
         assert resumed["rng_carried"] == ((world, tp) == (4, 2))
         assert _close(reference["after"], resumed["after"]), (world, tp, reference, resumed)
-        for name, value in reference["weights"].items():
-            np.testing.assert_allclose(
-                resumed["weights"][name],
-                value,
-                rtol=1e-5,
-                atol=1e-7,
-                err_msg=f"{name} {world} {tp}",
-            )
+        _assert_same_weights(reference, resumed, f"{world} ranks, TP {tp}")
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
@@ -199,11 +199,4 @@ def test_a_checkpoint_at_pp2_continues_at_other_pipeline_sizes(tmp_path, tied):
         assert resumed["rng_carried"] == ((world, pp) == (4, 2))
         assert _close(reference["after"], resumed["after"]), (world, pp, reference, resumed)
         assert set(resumed["weights"]) == set(reference["weights"])
-        for name, value in reference["weights"].items():
-            np.testing.assert_allclose(
-                resumed["weights"][name],
-                value,
-                rtol=1e-5,
-                atol=1e-7,
-                err_msg=f"{name} {world} {pp}",
-            )
+        _assert_same_weights(reference, resumed, f"{world} ranks, PP {pp}")
