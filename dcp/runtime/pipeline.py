@@ -53,9 +53,9 @@ from dcp.planning.pipeline import (
     SEND_GRADIENT,
     rank_events,
 )
-from dcp.runtime.dispatch import LocalBatch, SequenceSource, local_batch
+from dcp.runtime.dispatch import LocalBatch, SequenceSource
 from dcp.runtime.groups import GroupRegistry
-from dcp.runtime.schedule import ScheduleResult, check_groups, finalize_grads, verify_plan_agreement
+from dcp.runtime.schedule import ScheduleResult, finalize_grads, start_plan, step_batch
 from dcp.runtime.timing import MicroStepTimer
 from megatron_patches._util import unwrap
 from megatron_patches.parallel_state import use_cp_group
@@ -98,17 +98,13 @@ def run_pipelined_plan(
     stage, stages = registry.stage, registry.pipeline_parallel_size
     me = registry.planner_rank
     first, last = stage == 0, stage == stages - 1
-    lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
-    result = ScheduleResult(global_loss_tokens=sum(lengths.values()))
-    check_groups(plan, registry)
     if plan.barriers:
         raise ValueError(
             f"plan {plan.planner!r} synchronises all ranks between its steps (barriers before "
             f"steps {list(plan.barriers)[:4]}), which a pipeline's stages cannot: they run "
             "different steps at once; plan it without barriers"
         )
-    with phase("the plan agreement check before the first micro-step"):
-        verify_plan_agreement(plan, result.global_loss_tokens)
+    lengths, result = start_plan(plan, source, registry)
 
     device = run_device()
     inner = unwrap(model)
@@ -131,13 +127,13 @@ def run_pipelined_plan(
 
     def prepare(index: int) -> _InFlight:
         step = plan.steps[index]
-        layout = ShardLayout.aligned(
-            [lengths[i] for i in step.seq_ids],
-            cp_size=len(step.ranks),
+        layout, batch = step_batch(
+            source,
+            step,
+            lengths,
+            planner_rank=me,
             local_token_multiple=local_token_multiple,
-        )
-        batch = local_batch(
-            source, step.seq_ids, layout=layout, cp_rank=step.ranks.index(me), device=device
+            device=device,
         )
         return _InFlight(batch=batch, layout=layout, group=registry.get(step.ranks))
 

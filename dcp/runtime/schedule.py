@@ -35,8 +35,8 @@ import torch
 
 from dcp.attention.layout import ShardLayout
 from dcp.collectives import MAX, all_reduce, barrier, phase, run_device, to_device, to_host
-from dcp.plan import Plan
-from dcp.runtime.dispatch import SequenceSource, local_batch
+from dcp.plan import MicroStep, Plan
+from dcp.runtime.dispatch import LocalBatch, SequenceSource, local_batch
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.timing import MicroStepTimer
 from megatron_patches.parallel_state import use_cp_group
@@ -103,6 +103,37 @@ def finalize_grads(model) -> None:
         finalize_model_grads([model])
 
 
+def start_plan(plan: Plan, source: SequenceSource, registry: GroupRegistry):
+    """What every schedule does first: each sequence's length, the step's result with its
+    global loss-token count, and the checks that the plan's groups exist and that every rank
+    holds the same plan (a collective). Returns ``(lengths, result)``."""
+    lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
+    result = ScheduleResult(global_loss_tokens=sum(lengths.values()))
+    check_groups(plan, registry)
+    with phase("the plan agreement check before the first micro-step"):
+        verify_plan_agreement(plan, result.global_loss_tokens)
+    return lengths, result
+
+
+def step_batch(
+    source: SequenceSource,
+    step: MicroStep,
+    lengths: dict[int, int],
+    *,
+    planner_rank: int,
+    local_token_multiple: int,
+    device: torch.device,
+) -> tuple[ShardLayout, LocalBatch]:
+    """Plan step ``step``'s shard layout and this planner rank's tokens of it on ``device``."""
+    layout = ShardLayout.aligned(
+        [lengths[i] for i in step.seq_ids],
+        cp_size=len(step.ranks),
+        local_token_multiple=local_token_multiple,
+    )
+    cp_rank = step.ranks.index(planner_rank)
+    return layout, local_batch(source, step.seq_ids, layout=layout, cp_rank=cp_rank, device=device)
+
+
 def run_plan(
     model,
     plan: Plan,
@@ -118,12 +149,7 @@ def run_plan(
     tokens are padded to a multiple of ``local_token_multiple`` (``ShardLayout.aligned``).
     """
     me = registry.planner_rank
-    lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
-    result = ScheduleResult(global_loss_tokens=sum(lengths.values()))
-    check_groups(plan, registry)
-    with phase("the plan agreement check before the first micro-step"):
-        verify_plan_agreement(plan, result.global_loss_tokens)
-
+    lengths, result = start_plan(plan, source, registry)
     device = run_device()
     no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
     barriers = set(plan.barriers)
@@ -145,13 +171,14 @@ def run_plan(
                 continue
             timer.begin(index)
             group = registry.get(step.ranks)
-            cp_rank = step.ranks.index(me)
-            layout = ShardLayout.aligned(
-                [lengths[i] for i in step.seq_ids],
-                cp_size=len(step.ranks),
+            layout, batch = step_batch(
+                source,
+                step,
+                lengths,
+                planner_rank=me,
                 local_token_multiple=local_token_multiple,
+                device=device,
             )
-            batch = local_batch(source, step.seq_ids, layout=layout, cp_rank=cp_rank, device=device)
             params = layout.packed_seq_params(device=device, cp_group=group)
             with (
                 phase(f"plan step {index} (CP group of ranks {list(step.ranks)})"),
