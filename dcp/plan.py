@@ -19,7 +19,7 @@ import itertools
 import json
 import operator
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -237,6 +237,14 @@ class Plan:
         """A 62-bit digest of the steps (and barriers), equal on every rank with the same plan."""
         payload = json.dumps([[s.to_dict() for s in self.steps], list(self.barriers)]).encode()
         return int.from_bytes(hashlib.sha256(payload).digest()[:8], "little") >> 2
+
+    def forward_only(self) -> Plan:
+        """This plan as a forward-only pass (evaluation) runs it: the same steps on the same
+        ranks in the same order, each at recompute ``none`` (without a backward nothing is
+        recomputed, and a step that fits its memory with activations kept for the backward
+        fits without them)."""
+        steps = (replace(s, recompute=Recompute.NONE, recompute_layers=None) for s in self.steps)
+        return replace(self, steps=tuple(steps))
 
     # -- validation ------------------------------------------------------------------------
     def validate(

@@ -42,6 +42,8 @@ from dcp.plan import MicroStep, Plan
 FORWARD, BACKWARD = "F", "B"
 SEND_ACTIVATION, RECV_ACTIVATION = "send_act", "recv_act"
 SEND_GRADIENT, RECV_GRADIENT = "send_grad", "recv_grad"
+_FORWARD_KINDS = frozenset({FORWARD, SEND_ACTIVATION, RECV_ACTIVATION})
+"""The events of a forward-only pass (evaluation)."""
 Op = tuple[str, int]
 """(``"F"`` or ``"B"``, index of the micro-step in ``Plan.steps``)."""
 # Dense-schedule durations that key the events (a GEMM's backward costs twice its forward).
@@ -175,13 +177,22 @@ class PipelineEvent:
 
 
 def rank_events(
-    plan: Plan, num_stages: int, *, stage: int, rank: int, virtual_stages: int = 1
+    plan: Plan,
+    num_stages: int,
+    *,
+    stage: int,
+    rank: int,
+    virtual_stages: int = 1,
+    forward_only: bool = False,
 ) -> list[PipelineEvent]:
     """What planner rank ``rank`` of stage ``stage`` runs, in order: for each micro-step that
     holds the rank, its receive of the activations (stages > 0), forward, send of them
     (stages < P - 1), receive of the gradient, backward and send of the input gradient, each at
     its key (``event_keys``). Its F and B events are the subsequence of
-    ``pipeline_order(plan)[stage]`` made of the rank's micro-steps."""
+    ``pipeline_order(plan)[stage]`` made of the rank's micro-steps. ``forward_only``
+    (evaluation): the forwards and activation messages alone, in the same key order; each
+    event dropped is dropped on all its participants (a backward has one, a gradient message
+    both its ends), so what is left keeps the order argument of docs/design.md."""
     check_stages(num_stages, virtual_stages)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
@@ -197,6 +208,8 @@ def rank_events(
             events.append(PipelineEvent(key, (SEND_ACTIVATION, RECV_GRADIENT)[kind], m, s + 1))
         elif s + 1 == stage:
             events.append(PipelineEvent(key, (RECV_ACTIVATION, SEND_GRADIENT)[kind], m, s))
+    if forward_only:
+        return [e for e in events if e.kind in _FORWARD_KINDS]
     return events
 
 

@@ -28,6 +28,9 @@ as without pipelines. After the last event megatron's ``finalize_model_grads`` r
 gradients once: over each stage's DP×CP group, the TP sums, and the tied embedding's gradient
 over the first and last stage (``_allreduce_embedding_grads``).
 
+A forward-only pass (evaluation, ``forward_only=True``) runs the forwards and activation
+messages of the same order alone, without autograd, and reduces no gradient.
+
 On NCCL a send is queued on the pair's stream and a receive makes the compute stream wait for
 it (``ProcessGroupNCCL``: neither blocks the host); the messages of each pair of ranks are in key
 order on both sides, so their streams match them in order.
@@ -55,7 +58,13 @@ from dcp.planning.pipeline import (
 )
 from dcp.runtime.dispatch import LocalBatch, SequenceSource
 from dcp.runtime.groups import GroupRegistry
-from dcp.runtime.schedule import ScheduleResult, finalize_grads, start_plan, step_batch
+from dcp.runtime.schedule import (
+    ScheduleResult,
+    around_steps,
+    finalize_grads,
+    start_plan,
+    step_batch,
+)
 from dcp.runtime.timing import MicroStepTimer
 from megatron_patches._util import unwrap
 from megatron_patches.parallel_state import use_cp_group
@@ -91,10 +100,13 @@ def run_pipelined_plan(
     source: SequenceSource,
     registry: GroupRegistry,
     local_token_multiple: int = 1,
+    forward_only: bool = False,
 ) -> ScheduleResult:
     """Forward/backward this rank's events of ``plan`` on its pipeline stage (module
     docstring); gradients end up reduced in ``model`` (megatron's DDP around one stage of a
-    GPTModel built for ``registry``'s pipeline)."""
+    GPTModel built for ``registry``'s pipeline). ``forward_only`` (evaluation): the forwards
+    and activation messages alone (``rank_events(forward_only=True)``), without autograd; a
+    step's activations are let go once sent, or once its loss is counted on the last stage."""
     stage, stages = registry.stage, registry.pipeline_parallel_size
     me = registry.planner_rank
     first, last = stage == 0, stage == stages - 1
@@ -118,7 +130,6 @@ def run_pipelined_plan(
         registry.stage_peer(stage - 1) if not first else None,
         registry.stage_peer(stage + 1) if not last else None,
     )
-    no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
     timer = MicroStepTimer(device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     live: dict[int, _InFlight] = {}
@@ -160,9 +171,9 @@ def run_pipelined_plan(
         ):
             yield
 
-    events = rank_events(plan, stages, stage=stage, rank=me)
+    events = rank_events(plan, stages, stage=stage, rank=me, forward_only=forward_only)
     timer.begin_loop()
-    with no_sync:
+    with around_steps(model, forward_only):
         for event in events:
             index = event.step
             if event.kind == RECV_ACTIVATION:
@@ -170,7 +181,8 @@ def run_pipelined_plan(
                 flight = live[index]
                 with phase(f"receiving plan step {index}'s activations from stage {stage - 1}"):
                     flight.input = recv(activation_buffer(flight), src=previous)
-                flight.input.requires_grad_()
+                if not forward_only:
+                    flight.input.requires_grad_()
             elif event.kind == FORWARD:
                 if first:
                     live[index] = prepare(index)
@@ -197,9 +209,13 @@ def run_pipelined_plan(
                     result.loss_tokens += flight.batch.num_loss_tokens
                     padding = flight.layout.local_num_tokens - flight.batch.num_loss_tokens
                     result.padding_tokens += padding
+                    if forward_only:
+                        del live[index]
             elif event.kind == SEND_ACTIVATION:
                 with phase(f"sending plan step {index}'s activations to stage {stage + 1}"):
                     send(live[index].output.detach(), dst=following)
+                if forward_only:
+                    del live[index]
             elif event.kind == RECV_GRADIENT:
                 flight = live[index]
                 with phase(f"receiving plan step {index}'s gradient from stage {stage + 1}"):
@@ -224,7 +240,8 @@ def run_pipelined_plan(
     timer.end_loop()
     assert not live, f"micro-steps {sorted(live)} were never finished"
     result.loss_sum = loss_sum
-    finalize_grads(model)
+    if not forward_only:
+        finalize_grads(model)
     result.compute_time_s, times = timer.finish()
     # A micro-step's forward and backward are timed apart: its time is their sum.
     summed: dict[int, float] = {}

@@ -175,6 +175,20 @@ class Runtime:
         """Run this rank's micro-steps (its events of the plan's pipeline under pipeline
         parallelism) and reduce gradients; no optimizer step."""
         self.zero_grad()
+        return self._run(plan, source, forward_only=False)
+
+    def forward(self, plan: Plan, source: SequenceSource):
+        """Evaluate: run this rank's micro-steps of ``plan.forward_only()`` forward only, the
+        model in eval mode, counting the loss as ``forward_backward`` does (``global_loss``
+        takes the result); no gradient is computed or touched."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._run(plan.forward_only(), source, forward_only=True)
+        finally:
+            self.model.train(was_training)
+
+    def _run(self, plan: Plan, source: SequenceSource, *, forward_only: bool):
         run = run_pipelined_plan if self.pp > 1 else run_plan
         return run(
             self.model,
@@ -182,6 +196,7 @@ class Runtime:
             source=source,
             registry=self.registry,
             local_token_multiple=self.local_token_multiple,
+            forward_only=forward_only,
         )
 
     def _per_planner_rank(self, value: float) -> float:

@@ -103,6 +103,14 @@ def finalize_grads(model) -> None:
         finalize_model_grads([model])
 
 
+def around_steps(model, forward_only: bool):
+    """What a schedule's micro-steps run inside: DDP's ``no_sync`` (gradients reduced once,
+    after the last), or ``no_grad`` for a forward-only pass (no graph, nothing to reduce)."""
+    if forward_only:
+        return torch.no_grad()
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
 def start_plan(plan: Plan, source: SequenceSource, registry: GroupRegistry):
     """What every schedule does first: each sequence's length, the step's result with its
     global loss-token count, and the checks that the plan's groups exist and that every rank
@@ -141,17 +149,19 @@ def run_plan(
     source: SequenceSource,
     registry: GroupRegistry,
     local_token_multiple: int = 1,
+    forward_only: bool = False,
 ) -> ScheduleResult:
     """Forward/backward this rank's micro-steps of ``plan``; gradients end up reduced in ``model``.
 
     ``model`` is a megatron DDP-wrapped GPTModel (``no_sync``/``finish_grad_sync``) or a bare
     module (then no reduction happens: single-process references). Each micro-step's local
     tokens are padded to a multiple of ``local_token_multiple`` (``ShardLayout.aligned``).
+    ``forward_only`` (evaluation, ``Plan.forward_only``): the forwards alone, without autograd,
+    and no gradient reduction; the loss is counted as in training.
     """
     me = registry.planner_rank
     lengths, result = start_plan(plan, source, registry)
     device = run_device()
-    no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
     barriers = set(plan.barriers)
     timer = MicroStepTimer(device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -161,7 +171,7 @@ def run_plan(
         # (``schedules.forward_step``), and so must this one, or FP8 runs use stale weights.
         model.set_is_first_microbatch()
     timer.begin_loop()
-    with no_sync:
+    with around_steps(model, forward_only):
         for index, step in enumerate(plan.steps):
             if index in barriers:
                 # A schedule that syncs every rank between rounds (megatron's Hybrid-CP) keeps it.
@@ -198,7 +208,8 @@ def run_plan(
                     packed_seq_params=params,
                 )
                 step_loss = (token_loss.float() * batch.loss_mask).sum()
-                (step_loss / result.global_loss_tokens).backward()
+                if not forward_only:
+                    (step_loss / result.global_loss_tokens).backward()
             timer.end(index)
             loss_sum += step_loss.detach()
             result.loss_tokens += batch.num_loss_tokens
@@ -206,7 +217,8 @@ def run_plan(
             result.tokens_read += batch.tokens_read
     timer.end_loop()
     result.loss_sum = loss_sum
-    finalize_grads(model)
+    if not forward_only:
+        finalize_grads(model)
     # After the reduction is queued: on a GPU the wait for the last micro-step's event lets the
     # gradient reduction run meanwhile.
     result.compute_time_s, result.step_times_s = timer.finish()

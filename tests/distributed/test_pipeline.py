@@ -17,7 +17,14 @@ from dcp.runtime.runtime import Runtime
 from dcp.runtime.setup import init_megatron_parallel
 from dcp.weights.canonical import state_names
 from tests.distributed.harness import run_on_ranks
-from tests.distributed.test_runtime_parity import DOCS, assert_parity, plan, reference_run, step
+from tests.distributed.test_runtime_parity import (
+    DOCS,
+    assert_parity,
+    evaluate,
+    plan,
+    reference_run,
+    step,
+)
 from tests.distributed.tiny import OPTIM, SEED, TINY, cleanup, make_docs, to_numpy
 
 DOCS_11 = make_docs([37, 1, 5, 64, 3, 22, 9, 2, 17, 6, 30], seed=5)
@@ -175,14 +182,16 @@ def pp_run(
             dataclasses.replace(OPTIM, distributed=distributed),
             seed=SEED,
         )
-        result = runtime.forward_backward(Plan.from_dict(plans[0]), InMemorySource(docs))
+        first, source = Plan.from_dict(plans[0]), InMemorySource(docs)
+        evaluated = evaluate(runtime, first, source)
+        result = runtime.forward_backward(first, source)
         loss = runtime.global_loss(result)
         names = state_names(runtime.model.module)
         grads = {names[n]: g for n, g in to_numpy(runtime.grads().items()).items()}
         merged: dict = {}
         for part in all_gather_object(grads if runtime.registry.planner_rank == 0 else {}):
             merged.update(part)
-        return {"loss": loss, "grads": merged} if dist.get_rank() == 0 else None
+        return {**evaluated, "loss": loss, "grads": merged} if dist.get_rank() == 0 else None
     finally:
         cleanup()
 

@@ -37,7 +37,12 @@ def plan(*steps) -> dict:
 
 
 def assert_parity(ref: dict, got: dict, *, what: str) -> None:
+    """Loss and every gradient within ``RTOL`` of the reference's; so is the plan's
+    forward-only (evaluation) loss where ``got`` has one, and that pass left no gradient."""
     assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (what, got["loss"], ref)
+    if "eval_loss" in got:
+        assert abs(got["eval_loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (what, got)
+        assert got["eval_left_no_grad"], what
     assert set(got["grads"]) == set(ref["grads"]), what
     for name, g_ref in ref["grads"].items():
         g = got["grads"][name]
@@ -224,8 +229,10 @@ def dcp_run(
         initial = to_numpy(runtime.weights().items())
         source = InMemorySource(docs)
         first = Plan.from_dict(plans[0])
+        evaluated = evaluate(runtime, first, source)
         result = runtime.forward_backward(first, source)
         out = {
+            **evaluated,
             "loss": runtime.global_loss(result),
             "grads": to_numpy(runtime.grads().items()),
             "initial_weights": initial,
@@ -240,6 +247,14 @@ def dcp_run(
         return out if dist.get_rank() == 0 else None
     finally:
         cleanup()
+
+
+def evaluate(runtime: Runtime, plan: Plan, source) -> dict:
+    """``plan`` run forward only (evaluation): its loss, and whether every gradient is still
+    zero after it (collectives: every rank calls this)."""
+    loss = runtime.global_loss(runtime.forward(plan, source))
+    untouched = all(not g.any() for g in runtime.grads().values())
+    return {"eval_loss": loss, "eval_left_no_grad": untouched}
 
 
 def mismatched_plans(docs: list[np.ndarray], plans: list[dict]) -> str:

@@ -157,3 +157,24 @@ def test_checksum_and_rank_view():
     assert [i for i, _ in plan.steps_for_rank(1)] == [0]
     assert [i for i, _ in plan.steps_for_rank(3)] == [2]
     assert plan.group_shapes() == {(0, 1), (2,), (3,)}
+
+
+def test_a_forward_only_plan_keeps_its_steps_without_recompute():
+    plan = Plan(
+        steps=(
+            MicroStep(ranks=(0, 1), seq_ids=(2, 0), recompute="full", recompute_layers=1),
+            MicroStep(ranks=(1,), seq_ids=(1,), recompute="selective"),
+            MicroStep(ranks=(0,), seq_ids=(3,)),
+        ),
+        planner="dcp",
+        barriers=(1,),
+        dropped=(4,),
+    )
+    evaluated = plan.forward_only()
+    assert [s.recompute for s in evaluated.steps] == ["none"] * 3
+    assert all(s.recompute_layers is None for s in evaluated.steps)
+    assert [(s.ranks, s.seq_ids) for s in evaluated.steps] == [
+        (s.ranks, s.seq_ids) for s in plan.steps
+    ]
+    assert (evaluated.planner, evaluated.barriers, evaluated.dropped) == ("dcp", (1,), (4,))
+    evaluated.validate(num_sequences=5, num_ranks=2)

@@ -51,17 +51,17 @@ def _participants(plan: Plan, stage: int, rank: int, event) -> set[tuple[int, in
     return {(stage, rank), (event.peer_stage, rank)}
 
 
-def _lists(plan: Plan, num_stages: int, num_ranks: int) -> dict:
+def _lists(plan: Plan, num_stages: int, num_ranks: int, forward_only: bool = False) -> dict:
     return {
-        (s, r): rank_events(plan, num_stages, stage=s, rank=r)
+        (s, r): rank_events(plan, num_stages, stage=s, rank=r, forward_only=forward_only)
         for s in range(num_stages)
         for r in range(num_ranks)
     }
 
 
-def run_blocking(plan: Plan, num_stages: int, num_ranks: int) -> dict:
+def run_blocking(plan: Plan, num_stages: int, num_ranks: int, forward_only: bool = False) -> dict:
     """Execute every list with rendezvous semantics; returns each rank's completed events."""
-    lists = _lists(plan, num_stages, num_ranks)
+    lists = _lists(plan, num_stages, num_ranks, forward_only)
     pos = dict.fromkeys(lists, 0)
     done = {key: [] for key in lists}
     while True:
@@ -90,10 +90,10 @@ def run_blocking(plan: Plan, num_stages: int, num_ranks: int) -> dict:
             pytest.fail(f"deadlock: every unfinished rank waits: {stuck}")
 
 
-def run_buffered(plan: Plan, num_stages: int, num_ranks: int) -> None:
+def run_buffered(plan: Plan, num_stages: int, num_ranks: int, forward_only: bool = False) -> None:
     """Sends complete at once into a FIFO per (sender, receiver, kind); a receive takes the
     head of its channel, which must be the micro-step it expects."""
-    lists = _lists(plan, num_stages, num_ranks)
+    lists = _lists(plan, num_stages, num_ranks, forward_only)
     pos = dict.fromkeys(lists, 0)
     channels: dict[tuple, deque] = {}
     while any(pos[k] < len(lists[k]) for k in lists):
@@ -206,6 +206,23 @@ def test_adversarial_plans_never_deadlock(name, num_stages):
     _check_schedule(ADVERSARIAL[name], num_stages, num_ranks=4)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+@pytest.mark.parametrize("num_stages", [1, 2, 4])
+def test_forward_only_passes_never_deadlock(name, num_stages):
+    """Evaluation runs the forwards and activation messages alone: each rank's training events
+    of those kinds, in the same order, one forward of each of its micro-steps per stage."""
+    plan = ADVERSARIAL[name]
+    done = run_blocking(plan, num_stages, 4, forward_only=True)
+    run_buffered(plan, num_stages, 4, forward_only=True)
+    forward_kinds = (FORWARD, SEND_ACTIVATION, RECV_ACTIVATION)
+    for (s, r), events in done.items():
+        training = rank_events(plan, num_stages, stage=s, rank=r)
+        assert events == [e for e in training if e.kind in forward_kinds], (s, r)
+        forwards = sorted(e.step for e in events if e.kind == FORWARD)
+        assert forwards == [m for m, step in enumerate(plan.steps) if r in step.ranks]
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("seed", range(12))
 def test_random_plans_never_deadlock(seed):
@@ -316,7 +333,7 @@ def test_the_executor_catches_a_deadlock():
     while stage 1 sends the first gradient. The executor must say so, not hang."""
     from dcp.planning import pipeline as schedule
 
-    def naive(plan, num_stages, *, stage, rank):
+    def naive(plan, num_stages, *, stage, rank, forward_only=False):
         events = []
         for kind, m in pipeline_order(plan, num_stages)[stage]:
             if rank not in plan.steps[m].ranks:
