@@ -72,9 +72,16 @@ HOST_READS = {
     torch.equal,
 }
 
-report: dict = {"violations": [], "steps": [], "outside_steps": [], "collectives": {}}
+report: dict = {
+    "violations": [],
+    "steps": [],
+    "evaluations": [],
+    "outside_steps": [],
+    "collectives": {},
+}
 """``steps``: one entry per training step (host syncs with their callers, collectives by name and
-caller, torch calls the mode saw: proof that it was active);
+caller, torch calls the mode saw: proof that it was active); ``evaluations``: the same per
+evaluated batch (Megatron's evaluation under ``--dcp``);
 ``outside_steps`` / ``collectives``: the same for everything else (start-up, checkpoints)."""
 _local = threading.local()
 
@@ -154,7 +161,7 @@ class DeviceTags(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _in_step():
-            report["steps"][-1]["torch_calls"] += 1
+            _entry()["torch_calls"] += 1
         self._count_sync(func, args, kwargs)
         out = func(*args, **kwargs)
         host = self._host_result(func, args, kwargs)
@@ -200,7 +207,7 @@ class DeviceTags(TorchFunctionMode):
             where = _caller()
             if where is not None:
                 if _in_step():
-                    report["steps"][-1]["host_syncs"].append(where)
+                    _entry()["host_syncs"].append(where)
                 else:
                     report["outside_steps"].append(where)
 
@@ -225,7 +232,7 @@ def _check_call(name: str, args, kwargs) -> None:
     where = _caller()
     if where is None or getattr(_local, "in_object_collective", False):
         return
-    counts = report["steps"][-1]["collectives"] if _in_step() else report["collectives"]
+    counts = _entry()["collectives"] if _in_step() else report["collectives"]
     key = f"{name} from {where}"
     counts[key] = counts.get(key, 0) + 1
     bad = [t for t in _tensors((args, kwargs)) if is_host(t)]
@@ -242,6 +249,11 @@ def _check_call(name: str, args, kwargs) -> None:
 
 def _in_step() -> bool:
     return getattr(_local, "in_step", False)
+
+
+def _entry() -> dict:
+    """The entry of the step (or evaluation) running now."""
+    return getattr(_local, "entry", None) or report["steps"][-1]
 
 
 def _object_collective(_name: str, fn):
@@ -268,14 +280,20 @@ def _host_constructor(fn):
 
 
 def _counted_step(fn):
+    """``fn`` counted as a training step, or as an evaluation when called ``forward_only``
+    (Megatron's evaluation calls the same ``forward_backward_func``)."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        report["steps"].append({"host_syncs": [], "collectives": {}, "torch_calls": 0})
+        kind = "evaluations" if kwargs.get("forward_only") else "steps"
+        _local.entry = {"host_syncs": [], "collectives": {}, "torch_calls": 0}
+        report[kind].append(_local.entry)
         _local.in_step = True
         try:
             return fn(*args, **kwargs)
         finally:
             _local.in_step = False
+            _local.entry = None
 
     return wrapper
 

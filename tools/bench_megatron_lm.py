@@ -82,15 +82,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def base_args(args: argparse.Namespace) -> list[str]:
-    """The args file, this benchmark's schedule (decay over the run, and past the warm-up),
-    then the user's Megatron arguments."""
+    """The args file, this benchmark's schedule (decay over the run, and past the warm-up; no
+    evaluation, which runs between steps and is not what it compares), then the user's
+    Megatron arguments."""
     total = args.steps + args.warmup
     given = [*shlex.split(ARGS_FILE.read_text()), *args.megatron_args]
     warmup_iters = int(megatron_value(given, "--lr-warmup-iters", default="0"))
     decay = str(max(total, warmup_iters + 1))
     return [
         *shlex.split(ARGS_FILE.read_text()),
-        *("--train-iters", str(total), "--lr-decay-iters", decay),
+        *("--train-iters", str(total), "--lr-decay-iters", decay, "--eval-iters", "0"),
         *args.megatron_args,
     ]
 

@@ -324,6 +324,25 @@ class IndexedDocumentDataset:
         """Corpus counts: docs, tokens, min/median/max length, empty skipped, split, chunks."""
         return dict(self._stats)
 
+    def split(self, shares) -> list[np.ndarray]:
+        """The dataset's document ids in ``len(shares)`` disjoint parts (train, validation,
+        test), as megatron's ``--split`` divides a corpus: each source's documents by index,
+        the first ``shares[0] / sum(shares)`` of them to the first part, and so on (rounded).
+        A source document's chunks and its repeats in a blend stay in its part, so no text of
+        one part is in another. Ids ascend within each part."""
+        shares = np.asarray(shares, dtype=np.float64)
+        if shares.ndim != 1 or not shares.size or not np.all(np.isfinite(shares)):
+            raise ValueError(f"split shares must be finite numbers, got {shares.tolist()}")
+        if np.any(shares < 0) or shares.sum() <= 0:
+            raise ValueError(f"split shares must be >= 0 with a positive sum, got {shares.tolist()}")
+        bounds = np.cumsum(shares) / shares.sum()
+        part = np.empty(len(self), dtype=np.int64)
+        for k, src in enumerate(self._sources):
+            ends = np.round(bounds * src.doc_lengths.size).astype(np.int64)
+            mine = self._src == k
+            part[mine] = np.searchsorted(ends, self._doc[mine], side="right")
+        return [np.flatnonzero(part == i) for i in range(shares.size)]
+
     def source_of(self, doc_id: int) -> tuple[str, int, int]:
         """(prefix, source document index, token offset in it) of dataset document ``doc_id``."""
         check_token_slice(doc_id, 0, None, self._lengths)

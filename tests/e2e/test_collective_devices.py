@@ -97,6 +97,12 @@ def test_megatron_loop_collectives_use_the_run_device(corpus, tmp_path):
         for step in report["steps"]:
             assert step["torch_calls"] > 100, step
             assert sync_callers(step) == MEGATRON_LOOP_SYNCS, (rank, step["host_syncs"])
+        # After the last step Megatron evaluates --eval-iters validation and test batches, each
+        # a forward-only plan: the plan agreement is its one host sync.
+        assert len(report["evaluations"]) == 4, rank
+        for evaluation in report["evaluations"]:
+            assert evaluation["torch_calls"] > 50, evaluation
+            assert sync_callers(evaluation) == ["verify_plan_agreement"], (rank, evaluation)
     # CP = 2 micro-steps ran, so the attention's all-gathers were among the checked collectives.
     assert any("dcp/attention/cp.py" in k for s in reports[0]["steps"] for k in s["collectives"])
 

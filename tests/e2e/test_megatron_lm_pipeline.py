@@ -2,8 +2,9 @@
 gloo ranks with ``--pipeline-model-parallel-size 2`` (2 stages x 2 data-parallel ranks).
 
 Megatron's own 1F1B schedule (static, with the variable-length messages DCP's packed
-micro-batches need) and DCP's pipelined plans give the same loss every step and the same
-weights; a Megatron checkpoint of the DCP run resumes with the uninterrupted run's losses.
+micro-batches need) and DCP's pipelined plans give the same loss every step, the same
+validation and test losses (forward-only pipelined plans under ``--dcp``) and the same weights;
+a Megatron checkpoint of the DCP run resumes with the uninterrupted run's losses.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tests.e2e.test_megatron_lm import (
     RESUME_FROM,
     STEPS,
     assert_resumes_exactly,
+    assert_same_evaluations,
     assert_same_weights,
     only_checkpoint,
     readme_commands,
@@ -49,6 +51,7 @@ def runs(corpus, tmp_path_factory) -> dict:
         + ["--save-interval", str(STEPS)],
     )
     result["resumed-ckpt"] = resumed
+    result["root"] = root
     return result
 
 
@@ -62,6 +65,10 @@ def test_dcp_pipelined_plans_give_megatron_static_pipeline_losses_and_weights(ru
     assert cp_sizes >= {"1", "2"}, cp_sizes  # DCP regrouped within each stage
     # Every layer of both stages is in the checkpoints (global layer numbers).
     assert_same_weights(runs["static-ckpt"], runs["dcp-ckpt"])
+
+
+def test_pipelined_dcp_evaluation_gives_the_static_pipelines_losses(runs):
+    assert_same_evaluations(runs["root"] / "static", runs["root"] / "dcp")
 
 
 def test_a_pipelined_dcp_checkpoint_resumes_exactly(runs):

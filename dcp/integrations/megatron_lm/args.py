@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dcp.integrations.megatron_lm.data import parse_split
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS
 from dcp.train.config import CALIBRATION_MODES, PlanningConfig
 from megatron_patches.megatron_training import arguments_on_cpu
@@ -197,14 +198,30 @@ def check_args(args: argparse.Namespace) -> None:
             "no_grad); resume without --use-distributed-optimizer, or where apex or TE is "
             "installed"
         )
-    if args.eval_iters or getattr(args, "full_validation", False) or args.skip_train:
-        # datasets_provider returns no validation or test set; megatron still evaluates at
-        # every --eval-interval and once after training whenever eval_iters > 0
-        # (training.py: do_valid), and would fail there, hours into the run.
+    if getattr(args, "full_validation", False) or args.skip_train:
+        # Full validation asks the validation iterator for its length (training.py:
+        # build_train_valid_test_data_iterators); DCP's batch iterators are endless.
         problems.append(
-            "DCP's batches have no validation or test set for Megatron's evaluation: "
-            "--eval-iters 0 (the default is 100), without --full-validation or --skip-train"
+            "DCP evaluates --eval-iters batches of its validation documents at every "
+            "--eval-interval and after training: drop --full-validation and --skip-train"
         )
+    # None until megatron's validation sets it to --micro-batch-size.
+    if args.eval_iters and getattr(args, "eval_micro_batch_size", None) not in (None, 1):
+        problems.append(
+            "validation documents are packed into one sequence per micro-batch: "
+            "--eval-micro-batch-size 1"
+        )
+    per_split = ("train_data_path", "valid_data_path", "test_data_path", "per_split_data_args_path")
+    if any(getattr(args, name, None) for name in per_split):
+        problems.append(
+            "DCP reads one corpus and divides its documents by --split: give --data-path "
+            "and --split instead of --train-data-path / --valid-data-path / --test-data-path"
+        )
+    if args.split is not None:
+        try:
+            parse_split(args.split)
+        except ValueError as exc:
+            problems.append(str(exc))
     if getattr(args, "rampup_batch_size", None):
         problems.append(
             "global batches are packed at --global-batch-size from the first step: drop "

@@ -41,16 +41,21 @@ class DocumentBatch:
 
 
 class DocumentBatches:
-    """Deterministic, infinite iterator of ``DocumentBatch`` over a document dataset."""
+    """Deterministic, infinite iterator of ``DocumentBatch`` over a document dataset (or the
+    documents ``doc_ids`` of it: one part of ``--split``)."""
 
-    def __init__(self, dataset, *, num_bins: int, bin_tokens: int, seed: int) -> None:
+    def __init__(self, dataset, *, num_bins: int, bin_tokens: int, seed: int, doc_ids=None) -> None:
         if num_bins < 1 or bin_tokens < 1:
             raise ValueError(f"num_bins and bin_tokens must be >= 1, got {num_bins}, {bin_tokens}")
         self.dataset = dataset
         self.num_bins = num_bins
         self.bin_tokens = bin_tokens
         self.seed = seed
-        self._lengths = np.asarray(dataset.doc_lengths, dtype=np.int64)
+        lengths = np.asarray(dataset.doc_lengths, dtype=np.int64)
+        self._ids = np.arange(lengths.size) if doc_ids is None else np.asarray(doc_ids)
+        if self._ids.size == 0:
+            raise ValueError("no documents to draw batches from")
+        self._lengths = lengths[self._ids]
         longest = train_len(int(self._lengths.max()))
         if longest > bin_tokens:
             raise ValueError(
@@ -71,26 +76,26 @@ class DocumentBatches:
     def __next__(self) -> DocumentBatch:
         loads = [0] * self.num_bins
         bins: list[list[int]] = [[] for _ in range(self.num_bins)]
-        doc_ids: list[int] = []
+        positions: list[int] = []  # in self._ids
         while True:
             if self._cursor == self._order.size:
                 self._epoch += 1
                 self._cursor = 0
                 self._order = self._epoch_order(self._epoch)
-            doc = int(self._order[self._cursor])
-            need = train_len(int(self._lengths[doc]))
+            position = int(self._order[self._cursor])
+            need = train_len(int(self._lengths[position]))
             target = next(
                 (b for b in range(self.num_bins) if loads[b] + need <= self.bin_tokens), None
             )
             if target is None:
                 break
             loads[target] += need
-            bins[target].append(len(doc_ids))
-            doc_ids.append(doc)
+            bins[target].append(len(positions))
+            positions.append(position)
             self._cursor += 1
         batch = DocumentBatch(
-            doc_ids=tuple(doc_ids),
-            lengths=tuple(int(self._lengths[d]) for d in doc_ids),
+            doc_ids=tuple(int(self._ids[p]) for p in positions),
+            lengths=tuple(int(self._lengths[p]) for p in positions),
             bins=tuple(tuple(b) for b in bins),
             step=self.step,
         )
@@ -121,3 +126,42 @@ def document_dataset(args: argparse.Namespace) -> IndexedDocumentDataset:
     )
     dataset.check_token_ids(args.padded_vocab_size)
     return dataset
+
+
+SPLIT_NAMES = ("training", "validation", "test")
+
+
+def parse_split(text: str) -> tuple[float, float, float]:
+    """megatron's ``--split`` (``"969, 30, 1"``: training, validation and test shares, any
+    scale; fewer than three leave the rest 0) as three shares; ``ValueError`` naming the flag."""
+    try:
+        shares = [float(part) for part in text.split(",")] if text.strip() else []
+    except ValueError:
+        shares = []
+    if (
+        not 1 <= len(shares) <= 3
+        or not all(np.isfinite(shares))
+        or min(shares) < 0
+        or sum(shares) <= 0
+    ):
+        raise ValueError(
+            f"--split {text!r}: give up to three comma-separated shares >= 0 with a positive "
+            "sum (training, validation, test), e.g. --split 969,30,1"
+        )
+    return tuple(shares + [0.0] * (3 - len(shares)))
+
+
+def split_documents(dataset: IndexedDocumentDataset, args: argparse.Namespace) -> list[np.ndarray]:
+    """The document ids of each part of ``--split`` (training, validation, test:
+    ``IndexedDocumentDataset.split``); ``ValueError`` if training has none, or validation has
+    none while ``--eval-iters`` asks for it."""
+    parts = dataset.split(parse_split(args.split))
+    needed = {"training": True, "validation": bool(args.eval_iters)}
+    for name, ids in zip(SPLIT_NAMES, parts, strict=True):
+        if not ids.size and needed.get(name, False):
+            raise ValueError(
+                f"--split {args.split} leaves no {name} documents of the {len(dataset)} in "
+                f"--data-path; give {name} a larger share"
+                + (" or --eval-iters 0" if name == "validation" else "")
+            )
+    return parts

@@ -4,15 +4,16 @@ Inside the block:
 
 - on a machine without a GPU, megatron's loop runs on CPU with gloo
   (``megatron_patches.megatron_training``);
-- ``dcp_run.datasets_provider`` is a ``train_valid_test_datasets_provider`` whose training
-  "dataset" is DCP's batch iterator over ``--data-path`` (``--dataloader-type external``): whole
-  global batches under ``--dcp``, this rank's packed micro-batches otherwise;
+- ``dcp_run.datasets_provider`` is a ``train_valid_test_datasets_provider`` whose "datasets"
+  are DCP's batch iterators over the documents of ``--data-path``, divided by ``--split``
+  (``--dataloader-type external``): whole global batches under ``--dcp``, this rank's packed
+  micro-batches otherwise;
 - ``dcp_run.forward_step`` is the ``forward_step_func`` for those packed micro-batches (runs
   without ``--dcp`` go through Megatron's own schedule with it);
 - under ``--dcp``, ``megatron.training.training.get_forward_backward_func`` returns
   ``DCPForwardBackward``: Megatron's ``train_step`` then runs DCP's plan in place of its schedule
   and keeps everything else (optimizer step, grad clipping, LR schedule, logging, timers,
-  checkpoints, W&B);
+  checkpoints, W&B), and Megatron's ``evaluate`` runs each validation batch's plan forward only;
 - with ``--dcp-metrics`` every ``train_step`` is timed and recorded;
 - under ``--dcp`` rank 0 names, one line each, the Megatron settings DCP's plans replace
   (``overridden_flags``), and the last rank prints each step's plan at ``--log-interval``.
@@ -32,7 +33,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dcp.integrations.megatron_lm.args import check_args, overridden_flags, planning_config
-from dcp.integrations.megatron_lm.data import DocumentBatches, document_dataset
+from dcp.integrations.megatron_lm.data import (
+    SPLIT_NAMES,
+    DocumentBatches,
+    document_dataset,
+    split_documents,
+)
 from dcp.integrations.megatron_lm.records import LoopRecorder, microsteps_path
 from dcp.integrations.megatron_lm.steps import (
     DCPForwardBackward,
@@ -120,33 +126,55 @@ class MegatronLMRun:
             self._dataset = document_dataset(self.args)
         return self._dataset
 
-    def _batches(self) -> DocumentBatches:
-        args = self.args
+    def _batches(self, doc_ids, *, num_bins: int, skip: int) -> DocumentBatches:
         batches = DocumentBatches(
             self.dataset,
-            num_bins=args.global_batch_size,
-            bin_tokens=args.seq_length,
-            seed=args.seed,
+            num_bins=num_bins,
+            bin_tokens=self.args.seq_length,
+            seed=self.args.seed,
+            doc_ids=doc_ids,
         )
-        # Megatron restores args.iteration from --load before it builds the data iterators.
-        batches.skip(args.iteration)
+        batches.skip(skip)
         return batches
 
     def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
-        """Megatron's ``train_valid_test_datasets_provider``: the training batch iterator (no
-        validation or test sets)."""
+        """Megatron's ``train_valid_test_datasets_provider``: batch iterators over the
+        training, validation and test documents of ``--split`` (validation and test only with
+        ``--eval-iters``; test ``None`` when its share holds no document)."""
+        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        batches = self._batches()
-        if self.args.dcp:
-            return _Recording(batches, self.recorder.on_batch), None, None
-        micro = PackedMicroBatches(
-            batches,
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(),
-            on_batch=self.recorder.on_batch,
+        args = self.args
+        parts = split_documents(self.dataset, args)
+        if dist.get_rank() == 0:
+            sizes = zip(SPLIT_NAMES, parts, strict=True)
+            counts = ", ".join(f"{ids.size} {name}" for name, ids in sizes)
+            print(f"DCP documents of --data-path by --split {args.split}: {counts}", flush=True)
+        # Megatron restores args.iteration and consumed_valid_samples from --load before it
+        # builds the data iterators; a validation batch is --eval-global-batch-size samples.
+        train = self._batches(parts[0], num_bins=args.global_batch_size, skip=args.iteration)
+        evaluated = [None, None]
+        if args.eval_iters:
+            eval_bins = args.eval_global_batch_size
+            done = args.consumed_valid_samples // eval_bins
+            evaluated = [
+                self._batches(ids, num_bins=eval_bins, skip=skip) if ids.size else None
+                for ids, skip in ((parts[1], done), (parts[2], 0))
+            ]
+        if args.dcp:
+            return _Recording(train, self.recorder.on_batch), *evaluated
+
+        def packed(batches, on_batch):
+            return PackedMicroBatches(
+                batches,
+                dp_rank=ps.get_data_parallel_rank(),
+                dp_size=ps.get_data_parallel_world_size(),
+                on_batch=on_batch,
+            )
+
+        return packed(train, self.recorder.on_batch), *(
+            None if b is None else packed(b, lambda batch: None) for b in evaluated
         )
-        return micro, None, None
 
     datasets_provider.is_distributed = True  # every rank builds its own iterator
 

@@ -133,23 +133,15 @@ class DCPForwardBackward:
         self.step = first_step
 
     def __call__(self, *, data_iterator, model, forward_only: bool = False, **_unused):
-        # check_args refuses evaluation before the first step, so forward_only never comes.
-        assert not forward_only, "Megatron evaluation under --dcp (check_args refuses it)"
         if len(model) != 1:
             raise RuntimeError("--dcp runs one model chunk (no virtual pipeline stages)")
         batch: DocumentBatch = next(data_iterator)
+        if forward_only:
+            return self._evaluate(model[0], batch)
         start = time.perf_counter()
         planned = self.planner.plan(batch)
         plan_time_s = time.perf_counter() - start
-        pipelined = self.registry.pipeline_parallel_size > 1
-        run = run_pipelined_plan if pipelined else run_plan
-        result = run(
-            model[0],
-            planned.plan,
-            source=DatasetSource(self.dataset, batch),
-            registry=self.registry,
-            local_token_multiple=_local_token_multiple(model[0]),
-        )
+        result = self._run(model[0], planned.plan, batch)
         # The slowest rank's time of every micro-step (calibration records, the step's compute
         # time): one reduction and one host read per step, the plan agreement the other.
         times = [0.0] * len(planned.plan.steps)
@@ -173,8 +165,33 @@ class DCPForwardBackward:
                 mem_budget_bytes=self.planner.cost_model.mem_budget_bytes,
             )
         )
-        # Megatron sums ``[loss sum, tokens]`` over the data-parallel ranks itself; the sum
-        # stays on the device (no host read here).
-        tokens = to_device([result.loss_tokens], dtype=torch.float32, device=compute_device())
-        report = torch.cat([result.loss_sum.reshape(1).float(), tokens])
-        return [{"lm loss": report}]
+        return [{"lm loss": _loss_report(result)}]
+
+    def _run(self, model, plan, batch: DocumentBatch, *, forward_only: bool = False):
+        run = run_pipelined_plan if self.registry.pipeline_parallel_size > 1 else run_plan
+        return run(
+            model,
+            plan,
+            source=DatasetSource(self.dataset, batch),
+            registry=self.registry,
+            local_token_multiple=_local_token_multiple(model),
+            forward_only=forward_only,
+        )
+
+    def _evaluate(self, model, batch: DocumentBatch):
+        """Megatron's evaluation of one validation (or test) batch: its plan, forward only
+        (``Plan.forward_only``), the loss reported as in training. Megatron's ``evaluate`` sums
+        the reports over the data-parallel ranks and its ``eval_iters`` batches into the
+        per-token loss it prints. No step record, no calibration: the step count is training's."""
+        plan = self.planner.plan(batch).plan.forward_only()
+        where = f"evaluating {len(batch.doc_ids)} documents after step {self.step - 1}"
+        with phase(where):
+            result = self._run(model, plan, batch, forward_only=True)
+        return [{"lm loss": _loss_report(result)}]
+
+
+def _loss_report(result) -> torch.Tensor:
+    """``[loss sum, loss tokens]`` of this rank, which Megatron sums over the data-parallel
+    ranks itself; it stays on the device (no host read here)."""
+    tokens = to_device([result.loss_tokens], dtype=torch.float32, device=compute_device())
+    return torch.cat([result.loss_sum.reshape(1).float(), tokens])

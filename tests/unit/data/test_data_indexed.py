@@ -127,6 +127,31 @@ def test_a_weighted_blend_logs_each_sources_share(tmp_path, caplog):
     assert sum("blend" in r.getMessage() for r in caplog.records) == 1  # unweighted: no line
 
 
+def test_split_divides_each_sources_documents_by_index(tmp_path):
+    """megatron's --split: per source, the first share of its documents trains, the next
+    validates, the rest tests; chunks of a document and its repeats in a blend stay together."""
+    a = _write(tmp_path / "a", [_doc(i, 10 + i) for i in range(20)])
+    b = _write(tmp_path / "b", [_doc(i, 30) for i in range(10)])
+    ds = _open(a, b, max_doc_len=16)  # b's documents: two chunks each
+    parts = ds.split([80, 10, 10])
+    assert sum(p.size for p in parts) == len(ds)
+    assert not set(parts[0]) & set(parts[1]) and not set(parts[1]) & set(parts[2])
+
+    def source_docs(dataset, ids):
+        return sorted({dataset.source_of(int(i))[:2] for i in ids})
+
+    assert source_docs(ds, parts[0]) == [(a, d) for d in range(16)] + [(b, d) for d in range(8)]
+    assert source_docs(ds, parts[1]) == [(a, d) for d in (16, 17)] + [(b, 8)]
+    assert source_docs(ds, parts[2]) == [(a, d) for d in (18, 19)] + [(b, 9)]
+    blend = _open(a, b, weights=(1.0, 3.0), blend_num_tokens=2000, seed=2)
+    assert len(blend) > 60  # b's 10 documents drawn about five times each
+    for part, want in zip(blend.split([80, 10, 10]), (range(8), [8], [9]), strict=True):
+        assert {d for p, d in source_docs(blend, part) if p == b} == set(want)
+    assert [p.size for p in ds.split([1])] == [len(ds)]
+    with pytest.raises(ValueError, match="positive sum"):
+        ds.split([0, 0])
+
+
 def test_config_validation_and_tokenizer_mismatch(tmp_path):
     with pytest.raises(ValueError, match="IndexedDataConfig.prefixes"):
         IndexedDataConfig(prefixes=())

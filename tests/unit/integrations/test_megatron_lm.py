@@ -10,7 +10,12 @@ import pytest
 
 from dcp.integrations import megatron_lm as dcp_mlm
 from dcp.integrations.megatron_lm.args import overridden_flags, planning_config
-from dcp.integrations.megatron_lm.data import DocumentBatch, DocumentBatches
+from dcp.integrations.megatron_lm.data import (
+    DocumentBatch,
+    DocumentBatches,
+    parse_split,
+    split_documents,
+)
 from dcp.integrations.megatron_lm.records import LoopRecorder, microsteps_path
 from dcp.observability.metrics import read_metrics
 from dcp.observability.record import PLAN_NOTATION
@@ -59,8 +64,11 @@ def test_unsupported_megatron_settings_are_refused_with_the_flag():
         "2",
         "--eval-iters",
         "5",
-        "--eval-interval",
-        "10",
+        "--full-validation",
+        "--valid-data-path",
+        "data/other",
+        "--split",
+        "90,x",
     )
     with pytest.raises(ValueError) as err:
         dcp_mlm.check_args(args)
@@ -71,25 +79,39 @@ def test_unsupported_megatron_settings_are_refused_with_the_flag():
         "--dataloader-type external",
         "--calculate-per-token-loss",
         "--context-parallel-size 1",
-        "--eval-iters 0",
+        "drop --full-validation and --skip-train",
+        "give --data-path and --split instead of --train-data-path",
+        "--split '90,x': give up to three comma-separated shares",
     ):
         assert flag in message, flag
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ("--eval-iters", "2", "--eval-interval", "3"),  # used to fail at step 3, after training
-        ("--eval-iters", "100"),  # megatron's default: evaluated once after the last step
-        ("--eval-iters", "0", "--skip-train"),
-        ("--eval-iters", "0", "--full-validation"),
-    ],
-)
 @pytest.mark.parametrize("dcp", [False, True])
-def test_evaluation_is_refused_before_the_first_step_in_both_modes(flags, dcp):
-    args = megatron_args(*GOOD, *flags, *(["--dcp"] if dcp else []))
-    with pytest.raises(ValueError, match="--eval-iters 0"):
+def test_evaluation_runs_in_both_modes_but_not_as_full_validation_or_alone(dcp):
+    mode = ["--dcp"] if dcp else []
+    for flags in (("--eval-iters", "2", "--eval-interval", "3"), ("--eval-iters", "100")):
+        dcp_mlm.check_args(megatron_args(*GOOD, *flags, "--split", "90,8,2", *mode))
+    for flags in (("--skip-train",), ("--full-validation",)):
+        args = megatron_args(*GOOD, *flags, *mode)
+        with pytest.raises(ValueError, match="drop --full-validation and --skip-train"):
+            dcp_mlm.check_args(args)
+    args = megatron_args(*GOOD, "--eval-iters", "2", "--eval-micro-batch-size", "2", *mode)
+    with pytest.raises(ValueError, match="--eval-micro-batch-size 1"):
         dcp_mlm.check_args(args)
+
+
+@pytest.mark.parametrize(
+    ("text", "shares"),
+    [("969, 30, 1", (969.0, 30.0, 1.0)), ("1", (1.0, 0.0, 0.0)), ("0.9,0.1", (0.9, 0.1, 0.0))],
+)
+def test_megatrons_split_is_read_as_three_shares(text, shares):
+    assert parse_split(text) == shares
+
+
+@pytest.mark.parametrize("text", ["", "90,5,5,0", "-1,2", "0,0,0", "nan,1", "90/10"])
+def test_a_bad_split_is_refused_by_flag(text):
+    with pytest.raises(ValueError, match="--split"):
+        parse_split(text)
 
 
 def test_pipeline_parallelism_runs_with_fixed_calibration_and_no_virtual_stages():
@@ -142,6 +164,43 @@ def test_global_batches_pack_every_document_once_within_the_micro_batches():
     again = DocumentBatches(_Docs(lengths), num_bins=4, bin_tokens=100, seed=3)
     again.skip(20)
     assert next(again) == next(batches)
+
+
+def test_batches_of_one_split_draw_only_its_documents():
+    lengths = np.arange(2, 62)
+    part = np.arange(10, 60, 3)
+    batches = DocumentBatches(_Docs(lengths), num_bins=2, bin_tokens=100, seed=1, doc_ids=part)
+    seen = [d for _ in range(12) for d in next(batches).doc_ids]
+    assert set(seen) == set(part.tolist())  # more than an epoch: every one, nothing else
+    batch = next(batches)
+    assert batch.lengths == tuple(int(lengths[d]) for d in batch.doc_ids)
+    with pytest.raises(ValueError, match="no documents"):
+        DocumentBatches(_Docs(lengths), num_bins=2, bin_tokens=100, seed=1, doc_ids=[])
+
+
+class _Splittable(_Docs):
+    def __init__(self, parts):
+        super().__init__([5] * sum(len(p) for p in parts))
+        self.parts = [np.asarray(p, dtype=np.int64) for p in parts]
+
+    def __len__(self):
+        return self.doc_lengths.size
+
+    def split(self, shares):
+        assert len(shares) == 3
+        return self.parts
+
+
+def test_evaluation_needs_validation_documents_under_the_split():
+    args = argparse.Namespace(split="99,1,0", eval_iters=2)
+    parts = split_documents(_Splittable([[0, 1], [2], []]), args)
+    assert [p.tolist() for p in parts] == [[0, 1], [2], []]  # no test documents: no test set
+    with pytest.raises(ValueError, match="no validation documents of the 2 in --data-path"):
+        split_documents(_Splittable([[0, 1], [], []]), args)
+    args.eval_iters = 0
+    split_documents(_Splittable([[0, 1], [], []]), args)  # no evaluation: none needed
+    with pytest.raises(ValueError, match="no training documents"):
+        split_documents(_Splittable([[], [0, 1], []]), args)
 
 
 def test_a_document_longer_than_a_micro_batch_is_refused():
