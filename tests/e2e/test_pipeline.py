@@ -1,18 +1,22 @@
 """Pipeline parallelism end to end: ``torchrun --nproc-per-node 4 -m pretrain.pretrain_gpt
 --config pretrain/configs/tiny_cpu.yaml parallel.pipeline_parallel_size=2`` (4 gloo ranks = 2
-stages × 2 planner ranks) trains the demo model on the PP = 1 demo's batches with its losses, and
-a PP = 2 checkpoint resumes without pipelining on 2 ranks with the uninterrupted run's losses."""
+stages × 2 planner ranks) trains the demo model on the PP = 1 demo's batches with its losses, a
+PP = 2 checkpoint resumes without pipelining on 2 ranks with the uninterrupted run's losses, and
+exports to Hugging Face as the PP = 1 run's checkpoint does."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.numpy import load_file
 
 from dcp.observability.metrics import read_metrics
 from tests.e2e.demo_runs import BIN, CONFIG, DEMO, losses
 from tests.e2e.test_pretrain import finish, start
+from tools import convert_checkpoint
 
 STEPS = 10
 PP2 = ["parallel.pipeline_parallel_size=2"]
@@ -48,8 +52,14 @@ def pp2_run(tmp_path_factory) -> Path:
     return _run(tmp, "pp2", *PP2, "checkpoint.interval_steps=4", KEEP_ALL, nproc=4)[0]
 
 
-def test_the_demo_at_pp2_gives_the_pp1_demo_losses(pp2_run, tmp_path):
-    pp1, _ = _run(tmp_path, "pp1", nproc=2)
+@pytest.fixture(scope="module")
+def pp1_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("runs")
+    return _run(tmp, "pp1", "checkpoint.interval_steps=4", KEEP_ALL, nproc=2)[0]
+
+
+def test_the_demo_at_pp2_gives_the_pp1_demo_losses(pp2_run, pp1_run):
+    pp1 = pp1_run
     rows, reference = read_metrics(pp2_run), read_metrics(pp1)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["tokens"] for r in rows] == [r["tokens"] for r in reference], "not the same batches"
@@ -71,3 +81,31 @@ def test_a_pp2_checkpoint_resumes_without_pipelining(pp2_run, tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert _worst(losses(run_dir)[4:], losses(pp2_run)[4:]) <= 1e-5
+
+
+def _export(run: Path, out: Path) -> tuple[dict, dict]:
+    """``tools.convert_checkpoint dcp-to-hf`` of the run's step-4 checkpoint: the HF config
+    and every tensor of the exported shards."""
+    source = run / "checkpoints" / "step_000004"
+    assert convert_checkpoint.main(["dcp-to-hf", str(source), str(out)]) == 0
+    tensors = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    return json.loads((out / "config.json").read_text()), tensors
+
+
+def test_a_pp2_checkpoint_exports_to_hf_as_the_pp1_one_does(pp2_run, pp1_run, tmp_path):
+    """Each stage wrote only its layers; the export holds the whole model, the PP = 1 run's
+    tensors under the same names. Same batches and losses, so the weights differ by float
+    rounding grown through four Adam steps (4.6e-4 of a tensor's largest value measured); a
+    layer of one stage exported as another's would be off by the whole tensor."""
+    config, got = _export(pp2_run, tmp_path / "pp2")
+    want_config, want = _export(pp1_run, tmp_path / "pp1")
+    assert config == want_config
+    assert got.keys() == want.keys()
+    last = config["num_hidden_layers"] - 1
+    assert {"model.layers.0.mlp.down_proj.weight", f"model.layers.{last}.mlp.down_proj.weight"} <= (
+        got.keys()
+    )
+    for name, value in want.items():
+        assert got[name].shape == value.shape, name
+        scale = float(abs(value).max())
+        assert float(abs(got[name] - value).max()) <= 1e-3 * scale, name
