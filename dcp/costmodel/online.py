@@ -27,6 +27,7 @@ from dcp.plan import RECOMPUTE_LEVELS, full_recompute_layers
 
 _COL = {name: j for j, name in enumerate(TIME_FEATURES)}
 _COMM_COLS = [_COL["comm"], _COL["comm_sel"], _COL["comm_full_extra"]]
+_FIXED_COLS = [_COL["overhead"], _COL["sequence"]]
 # Recompute-fraction coefficient -> its base column (with ``_sel`` and ``_full_extra`` beside it).
 _RATES = (
     ("recompute_linear_frac", "linear"),
@@ -70,15 +71,25 @@ def _sort_key(r: MicroStepRecord) -> tuple:
     )
 
 
+def record_time_s(model: CostModel, record: MicroStepRecord) -> float:
+    """``model``'s prediction of what ``record`` measured: the micro-step's time and, for a
+    record of P pipeline stages (the sum of their times), the fixed per-micro-step costs
+    (launches, per-document work) P - 1 more times: each stage pays them once
+    (``dcp.costmodel.pipeline``), the whole-model formula once."""
+    time_s = model.step_time_s(
+        record.seq_lens,
+        record.cp_size,
+        record.recompute,
+        record.ranks,
+        recompute_layers=record.recompute_layers,
+    )
+    c = model.coefficients
+    fixed = c.step_overhead_s + c.sequence_overhead_s * len(record.seq_lens)
+    return time_s + (record.pipeline_stages - 1) * fixed
+
+
 def _rms(model: CostModel, records: Sequence[MicroStepRecord]) -> float:
-    errors = [
-        model.step_time_s(
-            r.seq_lens, r.cp_size, r.recompute, r.ranks, recompute_layers=r.recompute_layers
-        )
-        / r.time_s
-        - 1.0
-        for r in records
-    ]
+    errors = [record_time_s(model, r) / r.time_s - 1.0 for r in records]
     return math.sqrt(sum(e * e for e in errors) / len(errors))
 
 
@@ -102,6 +113,8 @@ def _design(records: Sequence[MicroStepRecord], prior: CostModel, kappa: float) 
             ratio = c.intra_node_bytes_per_s / prior.bandwidth_bytes_per_s(r.cp_size, r.ranks)
             for j in _COMM_COLS:
                 row[j] *= ratio
+        for j in _FIXED_COLS:  # once per pipeline stage (record_time_s)
+            row[j] *= r.pipeline_stages
         rows.append(row)
     return np.asarray(rows, dtype=np.float64).reshape(len(records), len(TIME_FEATURES))
 

@@ -83,6 +83,17 @@ def stage_recompute_layers(step: MicroStep, stage_layers: int) -> int | None:
     return None if n is None or n >= stage_layers else n
 
 
+def whole_model_recompute_layers(step: MicroStep, layer_counts: Sequence[int]) -> int | None:
+    """The layers ``step`` fully recomputes over all stages of ``layer_counts`` layers each
+    (every stage its first N: ``stage_recompute_layers``), as a whole-model micro-step's
+    ``recompute_layers`` (``None``: all of them)."""
+    n = step.recompute_layers
+    if n is None or len(layer_counts) == 1:
+        return n
+    total = sum(min(n, layers) for layers in layer_counts)
+    return None if total == sum(layer_counts) else total
+
+
 @dataclass(frozen=True)
 class PipelineCosts:
     """Per-stage cost models of a ``CostModel`` whose spec has ``pipeline_parallel_size`` > 1

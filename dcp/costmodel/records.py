@@ -55,7 +55,11 @@ class MicroStepRecord:
     recompute_layers: int | None = None
     """With ``full``: the first N layers recomputed (``MicroStep.recompute_layers``); ``None``:
     all of them. A partial recompute timed as a full one would teach the refit that full
-    recompute is cheap."""
+    recompute is cheap. Under pipeline parallelism: the layers recomputed over all stages."""
+    pipeline_stages: int = 1
+    """Under pipeline parallelism, the P stages whose times ``time_s`` sums (each stage's
+    slowest rank of the group; the waits between stages not counted): the whole model's layers
+    once, and the micro-step's fixed costs once per stage (``record_time_s``)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.step) or self.step < 0:
@@ -85,6 +89,8 @@ class MicroStepRecord:
                 "recompute_layers must be null or an int >= 1 with recompute 'full', got "
                 f"{self.recompute_layers!r} with {self.recompute!r}"
             )
+        if not _is_int(self.pipeline_stages) or self.pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be an int >= 1, got {self.pipeline_stages!r}")
         object.__setattr__(self, "ranks", ranks)
         object.__setattr__(self, "seq_lens", lens)
         object.__setattr__(self, "time_s", time_s)
@@ -96,7 +102,8 @@ class MicroStepRecord:
 
     def to_dict(self) -> dict:
         """The JSON object of the contract (``mem_bytes`` is always present, null if unknown;
-        ``recompute_layers`` only when set, so full-model records read as before)."""
+        ``recompute_layers`` only when set and ``pipeline_stages`` only above 1, so other
+        records read as before)."""
         out = {
             "step": self.step,
             "ranks": list(self.ranks),
@@ -107,6 +114,8 @@ class MicroStepRecord:
         }
         if self.recompute_layers is not None:
             out["recompute_layers"] = self.recompute_layers
+        if self.pipeline_stages > 1:
+            out["pipeline_stages"] = self.pipeline_stages
         return out
 
     @classmethod
@@ -131,6 +140,7 @@ class MicroStepRecord:
             time_s=data["time_s"],
             mem_bytes=data.get("mem_bytes"),
             recompute_layers=data.get("recompute_layers"),
+            pipeline_stages=data.get("pipeline_stages", 1),
         )
 
 

@@ -31,6 +31,7 @@ from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.pipeline import run_pipelined_plan
 from dcp.runtime.schedule import run_plan
 from dcp.runtime.setup import init_megatron_parallel, pipeline_parallel_size
+from dcp.runtime.timing import stage_slots, whole_model_times
 from dcp.weights.tensor_parallel import gather_whole
 from megatron_patches.cpu_optimizer import cuda_on_cpu
 from megatron_patches.ddp_buckets import gather_reduced_grads
@@ -281,9 +282,9 @@ class Runtime:
             reset_peak_memory()
             self._peak_window_open = True
         result = self.forward_backward(plan, source)
-        times = [0.0] * len(plan.steps)
-        for index, seconds in result.step_times_s:
-            times[index] = seconds
+        times = stage_slots(
+            result.step_times_s, len(plan.steps), stage=self.registry.stage, stages=self.pp
+        )
         scalars = scalars or StepScalars()
         scalars.add("_loss_sum", self._per_planner_rank(result.loss_sum), op=SUM)
         scalars.add("_tokens_read", result.tokens_read, op=SUM)
@@ -347,7 +348,7 @@ class Runtime:
             padding_tokens=round(reduced.pop("_padding")[0]),
             skipped=skipped,
             compute_time_s=reduced.pop("_compute_time_s")[0],
-            slowest_step_times_s=reduced.pop("_step_times_s"),
+            slowest_step_times_s=whole_model_times(reduced.pop("_step_times_s"), len(plan.steps)),
             peak_mem_bytes=int(reduced.pop("_peak_mem_bytes")[0]),
             reduced={k: v for k, v in reduced.items() if not k.startswith("_")},
             host_syncs=host_syncs() - syncs_before,

@@ -57,3 +57,22 @@ class MicroStepTimer:
         self._loop_end.synchronize()  # every earlier event on this stream has completed too
         loop_s = self._loop.elapsed_time(self._loop_end) / 1e3
         return loop_s, [(i, start.elapsed_time(end) / 1e3) for i, start, end in self._marks]
+
+
+def stage_slots(
+    step_times_s: list[tuple[int, float]], num_steps: int, *, stage: int, stages: int
+) -> list[float]:
+    """This rank's micro-step times (``ScheduleResult.step_times_s``) in a vector of
+    ``stages`` × ``num_steps`` slots, its stage's filled: reduced with MAX over every rank, it
+    holds each micro-step's slowest rank on each stage (``whole_model_times`` sums them)."""
+    times = [0.0] * (stages * num_steps)
+    for index, seconds in step_times_s:
+        times[stage * num_steps + index] = seconds
+    return times
+
+
+def whole_model_times(slots: list[float], num_steps: int) -> list[float]:
+    """Per micro-step, the sum over the stages of ``stage_slots`` reduced with MAX: the time
+    of the whole model's layers (without pipelining: the slowest rank's time itself)."""
+    stages = len(slots) // num_steps if num_steps else 1
+    return [sum(slots[s * num_steps + i] for s in range(stages)) for i in range(num_steps)]

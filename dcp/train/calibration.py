@@ -34,6 +34,12 @@ import numpy as np
 import torch.distributed as dist
 
 from dcp.costmodel import CostModel, MicroStepRecord, append_records, fit_records, read_records
+from dcp.costmodel.online import record_time_s
+from dcp.costmodel.pipeline import (
+    planning_view,
+    stage_layer_counts,
+    whole_model_recompute_layers,
+)
 from dcp.plan import RECOMPUTE_LEVELS, Plan, Recompute
 from dcp.planning.common import pow2_sizes
 from dcp.planning.dcp_planner import pin_label
@@ -60,20 +66,7 @@ class RefitOutcome:
 
 def median_error(model: CostModel, records: list[MicroStepRecord]) -> float:
     """Median |predicted - measured| / measured over ``records``."""
-    return statistics.median(
-        abs(
-            model.step_time_s(
-                list(r.seq_lens),
-                r.cp_size,
-                r.recompute,
-                r.ranks,
-                recompute_layers=r.recompute_layers,
-            )
-            / r.time_s
-            - 1
-        )
-        for r in records
-    )
+    return statistics.median(abs(record_time_s(model, r) / r.time_s - 1) for r in records)
 
 
 def choose_exploration(
@@ -84,9 +77,12 @@ def choose_exploration(
     fit, ``{index: (cp_size, "full", N)}`` (``DCPOptions.pinned``); ``None`` when every
     configuration worth trying has been measured for a sequence at least half as long. A partial
     full recompute is its own configuration: a record of all layers does not count for it, nor
-    the reverse."""
+    the reverse. Under pipelines a configuration is sized as the planner sizes a micro-step,
+    with the activations each stage holds in flight (``planning_view``), and N counts a
+    stage's layers."""
     index = max(range(len(lengths)), key=lambda i: (lengths[i], -i))
     length = lengths[index]
+    cost_model = planning_view(cost_model)
     arms = []
     for cp in pow2_sizes(cost_model.num_ranks, None):
         configs: list[tuple] = [(level,) for level in RECOMPUTE_LEVELS]
@@ -186,11 +182,21 @@ class OnlineCalibrator:
         return pinned
 
     def observe(
-        self, step: int, plan: Plan, lengths: list[int], slowest_times_s: list[float]
+        self,
+        step: int,
+        plan: Plan,
+        lengths: list[int],
+        slowest_times_s: list[float],
+        *,
+        pipeline_stages: int = 1,
+        num_layers: int | None = None,
     ) -> list[MicroStepRecord]:
         """Record this step's micro-steps from ``slowest_times_s``: per plan step, the time of
         its slowest rank (``StepStats.slowest_step_times_s``, reduced with the step's other
-        scalars, so every rank records the same)."""
+        scalars, so every rank records the same). Under ``pipeline_stages`` > 1 each time is
+        the sum over the stages of the stage's slowest rank (``stage_times``), and a partial
+        full recompute is recorded as the layers it recomputes over all ``num_layers``."""
+        counts = stage_layer_counts(num_layers, pipeline_stages) if pipeline_stages > 1 else (1,)
         new = [
             MicroStepRecord(
                 step=step,
@@ -198,7 +204,8 @@ class OnlineCalibrator:
                 seq_lens=tuple(lengths[i] for i in s.seq_ids),
                 recompute=s.recompute,
                 time_s=slowest_times_s[index],
-                recompute_layers=s.recompute_layers,
+                recompute_layers=whole_model_recompute_layers(s, counts),
+                pipeline_stages=pipeline_stages,
             )
             for index, s in enumerate(plan.steps)
             if slowest_times_s[index] > 0
@@ -212,7 +219,15 @@ class OnlineCalibrator:
         """Record ``step``'s micro-steps (``observe``) and, when a refit is due and accepted,
         make ``planner`` (a ``BatchPlanner``) plan with it from the next step. Returns whether
         the planner's cost model changed."""
-        self.observe(step, planned.plan, planned.lengths, slowest_times_s)
+        model = planner.cost_model
+        self.observe(
+            step,
+            planned.plan,
+            planned.lengths,
+            slowest_times_s,
+            pipeline_stages=model.pipeline_parallel_size,
+            num_layers=model.num_layers,
+        )
         refit = self.maybe_refit(step, planner.cost_model)
         if refit is None or not refit.accepted:
             return False

@@ -229,15 +229,6 @@ class Trainer:
         planning = with_fixed_static_config(
             self.planner, GlobalBatchSampler(self.dataset.doc_lengths, cfg.data.sampler)
         )
-        if pp > 1 and planning.calibration == "online":
-            # The calibrator fits whole-model micro-step times; a stage measures only its share
-            # of the layers, so under pipelining the run plans with the spec as configured.
-            if self.rank == 0:
-                logger.warning(
-                    "planning.calibration=online is not available with pipeline parallelism "
-                    "yet: planning with the spec as configured (planning.calibration=fixed)"
-                )
-            planning = dataclasses.replace(planning, calibration="fixed")
         if planning != cfg.planning:  # the cost model does not depend on it: no rebuild
             self.cfg = dataclasses.replace(cfg, planning=planning)
             self.planner.cfg = planning

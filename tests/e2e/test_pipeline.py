@@ -7,13 +7,16 @@ exports to Hugging Face as the PP = 1 run's checkpoint does."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 from safetensors.numpy import load_file
 
+from dcp.costmodel.records import read_records
 from dcp.observability.metrics import read_metrics
+from dcp.train.calibration import RECORDS_FILENAME
 from tests.e2e.demo_runs import BIN, CONFIG, DEMO, losses
 from tests.e2e.test_pretrain import finish, start
 from tools import convert_checkpoint
@@ -81,6 +84,21 @@ def test_a_pp2_checkpoint_resumes_without_pipelining(pp2_run, tmp_path):
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert _worst(losses(run_dir)[4:], losses(pp2_run)[4:]) <= 1e-5
+
+
+def test_online_calibration_refits_on_the_stages_summed_times(tmp_path):
+    """DCP's default calibration at PP = 2: every micro-step is recorded once, as the sum of its
+    two stages' times, and the refits (every 3 steps) fit those records. Whether a refit is
+    accepted depends on this machine's timings; that it fits and its exploration's pinned
+    configurations fit the pipeline's memory does not."""
+    online = ("planning.calibration=online", "planning.refit_interval_steps=3")
+    run_dir, out = _run(tmp_path, "online", *PP2, *online, nproc=4)
+    records = read_records(run_dir / RECORDS_FILENAME)
+    rows = read_metrics(run_dir)
+    assert len(records) == sum(r["plan/num_micro_steps"] for r in rows)
+    assert {r.pipeline_stages for r in records} == {2}
+    assert re.search(r"step [369]: cost-model refit on \d+ micro-steps (accepted|rejected)", out)
+    assert "exploring" in out  # a configuration pinned for measuring, planned under PP
 
 
 def _export(run: Path, out: Path) -> tuple[dict, dict]:

@@ -32,6 +32,7 @@ from dcp.runtime.builders import local_token_multiple as _token_multiple
 from dcp.runtime.dispatch import compute_device, local_batch
 from dcp.runtime.pipeline import run_pipelined_plan
 from dcp.runtime.schedule import run_plan
+from dcp.runtime.timing import stage_slots, whole_model_times
 from dcp.train.batches import DatasetSource
 
 _local_token_multiple = functools.cache(_token_multiple)
@@ -144,16 +145,21 @@ class DCPForwardBackward:
         result = self._run(model[0], planned.plan, batch)
         # The slowest rank's time of every micro-step (calibration records, the step's compute
         # time): one reduction and one host read per step, the plan agreement the other.
-        times = [0.0] * len(planned.plan.steps)
-        for index, seconds in result.step_times_s:
-            times[index] = seconds
+        num_steps = len(planned.plan.steps)
+        times = stage_slots(
+            result.step_times_s,
+            num_steps,
+            stage=self.registry.stage,
+            stages=self.registry.pipeline_parallel_size,
+        )
         scalars = StepScalars()
         scalars.add("compute_time_s", result.compute_time_s, op=MAX)
         scalars.add_vector("step_times_s", times, op=MAX)
         with phase(f"the micro-step time reduction of step {self.step}"):
             reduced = scalars.reduce()
         if self.calibrator is not None:
-            self.calibrator.calibrate(self.step, planned, reduced["step_times_s"], self.planner)
+            slowest = whole_model_times(reduced["step_times_s"], num_steps)
+            self.calibrator.calibrate(self.step, planned, slowest, self.planner)
         self.step += 1
         self.on_step(
             plan_fields(

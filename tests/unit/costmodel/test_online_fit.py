@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from dcp.costmodel import CostModel, load_cost_model, load_preset
-from dcp.costmodel.online import fit_records
+from dcp.costmodel.online import fit_records, record_time_s
+from dcp.costmodel.pipeline import PipelineCosts, whole_model_recompute_layers
 from dcp.costmodel.records import MicroStepRecord, append_records, read_records
-from dcp.plan import RECOMPUTE_LEVELS
+from dcp.plan import RECOMPUTE_LEVELS, MicroStep
 from dcp.planning import THREE_LEVEL_OPTIONS, DCPOptions, lower_bound_s, plan_dcp, simulate
 
 PRIOR = "cpu-tiny-uncalibrated+cpu-wrong"
@@ -109,6 +110,10 @@ def test_record_round_trip_and_files(tmp_path):
     )
     assert record.cp_size == 2
     assert MicroStepRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    staged = MicroStepRecord(step=3, ranks=(0,), seq_lens=(9,), recompute="none", time_s=1.0)
+    assert "pipeline_stages" not in staged.to_dict()  # records without pipelines read as before
+    staged = MicroStepRecord.from_dict({**staged.to_dict(), "pipeline_stages": 4})
+    assert MicroStepRecord.from_dict(staged.to_dict()).pipeline_stages == 4
     bare = {"step": 0, "ranks": [1], "seq_lens": [5], "recompute": "none", "time_s": 1}
     assert MicroStepRecord.from_dict({**bare, "future_key": 1}).mem_bytes is None
     assert MicroStepRecord.from_dict({**bare, "mem_bytes": None}).time_s == 1.0
@@ -137,6 +142,8 @@ def test_record_round_trip_and_files(tmp_path):
         ({"time_s": "1"}, "time_s"),
         ({"mem_bytes": -1}, "mem_bytes"),
         ({"ranks": "0"}, "ranks"),
+        ({"pipeline_stages": 0}, "pipeline_stages"),
+        ({"pipeline_stages": 2.0}, "pipeline_stages"),
     ],
 )
 def test_record_validation(change, message):
@@ -199,6 +206,52 @@ def test_tp_collectives_stay_fixed_while_the_rest_is_refitted():
     exact = fit_records(records, prior=at_tp2(load_preset(PRIOR)), prior_weight=0.0)
     _assert_coefficients(exact.cost_model, truth, rel=1e-9)
     assert exact.cost_model.coefficients.tp_comm_s_per_token == tp["tp_comm_s_per_token"]
+
+
+def test_pipeline_records_sum_their_stages_and_refit_exactly():
+    """Under pipelines a record's time is the sum of its stages' (each stage: its share of the
+    layers, the fixed costs once, its own first N layers recomputed): what the stage costs of
+    ``PipelineCosts`` give, ``record_time_s`` predicts, and the refit recovers the whole-model
+    coefficients from."""
+
+    def at_pp2(spec: dict) -> dict:
+        return {
+            **spec,
+            "cluster": {**spec["cluster"], "num_gpus": 4},
+            "options": {**spec.get("options", {}), "pipeline_parallel_size": 2},
+        }
+
+    truth = CostModel.from_spec(
+        at_pp2({**load_preset("cpu-tiny-uncalibrated"), "calibration": _truth_calibration()})
+    )
+    costs = PipelineCosts.of(truth)
+    assert costs.layer_counts == (2, 2)
+    records = []
+    for shape in SHAPES:
+        for cp in (1, 2):
+            for level, layers in [(lv, None) for lv in RECOMPUTE_LEVELS] + [("full", 1)]:
+                step = MicroStep(
+                    ranks=tuple(range(cp)),
+                    seq_ids=tuple(range(len(shape))),
+                    recompute=level,
+                    recompute_layers=layers,
+                )
+                stages_s = sum(f + b for f, b, _ in costs.step_times(step, shape))
+                record = MicroStepRecord(
+                    step=len(records),
+                    ranks=step.ranks,
+                    seq_lens=tuple(shape),
+                    recompute=level,
+                    time_s=stages_s,
+                    recompute_layers=whole_model_recompute_layers(step, costs.layer_counts),
+                    pipeline_stages=2,
+                )
+                assert record_time_s(truth, record) == pytest.approx(stages_s, rel=1e-12)
+                records.append(record)
+    assert {r.recompute_layers for r in records} == {None, 2}  # the first layer of each stage
+    exact = fit_records(records, prior=at_pp2(load_preset(PRIOR)), prior_weight=0.0)
+    _assert_coefficients(exact.cost_model, truth, rel=1e-9)
+    assert exact.cost_model.pipeline_parallel_size == 2
 
 
 def test_bounded_error_with_noise():

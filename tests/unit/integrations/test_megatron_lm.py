@@ -74,7 +74,7 @@ def test_unsupported_megatron_settings_are_refused_with_the_flag():
         dcp_mlm.check_args(args)
     message = str(err.value)
     for flag in (
-        "--dcp-calibration fixed",  # online calibration under pipeline parallelism
+        "give --dcp-metrics or --save",  # where online calibration keeps its records
         "--micro-batch-size 1",
         "--dataloader-type external",
         "--calculate-per-token-loss",
@@ -114,10 +114,12 @@ def test_a_bad_split_is_refused_by_flag(text):
         parse_split(text)
 
 
-def test_pipeline_parallelism_runs_with_fixed_calibration_and_no_virtual_stages():
+def test_pipeline_parallelism_runs_with_either_calibration_and_no_virtual_stages():
     pp = ("--pipeline-model-parallel-size", "2")
     dcp_mlm.check_args(megatron_args(*GOOD, *pp))  # static: Megatron's own 1F1B
     dcp_mlm.check_args(megatron_args(*GOOD, *pp, "--dcp", "--dcp-calibration", "fixed"))
+    online = ("--dcp-calibration", "online", "--dcp-metrics", "m.jsonl")
+    dcp_mlm.check_args(megatron_args(*GOOD, *pp, "--dcp", *online))
     virtual = megatron_args(*GOOD, *pp, "--num-virtual-stages-per-pipeline-rank", "2")
     with pytest.raises(ValueError, match="interleaved virtual pipeline stages"):
         dcp_mlm.check_args(virtual)
