@@ -88,7 +88,7 @@ def whole_model_recompute_layers(step: MicroStep, layer_counts: Sequence[int]) -
     (every stage its first N: ``stage_recompute_layers``), as a whole-model micro-step's
     ``recompute_layers`` (``None``: all of them)."""
     n = step.recompute_layers
-    if n is None or len(layer_counts) == 1:
+    if n is None or len(layer_counts) <= 1:  # no pipeline: the step's own count
         return n
     total = sum(min(n, layers) for layers in layer_counts)
     return None if total == sum(layer_counts) else total

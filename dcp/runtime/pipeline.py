@@ -62,6 +62,7 @@ from dcp.runtime.schedule import (
     ScheduleResult,
     around_steps,
     finalize_grads,
+    run_plan,
     start_plan,
     step_batch,
 )
@@ -249,3 +250,25 @@ def run_pipelined_plan(
         summed[index] = summed.get(index, 0.0) + seconds
     result.step_times_s = sorted(summed.items())
     return result
+
+
+def execute_plan(
+    model,
+    plan: Plan,
+    *,
+    source: SequenceSource,
+    registry: GroupRegistry,
+    local_token_multiple: int = 1,
+    forward_only: bool = False,
+) -> ScheduleResult:
+    """``plan`` by the schedule ``registry``'s layout runs: ``run_pipelined_plan`` under
+    pipeline parallelism, ``dcp.runtime.schedule.run_plan`` without."""
+    run = run_pipelined_plan if registry.pipeline_parallel_size > 1 else run_plan
+    return run(
+        model,
+        plan,
+        source=source,
+        registry=registry,
+        local_token_multiple=local_token_multiple,
+        forward_only=forward_only,
+    )

@@ -28,8 +28,7 @@ from dcp.runtime.builders import build_model_and_optimizer, wrap_ddp
 from dcp.runtime.builders import local_token_multiple as model_token_multiple
 from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
-from dcp.runtime.pipeline import run_pipelined_plan
-from dcp.runtime.schedule import run_plan
+from dcp.runtime.pipeline import execute_plan
 from dcp.runtime.setup import init_megatron_parallel, pipeline_parallel_size
 from dcp.runtime.timing import stage_slots, whole_model_times
 from dcp.weights.tensor_parallel import gather_whole
@@ -176,7 +175,13 @@ class Runtime:
         """Run this rank's micro-steps (its events of the plan's pipeline under pipeline
         parallelism) and reduce gradients; no optimizer step."""
         self.zero_grad()
-        return self._run(plan, source, forward_only=False)
+        return execute_plan(
+            self.model,
+            plan,
+            source=source,
+            registry=self.registry,
+            local_token_multiple=self.local_token_multiple,
+        )
 
     def forward(self, plan: Plan, source: SequenceSource):
         """Evaluate: run this rank's micro-steps of ``plan.forward_only()`` forward only, the
@@ -185,20 +190,16 @@ class Runtime:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._run(plan.forward_only(), source, forward_only=True)
+            return execute_plan(
+                self.model,
+                plan.forward_only(),
+                source=source,
+                registry=self.registry,
+                local_token_multiple=self.local_token_multiple,
+                forward_only=True,
+            )
         finally:
             self.model.train(was_training)
-
-    def _run(self, plan: Plan, source: SequenceSource, *, forward_only: bool):
-        run = run_pipelined_plan if self.pp > 1 else run_plan
-        return run(
-            self.model,
-            plan,
-            source=source,
-            registry=self.registry,
-            local_token_multiple=self.local_token_multiple,
-            forward_only=forward_only,
-        )
 
     def _per_planner_rank(self, value: float) -> float:
         """This rank's share of a sum over the batch: every TP rank of a planner rank runs the

@@ -188,15 +188,14 @@ class OnlineCalibrator:
         lengths: list[int],
         slowest_times_s: list[float],
         *,
-        pipeline_stages: int = 1,
-        num_layers: int | None = None,
+        stage_layers: tuple[int, ...] = (),
     ) -> list[MicroStepRecord]:
         """Record this step's micro-steps from ``slowest_times_s``: per plan step, the time of
         its slowest rank (``StepStats.slowest_step_times_s``, reduced with the step's other
-        scalars, so every rank records the same). Under ``pipeline_stages`` > 1 each time is
-        the sum over the stages of the stage's slowest rank (``stage_times``), and a partial
-        full recompute is recorded as the layers it recomputes over all ``num_layers``."""
-        counts = stage_layer_counts(num_layers, pipeline_stages) if pipeline_stages > 1 else (1,)
+        scalars, so every rank records the same). Under pipelines (``stage_layers``: each
+        stage's layer count) each time is the sum over the stages of the stage's slowest rank
+        (``whole_model_times``), and a partial full recompute is recorded as the layers it
+        recomputes over all stages."""
         new = [
             MicroStepRecord(
                 step=step,
@@ -204,8 +203,8 @@ class OnlineCalibrator:
                 seq_lens=tuple(lengths[i] for i in s.seq_ids),
                 recompute=s.recompute,
                 time_s=slowest_times_s[index],
-                recompute_layers=whole_model_recompute_layers(s, counts),
-                pipeline_stages=pipeline_stages,
+                recompute_layers=whole_model_recompute_layers(s, stage_layers),
+                pipeline_stages=max(1, len(stage_layers)),
             )
             for index, s in enumerate(plan.steps)
             if slowest_times_s[index] > 0
@@ -220,15 +219,11 @@ class OnlineCalibrator:
         make ``planner`` (a ``BatchPlanner``) plan with it from the next step. Returns whether
         the planner's cost model changed."""
         model = planner.cost_model
-        self.observe(
-            step,
-            planned.plan,
-            planned.lengths,
-            slowest_times_s,
-            pipeline_stages=model.pipeline_parallel_size,
-            num_layers=model.num_layers,
-        )
-        refit = self.maybe_refit(step, planner.cost_model)
+        stages = model.pipeline_parallel_size
+        stage_layers = stage_layer_counts(model.num_layers, stages) if stages > 1 else ()
+        plan, lengths = planned.plan, planned.lengths
+        self.observe(step, plan, lengths, slowest_times_s, stage_layers=stage_layers)
+        refit = self.maybe_refit(step, model)
         if refit is None or not refit.accepted:
             return False
         planner.set_spec(self.spec, version=refit.version)

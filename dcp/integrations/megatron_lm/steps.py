@@ -30,8 +30,7 @@ from dcp.integrations.megatron_lm.data import DocumentBatch, DocumentBatches
 from dcp.integrations.megatron_lm.records import plan_fields
 from dcp.runtime.builders import local_token_multiple as _token_multiple
 from dcp.runtime.dispatch import compute_device, local_batch
-from dcp.runtime.pipeline import run_pipelined_plan
-from dcp.runtime.schedule import run_plan
+from dcp.runtime.pipeline import execute_plan
 from dcp.runtime.timing import stage_slots, whole_model_times
 from dcp.train.batches import DatasetSource
 
@@ -174,8 +173,7 @@ class DCPForwardBackward:
         return [{"lm loss": _loss_report(result)}]
 
     def _run(self, model, plan, batch: DocumentBatch, *, forward_only: bool = False):
-        run = run_pipelined_plan if self.registry.pipeline_parallel_size > 1 else run_plan
-        return run(
+        return execute_plan(
             model,
             plan,
             source=DatasetSource(self.dataset, batch),
