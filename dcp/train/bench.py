@@ -28,7 +28,7 @@ from dcp.observability.host import RunLoad, load_warnings
 from dcp.observability.record import StepRecord
 from dcp.planning import THREE_LEVEL_OPTIONS, static_configs
 from dcp.planning.sweep import THREE_LEVEL
-from dcp.train.batches import BatchPlanner, build_dataset, longest_seq_len
+from dcp.step.batches import BatchPlanner, build_dataset, longest_seq_len
 from dcp.train.config import PretrainConfig
 from dcp.train.trainer import Trainer
 

@@ -20,7 +20,7 @@ from dcp.data.sampler import GlobalBatch
 from dcp.observability.host import RunLoad
 from dcp.observability.record import StepRecord
 from dcp.planning import StaticOptions, fixed_static_config, plan_static
-from dcp.train.batches import BatchPlanner, seq_lengths
+from dcp.step.batches import BatchPlanner, seq_lengths
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,19 +50,19 @@ from dcp.observability.record import PLAN_NOTATION, StepRecord
 from dcp.observability.run_info import write_run_config
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.schema import rename_sections, to_dict
-from dcp.train.agree import ReportedError, agree, one_line
-from dcp.train.batches import (
+from dcp.step.batches import (
     BatchPlanner,
     DatasetSource,
     PlannedBatch,
     build_dataset,
     with_fixed_static_config,
 )
-from dcp.train.calibration import RECORDS_FILENAME, OnlineCalibrator, restore_records
+from dcp.step.calibration import RECORDS_FILENAME, OnlineCalibrator, restore_records
+from dcp.step.plan_ahead import PlanAhead
+from dcp.step.recorder import StepRecorder
+from dcp.train.agree import ReportedError, agree, one_line
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock
-from dcp.train.plan_ahead import PlanAhead
-from dcp.train.recorder import StepRecorder
 from dcp.train.resume import (
     check_checkpoint_owner,
     check_data_content,

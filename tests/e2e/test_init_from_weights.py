@@ -18,7 +18,7 @@ import yaml
 
 from dcp.data.sampler import GlobalBatchSampler
 from dcp.schema import load_config
-from dcp.train.batches import build_dataset
+from dcp.step.batches import build_dataset
 from dcp.train.config import PretrainConfig
 from tests.e2e.test_pretrain import OVERRIDES, REPO, command, finish, metrics, start
 from tests.hf_models import make_hf_model

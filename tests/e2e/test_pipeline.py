@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from dcp.costmodel.records import read_records
 from dcp.observability.metrics import read_metrics
-from dcp.train.calibration import RECORDS_FILENAME
+from dcp.step.calibration import RECORDS_FILENAME
 from tests.e2e.demo_runs import BIN, CONFIG, DEMO, losses
 from tests.e2e.test_pretrain import finish, start
 from tools import convert_checkpoint

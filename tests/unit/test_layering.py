@@ -34,6 +34,7 @@ LAYERS = [
     "dcp.weights",
     "dcp.checkpoint",
     "dcp.runtime",
+    "dcp.step",
     "dcp.train",
     "dcp.integrations",
     "dcp",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dcp.integrations.megatron_lm.data import parse_split
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS
-from dcp.train.config import CALIBRATION_MODES, PlanningConfig
+from dcp.step.config import CALIBRATION_MODES, PlanningConfig
 from megatron_patches.megatron_training import arguments_on_cpu
 
 

@@ -45,7 +45,7 @@ from dcp.integrations.megatron_lm.steps import (
     PackedMicroBatches,
     packed_forward_step,
 )
-from dcp.train.calibration import RECORDS_FILENAME
+from dcp.step.calibration import RECORDS_FILENAME
 from megatron_patches.megatron_training import training_on_cpu
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class MegatronLMRun:
 
         from dcp.costmodel.spec import runtime_options
         from dcp.runtime.groups import GroupRegistry
-        from dcp.train.batches import BatchPlanner
+        from dcp.step.batches import BatchPlanner
 
         args = get_args()
         tp = ps.get_tensor_model_parallel_world_size()
@@ -225,7 +225,7 @@ class MegatronLMRun:
         )
         calibrator = None
         if args.dcp_calibration == "online":
-            from dcp.train.calibration import OnlineCalibrator
+            from dcp.step.calibration import OnlineCalibrator
 
             calibrator = OnlineCalibrator(
                 planner.cfg,

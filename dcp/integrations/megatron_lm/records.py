@@ -33,7 +33,7 @@ from dcp.observability.host import HostStats
 from dcp.observability.metrics import METRICS_FILENAME, encode_record, flatten
 from dcp.observability.record import PLAN_NOTATION, PlanStats
 from dcp.runtime.dispatch import compute_device
-from dcp.train.calibration import RECORDS_FILENAME
+from dcp.step.calibration import RECORDS_FILENAME
 
 
 def microsteps_path(metrics_path: str | Path) -> Path:

@@ -32,7 +32,7 @@ from dcp.runtime.builders import local_token_multiple as _token_multiple
 from dcp.runtime.dispatch import compute_device, local_batch
 from dcp.runtime.pipeline import execute_plan
 from dcp.runtime.timing import stage_slots, whole_model_times
-from dcp.train.batches import DatasetSource
+from dcp.step.batches import DatasetSource
 
 _local_token_multiple = functools.cache(_token_multiple)
 """A built model's token alignment (TE, FP8, TP), looked up once per model."""

@@ -80,8 +80,8 @@ def test_planner_options_from_command_line_values():
 
 def test_batch_planner_builds_each_planners_options():
     """The run's config reaches each planner as its options class (no per-planner dict)."""
-    from dcp.train.batches import BatchPlanner
-    from dcp.train.config import PlanningConfig
+    from dcp.step.batches import BatchPlanner
+    from dcp.step.config import PlanningConfig
 
     def options(planner: str, **cfg):
         config = PlanningConfig(planner=planner, spec="cpu-tiny", on_oversize="drop", **cfg)

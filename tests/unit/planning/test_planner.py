@@ -203,8 +203,8 @@ def test_training_config_on_oversize_reaches_every_planner(planner):
     """``planning.on_oversize=drop`` in the run's config drops the sequence for every planner (it
     once reached only DCP's)."""
     from dcp.data.sampler import GlobalBatch
-    from dcp.train.batches import BatchPlanner
-    from dcp.train.config import PlanningConfig
+    from dcp.step.batches import BatchPlanner
+    from dcp.step.config import PlanningConfig
 
     spec = "cpu-tiny+cpu-mem-tight"
     too_long = 2 * (load_cost_model(spec).max_tokens_per_rank("full") + 1)
@@ -227,8 +227,8 @@ def test_the_trainers_planner_plans_for_the_runs_model(caplog):
     """A run whose model is wider than its spec's: the planner's cost model has the run's shape
     (so a sequence the spec's small model would fit may need more ranks) and the log says so."""
     from dcp.model import ModelConfig
-    from dcp.train.batches import BatchPlanner
-    from dcp.train.config import PlanningConfig
+    from dcp.step.batches import BatchPlanner
+    from dcp.step.config import PlanningConfig
 
     run_model = ModelConfig(
         num_layers=4,
@@ -240,7 +240,7 @@ def test_the_trainers_planner_plans_for_the_runs_model(caplog):
     )
     cfg = PlanningConfig(spec="cpu-tiny+cpu-mem-tight")
     as_written = BatchPlanner(cfg, world_size=2)
-    with caplog.at_level("INFO", logger="dcp.train.batches"):
+    with caplog.at_level("INFO", logger="dcp.step.batches"):
         for_run = BatchPlanner(cfg, world_size=2, model=run_model.shape)
     assert for_run.cost_model.model == run_model.shape
     assert as_written.cost_model.model != run_model.shape

@@ -13,8 +13,8 @@ from dcp.costmodel import load_cost_model
 from dcp.plan import Recompute
 from dcp.planning import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp, simulate
 from dcp.planning.workloads import make_batch
-from dcp.train.batches import BatchPlanner
-from dcp.train.config import PlanningConfig
+from dcp.step.batches import BatchPlanner
+from dcp.step.config import PlanningConfig
 
 
 def cpu_tight(step_overhead_s: float | None = None):

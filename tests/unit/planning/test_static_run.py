@@ -16,8 +16,8 @@ from dcp.planning import (
     static_configs,
 )
 from dcp.planning.sweep import SWEEP_PLANNERS
-from dcp.train.batches import STATIC_CHOICE_BATCHES, BatchPlanner, with_fixed_static_config
-from dcp.train.config import PlanningConfig
+from dcp.step.batches import STATIC_CHOICE_BATCHES, BatchPlanner, with_fixed_static_config
+from dcp.step.config import PlanningConfig
 
 SPEC = "h200x8+llama3-8b"
 MAX_SEQ_LEN = 30_000

@@ -6,7 +6,7 @@ import pytest
 
 from dcp.costmodel import MicroStepRecord, load_cost_model
 from dcp.planning import DCPOptions, plan_dcp
-from dcp.train.calibration import EXPLORE_MARGIN, choose_exploration
+from dcp.step.calibration import EXPLORE_MARGIN, choose_exploration
 
 MODEL = load_cost_model("cpu-tiny+cpu-mem-tight")
 LENGTHS = [300, 6000, 2000, 45]

@@ -224,7 +224,7 @@ def test_token_ids_outside_the_vocabulary_name_file_and_document(tmp_path):
 
 
 def test_documents_longer_than_the_model_are_refused():
-    from dcp.train.batches import build_dataset
+    from dcp.step.batches import build_dataset
     from dcp.train.config import DataConfig
 
     cfg = load_config(

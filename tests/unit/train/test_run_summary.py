@@ -13,8 +13,8 @@ from dcp.data.sampler import GlobalBatchSampler, SamplerConfig
 from dcp.observability.host import HostStats
 from dcp.observability.record import PlanStats, StepRecord
 from dcp.planning import StaticOptions, fixed_static_config, plan_static
-from dcp.train.batches import BatchPlanner, seq_lengths
-from dcp.train.config import PlanningConfig
+from dcp.step.batches import BatchPlanner, seq_lengths
+from dcp.step.config import PlanningConfig
 from dcp.train.run_summary import compare_with_fixed, summary_lines
 
 LENGTHS = np.random.default_rng(0).integers(40, 4097, size=400)

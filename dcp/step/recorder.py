@@ -10,7 +10,7 @@ from dcp.observability.host import HostStats
 from dcp.observability.record import PlanStats, StepRecord, model_flops
 from dcp.runtime.dispatch import compute_device
 from dcp.runtime.runtime import Runtime, StepStats
-from dcp.train.batches import BatchPlanner, PlannedBatch
+from dcp.step.batches import BatchPlanner, PlannedBatch
 
 
 class StepRecorder:

@@ -12,8 +12,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
-from dcp.train.batches import BatchPlanner, PlannedBatch, seq_lengths
-from dcp.train.calibration import OnlineCalibrator
+from dcp.step.batches import BatchPlanner, PlannedBatch, seq_lengths
+from dcp.step.calibration import OnlineCalibrator
 
 _DECIDE = object()
 """``_submit``'s default: let online calibration decide the batch's exploration."""
