@@ -18,7 +18,7 @@ import hashlib
 import itertools
 import json
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -144,6 +144,24 @@ class MicroStep:
         """How many of a ``num_layers``-layer model's layers this step fully recomputes (0
         unless ``full``); ``ValueError`` if ``recompute_layers`` exceeds ``num_layers``."""
         return full_recompute_layers(self.recompute, self.recompute_layers, num_layers)
+
+    def stage_recompute_layers(self, stage_layers: int) -> int | None:
+        """``recompute_layers`` on a pipeline stage of ``stage_layers`` layers: every stage fully
+        recomputes its own first N layers (megatron's ``recompute_num_layers`` counts a stage's
+        layers); ``None`` (all of them) when N covers the stage. Without pipelines the stage is
+        the whole model."""
+        n = self.recompute_layers
+        return None if n is None or n >= stage_layers else n
+
+    def whole_model_recompute_layers(self, layer_counts: Sequence[int]) -> int | None:
+        """The layers this step fully recomputes over all stages of ``layer_counts`` layers
+        each (every stage its first N), as a whole-model micro-step's ``recompute_layers``
+        (``None``: all of them)."""
+        n = self.recompute_layers
+        if n is None or len(layer_counts) <= 1:  # no pipeline: the step's own count
+            return n
+        total = sum(min(n, layers) for layers in layer_counts)
+        return None if total == sum(layer_counts) else total
 
     @property
     def cp_size(self) -> int:

@@ -76,24 +76,6 @@ def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def stage_recompute_layers(step: MicroStep, stage_layers: int) -> int | None:
-    """``step.recompute_layers`` on a stage of ``stage_layers`` layers (counted per stage:
-    ``None``, all of them, when N covers the stage)."""
-    n = step.recompute_layers
-    return None if n is None or n >= stage_layers else n
-
-
-def whole_model_recompute_layers(step: MicroStep, layer_counts: Sequence[int]) -> int | None:
-    """The layers ``step`` fully recomputes over all stages of ``layer_counts`` layers each
-    (every stage its first N: ``stage_recompute_layers``), as a whole-model micro-step's
-    ``recompute_layers`` (``None``: all of them)."""
-    n = step.recompute_layers
-    if n is None or len(layer_counts) <= 1:  # no pipeline: the step's own count
-        return n
-    total = sum(min(n, layers) for layers in layer_counts)
-    return None if total == sum(layer_counts) else total
-
-
 @dataclass(frozen=True)
 class PipelineCosts:
     """Per-stage cost models of a ``CostModel`` whose spec has ``pipeline_parallel_size`` > 1
@@ -163,7 +145,7 @@ class PipelineCosts:
         seq = [lengths[i] for i in step.seq_ids]
         out = []
         for stage in self.stages:
-            n = stage_recompute_layers(step, stage.num_layers)
+            n = step.stage_recompute_layers(stage.num_layers)
             total, comm = stage.step_terms(
                 seq, step.cp_size, step.recompute, step.ranks, recompute_layers=n
             )
@@ -184,7 +166,7 @@ class PipelineCosts:
                 seq,
                 step.cp_size,
                 step.recompute,
-                stage_recompute_layers(step, stage.num_layers),
+                step.stage_recompute_layers(stage.num_layers),
             )
             - stage.static_mem_bytes
             for stage in self.stages

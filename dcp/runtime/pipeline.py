@@ -15,12 +15,13 @@ on the next or previous stage. The order is why it cannot deadlock (docs/design.
 each rank runs its events by increasing key, so the unfinished event with the least key has
 every participant at it, whatever the plan.
 
-A micro-step's CP group and recompute level are switched in for its forward and again for its
-backward (megatron's recompute re-runs the forward inside the backward, and CP attention's
-backward talks to its group). Between the two, the stage keeps the step's input activations and
+A micro-step is prepared, switched and run by the micro-step executor (``dcp.runtime.microstep``),
+which switches its CP group and recompute level in for its forward and again for its backward
+(megatron's recompute re-runs the forward inside the backward, and CP attention's backward talks
+to its group). Between the two, the stage keeps the step's input activations and
 its output (the autograd graph); stage s has at most P - s steps in flight (the 1F1B bound the
 planner's memory check counts). ``recompute_layers`` counts the layers of this stage
-(``stage_recompute_layers``: megatron's ``recompute_num_layers`` is per pipeline stage).
+(``MicroStep.stage_recompute_layers``: megatron's ``recompute_num_layers`` is per pipeline stage).
 
 The loss, loss tokens and padding are counted on the last stage only (the others hold no loss),
 so the step's reduction over every rank adds each once; the divisor is the batch's loss tokens,
@@ -38,14 +39,11 @@ order on both sides, so their streams match them in order.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from dcp.attention.layout import ShardLayout
-from dcp.collectives import phase, recv, run_device, send
-from dcp.costmodel.pipeline import stage_recompute_layers
+from dcp.collectives import phase, recv, send
 from dcp.plan import Plan
 from dcp.planning.pipeline import (
     BACKWARD,
@@ -56,29 +54,23 @@ from dcp.planning.pipeline import (
     SEND_GRADIENT,
     rank_events,
 )
-from dcp.runtime.dispatch import LocalBatch, SequenceSource
-from dcp.runtime.groups import GroupRegistry
+from dcp.runtime.dispatch import SequenceSource
+from dcp.runtime.microstep import MicroStepExecutor, MicroStepInput, masked_loss
 from dcp.runtime.schedule import (
     ScheduleResult,
     around_steps,
     finalize_grads,
     run_plan,
     start_plan,
-    step_batch,
 )
 from dcp.runtime.timing import MicroStepTimer
-from megatron_patches._util import unwrap
-from megatron_patches.parallel_state import use_cp_group
-from megatron_patches.recompute import use_recompute
 
 
 @dataclass
 class _InFlight:
     """One micro-step between its forward and its backward on this rank."""
 
-    batch: LocalBatch
-    layout: ShardLayout
-    group: object
+    micro: MicroStepInput
     input: torch.Tensor | None = None
     """The activations received from the previous stage (stages > 0), requiring grad."""
     output: torch.Tensor | None = None
@@ -87,27 +79,20 @@ class _InFlight:
     """The gradient of ``output`` received from the next stage."""
 
 
-def _stage_layers(model) -> int:
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
-    blocks = [m for m in unwrap(model).modules() if isinstance(m, TransformerBlock)]
-    return max((b.num_layers_per_pipeline_rank for b in blocks), default=0)
-
-
 def run_pipelined_plan(
-    model,
+    executor: MicroStepExecutor,
     plan: Plan,
     *,
     source: SequenceSource,
-    registry: GroupRegistry,
-    local_token_multiple: int = 1,
     forward_only: bool = False,
 ) -> ScheduleResult:
     """Forward/backward this rank's events of ``plan`` on its pipeline stage (module
-    docstring); gradients end up reduced in ``model`` (megatron's DDP around one stage of a
-    GPTModel built for ``registry``'s pipeline). ``forward_only`` (evaluation): the forwards
-    and activation messages alone (``rank_events(forward_only=True)``), without autograd; a
-    step's activations are let go once sent, or once its loss is counted on the last stage."""
+    docstring) through ``executor``; gradients end up reduced in its model (megatron's DDP
+    around one stage of a GPTModel built for the registry's pipeline). ``forward_only``
+    (evaluation): the forwards and activation messages alone
+    (``rank_events(forward_only=True)``), without autograd; a step's activations are let go
+    once sent, or once its loss is counted on the last stage."""
+    model, registry = executor.model, executor.registry
     stage, stages = registry.stage, registry.pipeline_parallel_size
     me = registry.planner_rank
     first, last = stage == 0, stage == stages - 1
@@ -117,16 +102,14 @@ def run_pipelined_plan(
             f"steps {list(plan.barriers)[:4]}), which a pipeline's stages cannot: they run "
             "different steps at once; plan it without barriers"
         )
-    lengths, result = start_plan(plan, source, registry)
+    result = start_plan(plan, source, registry)
 
-    device = run_device()
-    inner = unwrap(model)
-    config = inner.config
+    device = executor.device
+    config = executor.inner.config
     hidden_dtype = config.pipeline_dtype or config.params_dtype
     # Under sequence parallelism each TP rank holds 1/TP of the step's tokens between layers
     # (megatron's p2p sends the same: ``schedules.get_tensor_shapes``).
     tp_split = registry.tensor_parallel_size if config.sequence_parallel else 1
-    stage_layers = _stage_layers(model)
     previous, following = (
         registry.stage_peer(stage - 1) if not first else None,
         registry.stage_peer(stage + 1) if not last else None,
@@ -134,43 +117,16 @@ def run_pipelined_plan(
     timer = MicroStepTimer(device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     live: dict[int, _InFlight] = {}
-    if hasattr(model, "set_is_first_microbatch"):
-        model.set_is_first_microbatch()  # as in dcp.runtime.schedule: TE's FP8 weight caches
-
-    def prepare(index: int) -> _InFlight:
-        step = plan.steps[index]
-        layout, batch = step_batch(
-            source,
-            step,
-            lengths,
-            planner_rank=me,
-            local_token_multiple=local_token_multiple,
-            device=device,
-        )
-        return _InFlight(batch=batch, layout=layout, group=registry.get(step.ranks))
+    executor.begin_step()
 
     def activation_buffer(flight: _InFlight) -> torch.Tensor:
-        tokens = flight.layout.local_num_tokens // tp_split
+        tokens = flight.micro.layout.local_num_tokens // tp_split
         return torch.empty(tokens, 1, config.hidden_size, dtype=hidden_dtype, device=device)
 
-    @contextlib.contextmanager
-    def step_context(index: int, what: str):
-        step = plan.steps[index]
-        with (
-            phase(f"plan step {index} {what} on stage {stage} (CP group {list(step.ranks)})"),
-            use_cp_group(
-                model,
-                group=live[index].group,
-                ranks=registry.cp_global_ranks(step.ranks),
-                tp_cp_group=registry.tp_cp(step.ranks),
-            ),
-            use_recompute(
-                model,
-                step.recompute.megatron_granularity,
-                stage_recompute_layers(step, stage_layers),
-            ),
-        ):
-            yield
+    def switched(index: int, what: str):
+        return executor.step_switched(
+            plan.steps[index], what=f"plan step {index} {what} on stage {stage}"
+        )
 
     events = rank_events(plan, stages, stage=stage, rank=me, forward_only=forward_only)
     timer.begin_loop()
@@ -178,40 +134,30 @@ def run_pipelined_plan(
         for event in events:
             index = event.step
             if event.kind == RECV_ACTIVATION:
-                live[index] = prepare(index)
-                flight = live[index]
+                flight = live[index] = _InFlight(executor.prepare_step(source, plan.steps[index]))
                 with phase(f"receiving plan step {index}'s activations from stage {stage - 1}"):
                     flight.input = recv(activation_buffer(flight), src=previous)
                 if not forward_only:
                     flight.input.requires_grad_()
             elif event.kind == FORWARD:
                 if first:
-                    live[index] = prepare(index)
+                    live[index] = _InFlight(executor.prepare_step(source, plan.steps[index]))
                 flight = live[index]
+                micro = flight.micro
                 timer.begin(index)
-                with step_context(index, "forward"):
-                    if not first:
-                        inner.set_input_tensor(flight.input)
-                    params = flight.layout.packed_seq_params(device=device, cp_group=flight.group)
-                    out = model(
-                        flight.batch.input_ids,
-                        flight.batch.position_ids,
-                        None,
-                        labels=flight.batch.labels if last else None,
-                        packed_seq_params=params,
-                    )
+                with switched(index, "forward"):
+                    out = executor.forward(micro, labels=last, input_tensor=flight.input)
                     if last:
-                        out = (out.float() * flight.batch.loss_mask).sum()
+                        out = masked_loss(out, micro.batch)
                 flight.output = out
                 timer.end(index)
-                result.tokens_read += flight.batch.tokens_read
                 if last:
                     loss_sum += out.detach()
-                    result.loss_tokens += flight.batch.num_loss_tokens
-                    padding = flight.layout.local_num_tokens - flight.batch.num_loss_tokens
-                    result.padding_tokens += padding
+                    result.count(micro)  # the loss and its tokens live on the last stage only
                     if forward_only:
                         del live[index]
+                else:
+                    result.tokens_read += micro.batch.tokens_read
             elif event.kind == SEND_ACTIVATION:
                 with phase(f"sending plan step {index}'s activations to stage {stage + 1}"):
                     send(live[index].output.detach(), dst=following)
@@ -224,7 +170,7 @@ def run_pipelined_plan(
             elif event.kind == BACKWARD:
                 flight = live[index]
                 timer.begin(index)
-                with step_context(index, "backward"):
+                with switched(index, "backward"):
                     if last:
                         (flight.output / result.global_loss_tokens).backward()
                     else:
@@ -253,22 +199,13 @@ def run_pipelined_plan(
 
 
 def execute_plan(
-    model,
+    executor: MicroStepExecutor,
     plan: Plan,
     *,
     source: SequenceSource,
-    registry: GroupRegistry,
-    local_token_multiple: int = 1,
     forward_only: bool = False,
 ) -> ScheduleResult:
-    """``plan`` by the schedule ``registry``'s layout runs: ``run_pipelined_plan`` under
+    """``plan`` by the schedule the executor's layout runs: ``run_pipelined_plan`` under
     pipeline parallelism, ``dcp.runtime.schedule.run_plan`` without."""
-    run = run_pipelined_plan if registry.pipeline_parallel_size > 1 else run_plan
-    return run(
-        model,
-        plan,
-        source=source,
-        registry=registry,
-        local_token_multiple=local_token_multiple,
-        forward_only=forward_only,
-    )
+    run = run_pipelined_plan if executor.registry.pipeline_parallel_size > 1 else run_plan
+    return run(executor, plan, source=source, forward_only=forward_only)

@@ -2,8 +2,9 @@
 
 ``Runtime`` owns the DDP-wrapped model, the optimizer and the ``GroupRegistry`` of every CP
 group a plan may use. ``train_step(plan, source)`` runs this rank's micro-steps
-(``dcp.runtime.schedule.run_plan``), checks the reduced gradients, clips the global gradient
-norm, steps the optimizer and returns the global mean loss. Process set-up is in
+(``dcp.runtime.schedule.run_plan``, each through the micro-step executor of
+``dcp.runtime.microstep``), checks the reduced gradients, clips the global gradient norm, steps
+the optimizer and returns the global mean loss. Process set-up is in
 ``dcp.runtime.setup``, the builders in ``dcp.runtime.builders``; what a checkpoint holds of it,
 ``dcp.checkpoint.state``. ``Runtime(model, optimizer)`` also accepts any ``torch.optim`` optimizer.
 """
@@ -25,12 +26,12 @@ from dcp.observability.memory import peak_memory_bytes, reset_peak_memory
 from dcp.optim import OptimConfig, lr_at, set_lr
 from dcp.plan import Plan
 from dcp.runtime.builders import build_model_and_optimizer, wrap_ddp
-from dcp.runtime.builders import local_token_multiple as model_token_multiple
 from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
+from dcp.runtime.microstep import MicroStepExecutor
 from dcp.runtime.pipeline import execute_plan
 from dcp.runtime.setup import init_megatron_parallel, pipeline_parallel_size
-from dcp.runtime.timing import stage_slots, whole_model_times
+from dcp.runtime.timing import add_step_times, reduced_step_times
 from dcp.weights.tensor_parallel import gather_whole
 from megatron_patches.cpu_optimizer import cuda_on_cpu
 from megatron_patches.ddp_buckets import gather_reduced_grads
@@ -122,8 +123,8 @@ class Runtime:
                 "with wrap_ddp(..., distributed_optimizer=...) matching the optimizer"
             )
         self._peak_window_open = False
-        self.local_token_multiple = math.lcm(
-            local_token_multiple or 1, model_token_multiple(self.model)
+        self.executor = MicroStepExecutor(
+            self.model, registry=self.registry, token_multiple=local_token_multiple or 1
         )
         self.step = 0
 
@@ -175,13 +176,7 @@ class Runtime:
         """Run this rank's micro-steps (its events of the plan's pipeline under pipeline
         parallelism) and reduce gradients; no optimizer step."""
         self.zero_grad()
-        return execute_plan(
-            self.model,
-            plan,
-            source=source,
-            registry=self.registry,
-            local_token_multiple=self.local_token_multiple,
-        )
+        return execute_plan(self.executor, plan, source=source)
 
     def forward(self, plan: Plan, source: SequenceSource):
         """Evaluate: run this rank's micro-steps of ``plan.forward_only()`` forward only, the
@@ -191,12 +186,7 @@ class Runtime:
         self.model.eval()
         try:
             return execute_plan(
-                self.model,
-                plan.forward_only(),
-                source=source,
-                registry=self.registry,
-                local_token_multiple=self.local_token_multiple,
-                forward_only=True,
+                self.executor, plan.forward_only(), source=source, forward_only=True
             )
         finally:
             self.model.train(was_training)
@@ -283,9 +273,6 @@ class Runtime:
             reset_peak_memory()
             self._peak_window_open = True
         result = self.forward_backward(plan, source)
-        times = stage_slots(
-            result.step_times_s, len(plan.steps), stage=self.registry.stage, stages=self.pp
-        )
         scalars = scalars or StepScalars()
         scalars.add("_loss_sum", self._per_planner_rank(result.loss_sum), op=SUM)
         scalars.add("_tokens_read", result.tokens_read, op=SUM)
@@ -293,14 +280,16 @@ class Runtime:
         # The reduced gradients are checked before the optimizer sees them (megatron's
         # optimizer only checks with an fp16 loss scaler); the flag rides along on the device.
         scalars.add("_nonfinite_grads", self._nonfinite_grads(), op=SUM)
-        scalars.add("_compute_time_s", result.compute_time_s, op=MAX)
-        scalars.add_vector("_step_times_s", times, op=MAX)
+        add_step_times(
+            scalars, result, num_steps=len(plan.steps), stage=self.registry.stage, stages=self.pp
+        )
         scalars.add("_peak_mem_bytes", peak_memory_bytes(), op=MAX)
         with phase(f"the loss reduction of step {self.step + 1}"):
             reduced = scalars.reduce()
         # The next step's peak-memory window opens here, so this step's optimizer update counts.
         reset_peak_memory()
         loss = reduced.pop("_loss_sum")[0] / result.global_loss_tokens
+        compute_time_s, slowest_step_times_s = reduced_step_times(reduced, len(plan.steps))
         lr = (
             self.lr_schedule(self.step)
             if self.lr_schedule
@@ -348,8 +337,8 @@ class Runtime:
             tokens_read=int(reduced.pop("_tokens_read")[0]),
             padding_tokens=round(reduced.pop("_padding")[0]),
             skipped=skipped,
-            compute_time_s=reduced.pop("_compute_time_s")[0],
-            slowest_step_times_s=whole_model_times(reduced.pop("_step_times_s"), len(plan.steps)),
+            compute_time_s=compute_time_s,
+            slowest_step_times_s=slowest_step_times_s,
             peak_mem_bytes=int(reduced.pop("_peak_mem_bytes")[0]),
             reduced={k: v for k, v in reduced.items() if not k.startswith("_")},
             host_syncs=host_syncs() - syncs_before,

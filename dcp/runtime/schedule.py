@@ -3,12 +3,13 @@
 Why not megatron's own: megatron-core's schedules (``forward_backward_no_pipelining`` and friends)
 run the same number of equally shaped micro-batches on every rank with one fixed CP group, and
 build a ``device="cuda"`` token counter. A DCP plan gives each rank its own list of micro-steps,
-each with its own CP group and recompute level. This schedule, for each of this rank's steps in
-plan order: reads only its shard of the step's sequences, points the model at the step's CP group
-(``use_cp_group``) and recompute level (``use_recompute``), and runs forward and backward under
-DDP's ``no_sync``. After the last step, megatron's ``finalize_model_grads`` runs once: one
-gradient reduction over DDP's fixed DP×CP group, then, under tensor parallelism, the sum over the
-TP group of the gradients every TP rank holds only part of (sequence-parallel norms, QK-norms).
+each with its own CP group and recompute level. For each of this rank's steps in plan order, the
+micro-step executor (``dcp.runtime.microstep``) reads only this rank's shard of the step's
+sequences, points the model at the step's CP group and recompute level and runs the forward; the
+backward runs under DDP's ``no_sync``. After the last step, megatron's ``finalize_model_grads``
+runs once: one gradient reduction over DDP's fixed DP×CP group, then, under tensor parallelism,
+the sum over the TP group of the gradients every TP rank holds only part of (sequence-parallel
+norms, QK-norms).
 The loss is the sum of token losses divided by the *global* number of
 loss tokens of the whole batch — never by a micro-step count — so uneven micro-step counts per
 rank give exactly the gradient of the full-batch mean loss.
@@ -33,14 +34,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dcp.attention.layout import ShardLayout
-from dcp.collectives import MAX, all_reduce, barrier, phase, run_device, to_device, to_host
-from dcp.plan import MicroStep, Plan
-from dcp.runtime.dispatch import LocalBatch, SequenceSource, local_batch
+from dcp.collectives import MAX, all_reduce, barrier, phase, to_device, to_host
+from dcp.plan import Plan
+from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
+from dcp.runtime.microstep import MicroStepExecutor, MicroStepInput, masked_loss
 from dcp.runtime.timing import MicroStepTimer
-from megatron_patches.parallel_state import use_cp_group
-from megatron_patches.recompute import use_recompute
 
 
 @dataclass
@@ -62,6 +61,12 @@ class ScheduleResult:
     """Padding tokens in this rank's shards (layout and alignment), masked out of the loss."""
     compute_time_s: float = 0.0
     """Seconds from the first micro-step to the end of the last (waits included)."""
+
+    def count(self, micro: MicroStepInput) -> None:
+        """Add one executed micro-step's tokens (its loss tokens, padding and tokens read)."""
+        self.loss_tokens += micro.batch.num_loss_tokens
+        self.padding_tokens += micro.padding_tokens
+        self.tokens_read += micro.batch.tokens_read
 
 
 def verify_plan_agreement(plan: Plan, global_loss_tokens: int, *, group=None) -> None:
@@ -111,65 +116,40 @@ def around_steps(model, forward_only: bool):
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def start_plan(plan: Plan, source: SequenceSource, registry: GroupRegistry):
-    """What every schedule does first: each sequence's length, the step's result with its
-    global loss-token count, and the checks that the plan's groups exist and that every rank
-    holds the same plan (a collective). Returns ``(lengths, result)``."""
+def start_plan(plan: Plan, source: SequenceSource, registry: GroupRegistry) -> ScheduleResult:
+    """What every schedule does first: the step's result with its global loss-token count, and
+    the checks that the plan's groups exist and that every rank holds the same plan (a
+    collective)."""
     lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
     result = ScheduleResult(global_loss_tokens=sum(lengths.values()))
     check_groups(plan, registry)
     with phase("the plan agreement check before the first micro-step"):
         verify_plan_agreement(plan, result.global_loss_tokens)
-    return lengths, result
-
-
-def step_batch(
-    source: SequenceSource,
-    step: MicroStep,
-    lengths: dict[int, int],
-    *,
-    planner_rank: int,
-    local_token_multiple: int,
-    device: torch.device,
-) -> tuple[ShardLayout, LocalBatch]:
-    """Plan step ``step``'s shard layout and this planner rank's tokens of it on ``device``."""
-    layout = ShardLayout.aligned(
-        [lengths[i] for i in step.seq_ids],
-        cp_size=len(step.ranks),
-        local_token_multiple=local_token_multiple,
-    )
-    cp_rank = step.ranks.index(planner_rank)
-    return layout, local_batch(source, step.seq_ids, layout=layout, cp_rank=cp_rank, device=device)
+    return result
 
 
 def run_plan(
-    model,
+    executor: MicroStepExecutor,
     plan: Plan,
     *,
     source: SequenceSource,
-    registry: GroupRegistry,
-    local_token_multiple: int = 1,
     forward_only: bool = False,
 ) -> ScheduleResult:
-    """Forward/backward this rank's micro-steps of ``plan``; gradients end up reduced in ``model``.
+    """Forward/backward this rank's micro-steps of ``plan`` through ``executor``; gradients
+    end up reduced in its model.
 
-    ``model`` is a megatron DDP-wrapped GPTModel (``no_sync``/``finish_grad_sync``) or a bare
-    module (then no reduction happens: single-process references). Each micro-step's local
-    tokens are padded to a multiple of ``local_token_multiple`` (``ShardLayout.aligned``).
-    ``forward_only`` (evaluation, ``Plan.forward_only``): the forwards alone, without autograd,
-    and no gradient reduction; the loss is counted as in training.
+    The model is a megatron DDP-wrapped GPTModel (``no_sync``/``finish_grad_sync``) or a bare
+    module (then no reduction happens: single-process references). ``forward_only``
+    (evaluation, ``Plan.forward_only``): the forwards alone, without autograd, and no gradient
+    reduction; the loss is counted as in training.
     """
+    model, registry = executor.model, executor.registry
     me = registry.planner_rank
-    lengths, result = start_plan(plan, source, registry)
-    device = run_device()
+    result = start_plan(plan, source, registry)
     barriers = set(plan.barriers)
-    timer = MicroStepTimer(device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    if hasattr(model, "set_is_first_microbatch"):
-        # TE linears cache their FP8 weight casts after the first micro-batch
-        # (``is_first_microbatch``); megatron's schedules reset the flag once per step
-        # (``schedules.forward_step``), and so must this one, or FP8 runs use stale weights.
-        model.set_is_first_microbatch()
+    timer = MicroStepTimer(executor.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=executor.device)
+    executor.begin_step()
     timer.begin_loop()
     with around_steps(model, forward_only):
         for index, step in enumerate(plan.steps):
@@ -180,41 +160,14 @@ def run_plan(
             if me not in step.ranks:
                 continue
             timer.begin(index)
-            group = registry.get(step.ranks)
-            layout, batch = step_batch(
-                source,
-                step,
-                lengths,
-                planner_rank=me,
-                local_token_multiple=local_token_multiple,
-                device=device,
-            )
-            params = layout.packed_seq_params(device=device, cp_group=group)
-            with (
-                phase(f"plan step {index} (CP group of ranks {list(step.ranks)})"),
-                use_cp_group(
-                    model,
-                    group=group,
-                    ranks=registry.cp_global_ranks(step.ranks),
-                    tp_cp_group=registry.tp_cp(step.ranks),
-                ),
-                use_recompute(model, step.recompute.megatron_granularity, step.recompute_layers),
-            ):
-                token_loss = model(
-                    batch.input_ids,
-                    batch.position_ids,
-                    None,
-                    labels=batch.labels,
-                    packed_seq_params=params,
-                )
-                step_loss = (token_loss.float() * batch.loss_mask).sum()
+            micro = executor.prepare_step(source, step)
+            with executor.step_switched(step, what=f"plan step {index}"):
+                step_loss = masked_loss(executor.forward(micro), micro.batch)
                 if not forward_only:
                     (step_loss / result.global_loss_tokens).backward()
             timer.end(index)
             loss_sum += step_loss.detach()
-            result.loss_tokens += batch.num_loss_tokens
-            result.padding_tokens += layout.local_num_tokens - batch.num_loss_tokens
-            result.tokens_read += batch.tokens_read
+            result.count(micro)
     timer.end_loop()
     result.loss_sum = loss_sum
     if not forward_only:

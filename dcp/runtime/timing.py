@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from dcp.collectives import note_host_wait
+from dcp.collectives import MAX, StepScalars, note_host_wait
 
 
 class MicroStepTimer:
@@ -76,3 +76,22 @@ def whole_model_times(slots: list[float], num_steps: int) -> list[float]:
     of the whole model's layers (without pipelining: the slowest rank's time itself)."""
     stages = len(slots) // num_steps if num_steps else 1
     return [sum(slots[s * num_steps + i] for s in range(stages)) for i in range(num_steps)]
+
+
+def add_step_times(
+    scalars: StepScalars, result, *, num_steps: int, stage: int = 0, stages: int = 1
+) -> None:
+    """Put this rank's compute time and micro-step times (a ``ScheduleResult`` of a plan of
+    ``num_steps`` steps, on pipeline ``stage`` of ``stages``) into the step's batched
+    reduction, both reduced with MAX; ``reduced_step_times`` reads them back."""
+    scalars.add("_compute_time_s", result.compute_time_s, op=MAX)
+    times = stage_slots(result.step_times_s, num_steps, stage=stage, stages=stages)
+    scalars.add_vector("_step_times_s", times, op=MAX)
+
+
+def reduced_step_times(reduced: dict, num_steps: int) -> tuple[float, list[float]]:
+    """From a reduction ``add_step_times`` fed (its entries are removed): the slowest rank's
+    compute time, and per plan step the time of its slowest rank over the whole model (each
+    stage's slowest, summed: ``whole_model_times``), what calibration records."""
+    compute_time_s = reduced.pop("_compute_time_s")[0]
+    return compute_time_s, whole_model_times(reduced.pop("_step_times_s"), num_steps)

@@ -111,6 +111,19 @@ def test_parity_with_token_alignment(reference):
     assert_parity(reference, got, what="mixed_recompute aligned to 8 local tokens")
 
 
+def test_every_path_pads_to_the_models_alignment():
+    """A model whose attention is TE's (recognised as megatron does: a module with
+    ``set_context_parallel_group``) needs each rank's tokens in multiples of 8. Training,
+    evaluation and scoring (``packed_logits``) run micro-steps through one executor, so each
+    pads to the model's alignment, and scoring's logits stay those of the unaligned run."""
+    got = run_on_ranks(2, aligned_forwards, DOCS[:3])
+    for rank, out in enumerate(got):
+        for path, widths in out["widths"].items():
+            assert widths and all(w % 8 == 0 for w in widths), (rank, path, widths)
+        for aligned, plain in zip(out["aligned_logits"], out["plain_logits"], strict=True):
+            np.testing.assert_allclose(aligned, plain, rtol=RTOL, atol=1e-6)
+
+
 @pytest.mark.parametrize("distributed", [True, False], ids=["distributed_optimizer", "replicated"])
 def test_weights_after_three_steps_match_reference(distributed):
     ref = run_on_ranks(1, reference_run, DOCS, train_steps=3)[0]
@@ -225,7 +238,9 @@ def dcp_run(
             seed=SEED,
             tensor_parallel_size=tensor_parallel_size,
         )
-        runtime.local_token_multiple = math.lcm(runtime.local_token_multiple, local_token_multiple)
+        runtime.executor.token_multiple = math.lcm(
+            runtime.executor.token_multiple, local_token_multiple
+        )
         initial = to_numpy(runtime.weights().items())
         source = InMemorySource(docs)
         first = Plan.from_dict(plans[0])
@@ -255,6 +270,50 @@ def evaluate(runtime: Runtime, plan: Plan, source) -> dict:
     loss = runtime.global_loss(runtime.forward(plan, source))
     untouched = all(not g.any() for g in runtime.grads().values())
     return {"eval_loss": loss, "eval_left_no_grad": untouched}
+
+
+class _TEAttentionLike(torch.nn.Module):
+    """Marks a model as running TE's attention for the alignment check (no parameters; its
+    group setter is called by every CP group switch and does nothing; the shared CP stream the
+    switch hands it is a placeholder, as there is no CUDA stream on a CPU)."""
+
+    cp_stream = object()
+
+    def set_context_parallel_group(self, *args, **kwargs) -> None:
+        pass
+
+
+def aligned_forwards(docs: list[np.ndarray]) -> dict:
+    """The local widths every forward of a TE-aligned model saw, by path, and scoring's logits
+    with and without the alignment."""
+    from dcp.runtime.evaluate import packed_logits
+
+    try:
+        runtime = Runtime.from_config(ModelConfig(**TINY, core_attention="dcp"), OPTIM, seed=SEED)
+        module = runtime.model.module
+        source = InMemorySource(docs)
+        both = plan(step([0, 1], range(len(docs))))
+        plain = packed_logits(module, docs, ranks=(0, 1), registry=runtime.registry)
+        module.decoder.add_module("te_attention_like", _TEAttentionLike())
+        runtime.executor = type(runtime.executor)(runtime.model, registry=runtime.registry)
+        widths: dict[str, list[int]] = {}
+        path = ["training"]
+        hook = module.register_forward_pre_hook(
+            lambda _m, args: widths.setdefault(path[0], []).append(args[0].shape[1])
+        )
+        runtime.forward_backward(Plan.from_dict(both), source)
+        path[0] = "evaluation"
+        runtime.forward(Plan.from_dict(both), source)
+        path[0] = "scoring"
+        aligned = packed_logits(module, docs, ranks=(0, 1), registry=runtime.registry)
+        hook.remove()
+        return {
+            "widths": widths,
+            "aligned_logits": [t.numpy().copy() for t in aligned],
+            "plain_logits": [t.numpy().copy() for t in plain],
+        }
+    finally:
+        cleanup()
 
 
 def mismatched_plans(docs: list[np.ndarray], plans: list[dict]) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from dcp.costmodel import CostModel, load_cost_model, load_preset
 from dcp.costmodel.online import fit_records, record_time_s
-from dcp.costmodel.pipeline import PipelineCosts, whole_model_recompute_layers
+from dcp.costmodel.pipeline import PipelineCosts
 from dcp.costmodel.records import MicroStepRecord, append_records, read_records
 from dcp.plan import RECOMPUTE_LEVELS, MicroStep
 from dcp.planning import THREE_LEVEL_OPTIONS, DCPOptions, lower_bound_s, plan_dcp, simulate
@@ -243,7 +243,7 @@ def test_pipeline_records_sum_their_stages_and_refit_exactly():
                     seq_lens=tuple(shape),
                     recompute=level,
                     time_s=stages_s,
-                    recompute_layers=whole_model_recompute_layers(step, costs.layer_counts),
+                    recompute_layers=step.whole_model_recompute_layers(costs.layer_counts),
                     pipeline_stages=2,
                 )
                 assert record_time_s(truth, record) == pytest.approx(stages_s, rel=1e-12)

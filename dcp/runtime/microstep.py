@@ -1,0 +1,183 @@
+"""One micro-step on this rank: the one place that runs a micro-step, whoever schedules it.
+
+A micro-step is a set of sequences packed together and split over a CP group. Running it is
+the same everywhere: lay the sequences out over the group (``ShardLayout``, each rank's tokens
+padded to the model's alignment), read this rank's shard (``local_batch``), point the model at
+the group and the recompute level, run the model on the THD batch, and sum the token losses
+under the loss mask. ``MicroStepExecutor`` does each of these once, for every caller:
+
+- DCP's schedule (``dcp.runtime.schedule.run_plan``) and pipeline executor
+  (``dcp.runtime.pipeline.run_pipelined_plan``: a stage's forward and, switched again, its
+  backward);
+- forward-only scoring (``dcp.runtime.evaluate.packed_logits``);
+- Megatron-LM's forward step for runs without ``--dcp``
+  (``dcp.integrations.megatron_lm.steps.packed_forward_step``), where megatron has set the
+  fixed CP group and the executor only prepares and runs.
+
+The model's token alignment (``local_token_multiple``: TE's THD input, FP8 GEMMs, sequence
+parallelism) is read once from the built model, so every path pads alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dcp.attention.layout import ShardLayout
+from dcp.collectives import phase, run_device
+from dcp.plan import MicroStep, Recompute
+from dcp.runtime.builders import local_token_multiple
+from dcp.runtime.dispatch import LocalBatch, SequenceSource, local_batch
+from megatron_patches._util import unwrap
+from megatron_patches.parallel_state import use_cp_group
+from megatron_patches.recompute import use_recompute
+
+
+@dataclass(frozen=True)
+class MicroStepInput:
+    """This rank's part of one micro-step, on the run's device."""
+
+    layout: ShardLayout
+    """Where each token of the micro-step lives across its CP group."""
+    batch: LocalBatch
+    """This rank's tokens, labels, loss mask and positions."""
+    params: object
+    """megatron's ``PackedSeqParams`` of the local THD batch (with the CP group)."""
+    group: object
+    """The CP group (``None`` where megatron's own fixed group applies)."""
+
+    @property
+    def padding_tokens(self) -> int:
+        """This rank's tokens that carry no loss (layout and alignment padding)."""
+        return self.layout.local_num_tokens - self.batch.num_loss_tokens
+
+
+def masked_loss(token_loss: torch.Tensor, batch: LocalBatch) -> torch.Tensor:
+    """The fp32 sum of ``batch``'s token losses, padding masked out: what every path divides by
+    the global batch's loss tokens."""
+    return (token_loss.float() * batch.loss_mask).sum()
+
+
+def model_stage_layers(model) -> int:
+    """Transformer layers this rank's model (its pipeline stage) holds."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    blocks = [m for m in unwrap(model).modules() if isinstance(m, TransformerBlock)]
+    return max((b.num_layers_per_pipeline_rank for b in blocks), default=0)
+
+
+class MicroStepExecutor:
+    """Prepares, switches and runs micro-steps of ``model`` (bare or DDP-wrapped) on this rank.
+
+    ``registry`` (a ``GroupRegistry``) resolves a plan step's planner ranks to this rank's CP
+    group; megatron's forward step, which runs in megatron's fixed group, has none.
+    ``token_multiple``: an extra alignment the caller needs (combined with the model's own).
+    """
+
+    def __init__(self, model, *, registry=None, token_multiple: int = 1) -> None:
+        self.model = model
+        self.inner = unwrap(model)
+        self.registry = registry
+        self.device = run_device()
+        self.token_multiple = math.lcm(token_multiple, local_token_multiple(self.inner))
+        self.stage_layers = model_stage_layers(model)
+
+    def begin_step(self) -> None:
+        """Call once per optimizer step, before its first micro-step. TE linears cache their FP8
+        weight casts after a step's first micro-batch (``is_first_microbatch``); megatron's
+        schedules reset the flag once per step (``schedules.forward_step``), and so must every
+        schedule of DCP, or FP8 runs use stale weights."""
+        if hasattr(self.model, "set_is_first_microbatch"):
+            self.model.set_is_first_microbatch()
+
+    def prepare(
+        self,
+        source: SequenceSource,
+        seq_ids: Sequence[int],
+        *,
+        cp_size: int,
+        cp_rank: int,
+        group=None,
+    ) -> MicroStepInput:
+        """This rank's shard (CP rank ``cp_rank`` of ``cp_size``) of ``seq_ids`` packed together,
+        padded to the model's alignment, on the device."""
+        layout = ShardLayout.aligned(
+            [source.seq_len(i) for i in seq_ids],
+            cp_size=cp_size,
+            local_token_multiple=self.token_multiple,
+        )
+        batch = local_batch(source, seq_ids, layout=layout, cp_rank=cp_rank, device=self.device)
+        params = layout.packed_seq_params(device=self.device, cp_group=group)
+        return MicroStepInput(layout=layout, batch=batch, params=params, group=group)
+
+    def prepare_step(self, source: SequenceSource, step: MicroStep) -> MicroStepInput:
+        """``prepare`` for plan step ``step`` on this planner rank, in its CP group."""
+        me = self.registry.planner_rank
+        return self.prepare(
+            source,
+            step.seq_ids,
+            cp_size=len(step.ranks),
+            cp_rank=step.ranks.index(me),
+            group=self.registry.get(step.ranks),
+        )
+
+    @contextlib.contextmanager
+    def switched(
+        self,
+        ranks: Sequence[int],
+        *,
+        what: str,
+        recompute: Recompute = Recompute.NONE,
+        recompute_layers: int | None = None,
+    ) -> Iterator[None]:
+        """Within the block the model runs context-parallel over the CP group of planner ranks
+        ``ranks`` and recomputes at ``recompute`` (``recompute_layers``: the plan's N, per
+        stage: ``MicroStep.stage_recompute_layers``); ``what`` names the phase for a rank
+        stuck in it."""
+        registry = self.registry
+        ranks = tuple(ranks)
+        with (
+            phase(f"{what} (CP group of ranks {list(ranks)})"),
+            use_cp_group(
+                self.model,
+                group=registry.get(ranks),
+                ranks=registry.cp_global_ranks(ranks),
+                tp_cp_group=registry.tp_cp(ranks),
+            ),
+            use_recompute(self.model, recompute.megatron_granularity, recompute_layers),
+        ):
+            yield
+
+    def step_switched(self, step: MicroStep, *, what: str):
+        """``switched`` for plan step ``step``: its CP group, its recompute level and layers on
+        this rank's stage."""
+        return self.switched(
+            step.ranks,
+            what=what,
+            recompute=step.recompute,
+            recompute_layers=step.stage_recompute_layers(self.stage_layers),
+        )
+
+    def forward(
+        self,
+        micro: MicroStepInput,
+        *,
+        labels: bool = True,
+        input_tensor: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The model on ``micro``: token losses ``[1, t]`` with ``labels`` on the last stage,
+        else its output (logits, or a pipeline stage's activations). ``input_tensor``: the
+        activations a pipeline stage received from the one before."""
+        if input_tensor is not None:
+            self.inner.set_input_tensor(input_tensor)
+        return self.model(
+            micro.batch.input_ids,
+            micro.batch.position_ids,
+            None,
+            labels=micro.batch.labels if labels else None,
+            packed_seq_params=micro.params,
+        )
