@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "DCPEngine": "dcp.runtime.engine",
+    "DCPEngine": "dcp.step.engine",
     "ModelConfig": "dcp.model",
     "build_gpt_model": "dcp.model",
     "OptimConfig": "dcp.optim",

@@ -18,6 +18,7 @@ from dcp.checkpoint.index import Layout
 from dcp.checkpoint.layout import find_latest
 from dcp.checkpoint.save import CheckpointSaveError, CheckpointSaver
 from dcp.checkpoint.state import runtime_parts
+from dcp.collectives import MAX
 
 
 class Checkpointer:
@@ -88,6 +89,15 @@ class Checkpointer:
             raise CheckpointSaveError(
                 f"{exc}; the newest complete checkpoint is {self.newest()}"
             ) from exc
+
+    # -- a step observer (dcp.step.observers) --------------------------------------------------
+    def contribute(self, step: int, scalars) -> None:
+        """The writers' status rides on the step's reduction: an asynchronous save is published
+        once every rank's files are durable."""
+        scalars.add("checkpoint", self.status(), op=MAX)
+
+    def after_step(self, outcome) -> None:
+        self.observe(int(outcome.reduced["checkpoint"][0]))
 
     def wait(self) -> Path | None:
         """The pending save, finished and published (a collective when one is pending)."""

@@ -388,6 +388,16 @@ class MetricsLogger:
             except Exception as exc:  # noqa: BLE001
                 logger.warning("W&B finish failed: %s: %s", type(exc).__name__, exc)
 
+    # -- a step observer (dcp.step.observers) --------------------------------------------------
+    def contribute(self, step: int, scalars) -> None:
+        """Nothing: the record is built from the step's own reduced values."""
+
+    def after_step(self, outcome) -> None:
+        """Log the step's record (a ``StepRecord``) and its plan line."""
+        record = outcome.record
+        self.log(outcome.step, record.to_dict())
+        self.note(f"step {outcome.step}: {record.plan.summary()}")
+
     def close(self, *, exit_code: int = 0) -> None:
         """Flush and close the JSONL file, finish W&B and the progress bar (idempotent)."""
         if self._closed:

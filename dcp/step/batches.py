@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -108,6 +109,8 @@ class PlannedBatch:
     exploration: str | None = None
     """``"cp<c>/<recompute>"`` (``"cp<c>/full<N>"``: N layers) when online calibration pinned
     the longest sequence (``dcp.planning.dcp_planner.pin_label``)."""
+    plan_time_s: float = 0.0
+    """Seconds the planning took (the planner's, the simulation's and the checks')."""
 
 
 class BatchPlanner:
@@ -124,6 +127,7 @@ class BatchPlanner:
         runtime_options: dict | None = None,
         ranks_per_node: int | None = None,
         model: ModelSpec | None = None,
+        spec: dict | None = None,
     ) -> None:
         """``world_size``: the launched ranks (GPUs); plans are over ``world_size /
         (tensor_parallel_size × pipeline_parallel_size)`` planner ranks. ``max_seq_len``: the
@@ -133,7 +137,8 @@ class BatchPlanner:
         spec's options the run fixes; with them, the spec's cluster is also sized to the launch
         (``world_size``, ``ranks_per_node``): the run and its launch are the truth for the
         layout, the spec for the hardware. ``model`` (the run's ``ModelConfig.shape``) replaces
-        the spec's model (``dcp.costmodel.with_model``)."""
+        the spec's model (``dcp.costmodel.with_model``). ``spec``: a spec dict to plan with in
+        place of the one ``dcp_cfg.spec`` names (an API caller's own)."""
         self.cfg = dcp_cfg
         self.world_size = world_size
         self.tensor_parallel_size = tensor_parallel_size
@@ -142,7 +147,7 @@ class BatchPlanner:
         self._runtime_options = runtime_options
         self._ranks_per_node = ranks_per_node
         self._model = model
-        self.spec = self.lay(load_spec(dcp_cfg.spec))
+        self.spec = self.lay(load_spec(dcp_cfg.spec if spec is None else spec))
         self.version = 0
         self._static_config: tuple[int, str] | None = None
         self.cost_model = self._load(self.spec)
@@ -271,9 +276,16 @@ class BatchPlanner:
         return self._static_config
 
     def plan(self, batch: GlobalBatch, *, pinned: dict[int, tuple] | None = None) -> PlannedBatch:
-        """Plan ``batch``; ``pinned`` (the dcp planner's option) fixes some sequences'
-        configuration."""
-        lengths = seq_lengths(batch)
+        """Plan ``batch`` (``plan_lengths`` of its training lengths)."""
+        return self.plan_lengths(seq_lengths(batch), pinned=pinned)
+
+    def plan_lengths(
+        self, lengths: list[int], *, pinned: dict[int, tuple] | None = None
+    ) -> PlannedBatch:
+        """Plan a global batch of training ``lengths``, checked against the batch and the
+        planner ranks before any rank runs it; ``pinned`` (the dcp planner's option) fixes some
+        sequences' configuration."""
+        start = time.perf_counter()
         cost_model, version = self.cost_model, self.version  # one model for the whole plan
         options = self.planner_options(lengths, pinned=pinned)
         plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, options=options)
@@ -291,6 +303,7 @@ class BatchPlanner:
             exploration=(
                 ", ".join(pin_label(config) for config in pinned.values()) if pinned else None
             ),
+            plan_time_s=time.perf_counter() - start,
         )
 
 

@@ -38,7 +38,6 @@ from dcp.costmodel.online import record_time_s
 from dcp.costmodel.pipeline import (
     planning_view,
     stage_layer_counts,
-    whole_model_recompute_layers,
 )
 from dcp.plan import RECOMPUTE_LEVELS, Plan, Recompute
 from dcp.planning.common import pow2_sizes
@@ -135,24 +134,24 @@ class OnlineCalibrator:
         dcp_cfg,
         *,
         spec: dict,
-        records_path: Path,
+        records_path: Path | None,
         records: list[MicroStepRecord],
         state: dict | None = None,
     ) -> None:
         """``records_path``: the file rank 0 appends the run's micro-step records to (a run
-        directory's ``RECORDS_FILENAME``); ``records``: the run's records so far
-        (``restore_records``, the same on every rank); ``state``: a checkpoint's
-        ``state_dict()`` (the refitted spec and its version)."""
+        directory's ``RECORDS_FILENAME``; ``None``: the records are kept in memory only);
+        ``records``: the run's records so far (``restore_records``, the same on every rank); a
+        checkpoint's refitted spec comes with ``load_state_dict``."""
         self.cfg = dcp_cfg
         self.prior = spec
-        self.spec = dict(state["spec"]) if state else spec
-        self.version = int(state["version"]) if state else 0
-        self.records_since = int(state.get("records_since", 0)) if state else 0
+        self.spec = spec
+        self.version = 0
+        self.records_since = 0
         """The first step whose records describe this run's layout (a resume at another
         world or TP size starts a new series)."""
-        self.path = Path(records_path)
+        self.path = None if records_path is None else Path(records_path)
         self.rank = dist.get_rank()
-        self.records = [r for r in records if r.step >= self.records_since]
+        self.records = list(records)
 
     @property
     def online(self) -> bool:
@@ -160,6 +159,14 @@ class OnlineCalibrator:
 
     def state_dict(self) -> dict:
         return {"spec": self.spec, "version": self.version, "records_since": self.records_since}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's ``state_dict()``: its refitted spec and version, and
+        only the records from ``records_since`` on."""
+        self.spec = dict(state["spec"])
+        self.version = int(state["version"])
+        self.records_since = int(state.get("records_since", 0))
+        self.records = [r for r in self.records if r.step >= self.records_since]
 
     def exploration(
         self, step: int, lengths: list[int], cost_model: CostModel
@@ -203,14 +210,15 @@ class OnlineCalibrator:
                 seq_lens=tuple(lengths[i] for i in s.seq_ids),
                 recompute=s.recompute,
                 time_s=slowest_times_s[index],
-                recompute_layers=whole_model_recompute_layers(s, stage_layers),
+                recompute_layers=s.whole_model_recompute_layers(stage_layers),
                 pipeline_stages=max(1, len(stage_layers)),
             )
             for index, s in enumerate(plan.steps)
             if slowest_times_s[index] > 0
         ]
-        self.records.extend(new)
-        if self.rank == 0:
+        if self.online:  # what exploration and refits read; a fixed model needs none kept
+            self.records.extend(new)
+        if self.rank == 0 and self.path is not None:
             append_records(self.path, new)
         return new
 

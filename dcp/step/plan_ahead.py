@@ -45,9 +45,7 @@ class PlanAhead:
             self._pending = self._submit(next(sampler), first_step)
 
     def _plan(self, batch: GlobalBatch, pinned):
-        start = time.perf_counter()
-        planned = self.planner.plan(batch, pinned=pinned)
-        return batch, planned, time.perf_counter() - start, pinned
+        return batch, self.planner.plan(batch, pinned=pinned), pinned
 
     def _submit(self, batch: GlobalBatch, step: int, pinned=_DECIDE) -> Future | tuple:
         if pinned is _DECIDE:
@@ -59,12 +57,12 @@ class PlanAhead:
     def _result(self, pending):
         return pending.result() if self._pool else pending
 
-    def next(self) -> tuple[GlobalBatch, PlannedBatch, float, dict]:
-        """(batch, its plan, seconds the planning took, the sampler's state right after this
-        batch: what a checkpoint of this step saves) for the next step; draws and starts
-        planning the batch after it. ``wait_s`` is how long this call waited for the plan."""
+    def next(self) -> tuple[GlobalBatch, PlannedBatch, dict]:
+        """(batch, its plan, the sampler's state right after this batch: what a checkpoint of
+        this step saves) for the next step; draws and starts planning the batch after it.
+        ``wait_s`` is how long this call waited for the plan."""
         start = time.perf_counter()
-        batch, planned, plan_time_s, _ = self._result(self._pending)
+        batch, planned, _ = self._result(self._pending)
         self.wait_s = time.perf_counter() - start
         sampler_state = self.sampler.state_dict()
         self._next_step += 1
@@ -73,12 +71,12 @@ class PlanAhead:
             if self._next_step <= self.last_step
             else None
         )
-        return batch, planned, plan_time_s, sampler_state
+        return batch, planned, sampler_state
 
     def replan(self) -> None:
         """Plan the prefetched batch again (the cost model changed under it)."""
         if self._pending is not None:
-            batch, _, _, pinned = self._result(self._pending)
+            batch, _, pinned = self._result(self._pending)
             self._pending = self._submit(batch, self._next_step, pinned=pinned)
 
     def close(self) -> None:

@@ -13,6 +13,34 @@ from dcp.runtime.runtime import Runtime, StepStats
 from dcp.step.batches import BatchPlanner, PlannedBatch
 
 
+def plan_fields(
+    planned: PlannedBatch, *, compute_time_s: float, num_ranks: int, mem_budget_bytes: float
+) -> dict:
+    """The fields of a step record that come from its plan and the measured time of its
+    micro-steps (``compute_time_s``: the slowest rank's, what the planner predicts): one
+    definition for every loop's record (``StepRecord``; Megatron-LM's ``--dcp-metrics``)."""
+    predicted = planned.predicted_step_time_s
+    return {
+        "planner": planned.plan.planner,
+        "compute_time_s": compute_time_s,
+        "predicted_step_time_s": predicted,
+        "prediction_error": (
+            abs(predicted - compute_time_s) / compute_time_s if compute_time_s > 0 else 0.0
+        ),
+        "calibration_version": planned.calibration_version,
+        "plan_time_s": planned.plan_time_s,
+        "dropped_sequences": len(planned.dropped),
+        "mem_budget_bytes": float(mem_budget_bytes),
+        "exploration": planned.exploration,
+        "plan": PlanStats.of(
+            planned.plan,
+            planned.lengths,
+            num_ranks=num_ranks,
+            predicted_imbalance=planned.predicted_imbalance,
+        ),
+    }
+
+
 class StepRecorder:
     """Builds each step's ``StepRecord`` from the runtime's results and the plan."""
 
@@ -24,13 +52,7 @@ class StepRecorder:
         self._opt_state_bytes: list[int] | None = None
 
     def record(
-        self,
-        step: int,
-        stats: StepStats,
-        planned: PlannedBatch,
-        plan_time_s: float,
-        *,
-        plan_wait_s: float = 0.0,
+        self, step: int, stats: StepStats, planned: PlannedBatch, *, plan_wait_s: float = 0.0
     ) -> StepRecord:
         """The record of ``step`` (``stats`` carries the values already reduced over ranks; a
         collective only once, for the optimizer state bytes after the first optimizer step)."""
@@ -47,34 +69,21 @@ class StepRecorder:
             sequences=len(planned.lengths) - len(planned.dropped),
             step_time_s=stats.step_time_s,
             tokens_per_s=tokens / stats.step_time_s if stats.step_time_s > 0 else 0.0,
-            compute_time_s=stats.compute_time_s,
-            predicted_step_time_s=planned.predicted_step_time_s,
-            prediction_error=(
-                abs(planned.predicted_step_time_s - stats.compute_time_s) / stats.compute_time_s
-                if stats.compute_time_s > 0
-                else 0.0
-            ),
-            calibration_version=planned.calibration_version,
-            plan_time_s=plan_time_s,
             lr=stats.lr,
             grad_norm=stats.grad_norm,
             skipped=stats.skipped,
-            dropped_sequences=len(planned.dropped),
             peak_mem_bytes=stats.peak_mem_bytes,
-            mem_budget_bytes=float(self.planner.cost_model.mem_budget_bytes),
             optimizer_state_bytes=self._optimizer_state_bytes(),
-            exploration=planned.exploration,
             padding_tokens=stats.padding_tokens,
             plan_wait_s=plan_wait_s,
-            planner=planned.plan.planner,
-            plan=PlanStats.of(
-                planned.plan,
-                planned.lengths,
-                num_ranks=self.planner.num_planner_ranks,
-                predicted_imbalance=planned.predicted_imbalance,
-            ),
             mfu=mfu,
             host=HostStats.now(device=compute_device().type),
+            **plan_fields(
+                planned,
+                compute_time_s=stats.compute_time_s,
+                num_ranks=self.planner.num_planner_ranks,
+                mem_budget_bytes=self.planner.cost_model.mem_budget_bytes,
+            ),
         )
 
     def _optimizer_state_bytes(self) -> list[int] | None:

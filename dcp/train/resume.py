@@ -7,6 +7,9 @@ run reports are accepted and logged. The planner and the cost-model spec are in 
 group: any plan gives the same loss and gradients up to float rounding. The data is compared
 by content too (``check_data_content``): the sampler's state covers the document lengths, a
 fingerprint of the files covers the tokens.
+
+The trainer's checkpoint parts (``dcp.checkpoint.extras``) are here too: its config and data
+checks, its online calibration carried to another layout, its W&B run id.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from dcp.files import reading
+from dcp.schema import rename_sections, to_dict
+from dcp.train.config import PretrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -118,3 +125,91 @@ def check_data_content(
             "other tokens; resume on the data the run trained on, or accept it with "
             f"resume.allow_changes=[{DATA_CONTENT_KEY}]"
         )
+
+
+# -- the trainer's parts of a checkpoint's extra state (dcp.checkpoint.extras) ------------------
+
+
+class ConfigCheck:
+    """Checkpoint part ``config``: the run's resolved config; loading compares a checkpoint's
+    with this run's (the owner and every trajectory-changing key, ``dcp.train.resume``)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        return to_dict(self.trainer.cfg)
+
+    def load_state_dict(self, state: dict | None) -> None:
+        trainer, path = self.trainer, self.trainer._reading
+        allow = trainer.cfg.resume.allow_changes
+        # A checkpoint of an earlier release may use old section names.
+        with reading(path, "checkpoint's shared state"):
+            old_config = rename_sections(PretrainConfig, state or {}, warn=False)
+        new_config = to_dict(trainer.cfg)
+        check_checkpoint_owner(old_config, new_config, path=path, allow=allow)
+        if old_config:
+            check_resume_config(old_config, new_config, allow=allow)
+
+
+class DataCheck:
+    """Checkpoint part ``data_fingerprint``: the corpus's content fingerprint; loading refuses
+    a checkpoint of other data (``check_data_content``). A synthetic dataset has none."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> list[str] | None:
+        return self.trainer.data_fingerprint
+
+    def load_state_dict(self, state) -> None:
+        trainer = self.trainer
+        if trainer.data_fingerprint is None:
+            return
+        check_data_content(
+            state,
+            trainer.data_fingerprint,
+            prefixes=trainer.cfg.data.indexed.prefixes,
+            path=trainer._reading,
+            allow=trainer.cfg.resume.allow_changes,
+        )
+
+
+class CarriedCalibration:
+    """Checkpoint part ``calibration``: the run's online calibration (``PlannedSteps``). A
+    checkpoint written at another layout carries its refitted spec to this one; the records
+    measured at the old layout no longer describe this run's micro-steps."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.resumed_from = None
+        """The checkpoint the run resumes from (set before loading)."""
+
+    def state_dict(self) -> dict:
+        return self.trainer.steps.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        ckpt, trainer = self.resumed_from, self.trainer
+        if state and ckpt is not None and ckpt.layout != trainer.layout:
+            state = {
+                **state,
+                "spec": trainer.planner.lay(state["spec"]),
+                "records_since": ckpt.step + 1,
+            }
+        trainer.steps.load_state_dict(state)
+
+
+class WandbRun:
+    """Checkpoint part ``wandb_id``: the run's W&B run id; a resumed run logs into the run of
+    the attempt it continues (W&B needs the id when the run opens, so loading keeps it for the
+    metrics logger built next)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.resumed_id: str | None = None
+
+    def state_dict(self) -> str | None:
+        return self.trainer.metrics.wandb_id
+
+    def load_state_dict(self, state: str | None) -> None:
+        self.resumed_id = state

@@ -20,6 +20,8 @@ import signal
 import threading
 import time
 
+from dcp.collectives import MAX
+
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -31,6 +33,8 @@ class StopRequest:
     def __init__(self, *, repeat_window_s: float = 5.0) -> None:
         self.repeat_window_s = repeat_window_s
         self.signal_name: str | None = None
+        self.agreed = False
+        """After a step (``after_step``): whether a stop signal reached any rank."""
         self._first_s: float | None = None
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
@@ -55,6 +59,16 @@ class StopRequest:
         elif now - self._first_s > self.repeat_window_s:
             logger.error("second stop signal: exiting at once without a checkpoint")
             os._exit(128 + signum)
+
+    # -- a step observer (dcp.step.observers) --------------------------------------------------
+    def contribute(self, step: int, scalars) -> None:
+        """A stop signal rides on the step's own reduction: every rank agrees on it without a
+        collective of its own."""
+        scalars.add("stop", int(self.requested), op=MAX)
+
+    def after_step(self, outcome) -> None:
+        """After the step every rank knows whether any rank was asked to stop."""
+        self.agreed = outcome.reduced["stop"][0] > 0
 
     def restore(self) -> None:
         """Put the previous handlers back."""

@@ -28,12 +28,12 @@ from dcp.checkpoint import (
     resolve_checkpoint,
     restore_rng_state,
 )
+from dcp.checkpoint.extras import ExtraState
 from dcp.checkpoint.load import weights_for
 from dcp.checkpoint.policy import Checkpointer
 from dcp.collectives import (
     MAX,
     CollectiveTimeout,
-    StepScalars,
     all_reduce_int,
     broadcast_object,
     is_peer_lost,
@@ -48,26 +48,23 @@ from dcp.model import check_model_fits
 from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
 from dcp.observability.record import PLAN_NOTATION, StepRecord
 from dcp.observability.run_info import write_run_config
-from dcp.runtime.runtime import Runtime, StepStats
-from dcp.schema import rename_sections, to_dict
+from dcp.runtime.runtime import Runtime
+from dcp.schema import to_dict
 from dcp.step.batches import (
     BatchPlanner,
     DatasetSource,
-    PlannedBatch,
     build_dataset,
     with_fixed_static_config,
 )
-from dcp.step.calibration import RECORDS_FILENAME, OnlineCalibrator, restore_records
+from dcp.step.calibration import RECORDS_FILENAME, restore_records
+from dcp.step.observers import StepObservers, StepOutcome
 from dcp.step.plan_ahead import PlanAhead
+from dcp.step.planned import PlannedSteps
 from dcp.step.recorder import StepRecorder
 from dcp.train.agree import ReportedError, agree, one_line
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock
-from dcp.train.resume import (
-    check_checkpoint_owner,
-    check_data_content,
-    check_resume_config,
-)
+from dcp.train.resume import CarriedCalibration, ConfigCheck, DataCheck, WandbRun
 from dcp.train.run_summary import compare_with_fixed, summary_lines
 from dcp.train.signals import StopRequest
 from dcp.weights.convert import check_hf_checkpoint, load_hf_weights
@@ -118,6 +115,8 @@ class Trainer:
             rank=self.rank,
         )
         self.metrics = None
+        self._reading: Path | None = None
+        """The checkpoint being read (what the config and data checks name)."""
         self.stopped: str | None = None
         """After ``train()``: what a stop signal ended (with the checkpoint saved), if one did."""
         try:
@@ -147,21 +146,21 @@ class Trainer:
             seed=cfg.train.seed,
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
         )
+        # The run's own state in its checkpoints (dcp.checkpoint.extras): the config and the
+        # data's fingerprint are checked before a checkpoint's tensors are read; calibration
+        # and the W&B run are restored once the run's parts exist.
+        self.extras = ExtraState()
+        self.extras.register("config", ConfigCheck(self))
+        self.extras.register("data_fingerprint", DataCheck(self))
+        calibration = CarriedCalibration(self)
+        self.extras.register("calibration", calibration)
+        wandb_run = WandbRun(self)
+        self.extras.register("wandb_id", wandb_run)
         ckpt, state, shared = self._read_resume_state()
-        extra = (shared.get("extra") or {}) if ckpt is not None else {}
-        calibration = extra.get("calibration")
         if ckpt is not None:
             agree(f"restoring {ckpt.path}", lambda: self._restore(ckpt, state, shared))
             del state  # this rank's copy of the checkpoint's tensors, now in the model
             self.start_step = ckpt.step
-            if calibration and ckpt.layout != self.layout:
-                # The refitted spec is carried to the new layout; the records measured at the
-                # old one no longer describe this run's micro-steps.
-                calibration = {
-                    **calibration,
-                    "spec": self.planner.lay(calibration["spec"]),
-                    "records_since": ckpt.step + 1,
-                }
         else:
             agree("loading the initial weights", self._init_weights)
             self.start_step = 0
@@ -170,15 +169,14 @@ class Trainer:
             lambda: restore_records(self.run_dir, self.start_step),
             only_rank0=True,
         )
-        self.calibrator = OnlineCalibrator(
-            cfg.planning,
-            spec=self.planner.spec,  # the configured spec: every refit starts from it
+        self.steps = PlannedSteps.start(
+            self.planner,
             records_path=self.run_dir / RECORDS_FILENAME,
             records=broadcast_object(restored, src=0),
-            state=calibration,
         )
-        if self.calibrator.version:  # resumed with a refitted model
-            self.planner.set_spec(self.calibrator.spec, version=self.calibrator.version)
+        calibration.resumed_from = ckpt
+        if ckpt is not None:
+            self.extras.load_state_dict(shared.get("extra") or {}, keys=("calibration", "wandb_id"))
         agree(
             "writing the run config",
             lambda: write_run_config(self.run_dir, to_dict(cfg)),
@@ -193,7 +191,7 @@ class Trainer:
                 total_steps=cfg.train.steps,
                 run_config=to_dict(cfg),
                 start_step=self.start_step,
-                wandb_id=extra.get("wandb_id"),
+                wandb_id=wandb_run.resumed_id,
             ),
         )
         self.recorder = StepRecorder(cfg.model, self.planner, self.runtime)
@@ -265,23 +263,8 @@ class Trainer:
             extra = shared.get("extra") or {}
             if not isinstance(extra, dict):
                 raise ValueError(f"{path}: its extra state is {type(extra).__name__}, not a map")
-            # A checkpoint of an earlier release may use old section names.
-            with reading(path, "checkpoint's shared state"):
-                old_config = rename_sections(PretrainConfig, extra.get("config") or {}, warn=False)
-            new_config = to_dict(self.cfg)
-            check_checkpoint_owner(
-                old_config, new_config, path=path, allow=self.cfg.resume.allow_changes
-            )
-            if old_config:
-                check_resume_config(old_config, new_config, allow=self.cfg.resume.allow_changes)
-            if self.data_fingerprint is not None:
-                check_data_content(
-                    extra.get("data_fingerprint"),
-                    self.data_fingerprint,
-                    prefixes=self.cfg.data.indexed.prefixes,
-                    path=path,
-                    allow=self.cfg.resume.allow_changes,
-                )
+            self._reading = path
+            self.extras.load_state_dict(extra, keys=("config", "data_fingerprint"))
             state = ckpt.read(
                 self.runtime.model.module,
                 self.runtime.optimizer,
@@ -346,12 +329,7 @@ class Trainer:
             shared = {
                 "sampler": sampler_state,
                 "scheduler": {"step": step},
-                "extra": {
-                    "config": to_dict(self.cfg),
-                    "wandb_id": self.metrics.wandb_id,
-                    "calibration": self.calibrator.state_dict(),
-                    "data_fingerprint": self.data_fingerprint,
-                },
+                "extra": self.extras.state_dict(),
             }
         self.checkpoints.save(
             step,
@@ -378,15 +356,17 @@ class Trainer:
     def _loop(self, stop: StopRequest) -> list[StepRecord]:
         cfg = self.cfg
         records: list[StepRecord] = []
-        plans = PlanAhead(
+        plans = self.steps.ahead(
             self.sampler,
-            self.planner,
-            self.calibrator,
             first_step=self.start_step + 1,
             last_step=cfg.train.steps,
             background=cfg.planning.prefetch_plans,
         )
-        skips = _SkipLimit(cfg.train.max_consecutive_skips)
+        skips = _SkipLimit(cfg.train.max_consecutive_skips, newest=self.checkpoints.newest)
+        # Every concern that follows a step, in order (dcp.step.observers): the checkpoint
+        # writers' status, online calibration, the metrics line, the non-finite step limit and
+        # the stop request (the last two contribute their values to the step's reduction).
+        observers = StepObservers([self.checkpoints, self.steps, self.metrics, skips, stop])
         step = self.start_step
         self.metrics.note(PLAN_NOTATION)
         try:
@@ -394,7 +374,7 @@ class Trainer:
                 # The step's named phases (plan agreement, micro-steps, reductions, the record)
                 # sit inside this one, so a collective no finer phase names is still placed.
                 with phase(f"step {step}, between its named phases"):
-                    stopping = self._one_step(step, plans, skips, stop, records)
+                    stopping = self._one_step(step, plans, observers, stop, records)
                 if stopping:
                     break
         except Exception as exc:
@@ -427,40 +407,34 @@ class Trainer:
         self,
         step: int,
         plans: PlanAhead,
-        skips: _SkipLimit,
+        observers: StepObservers,
         stop: StopRequest,
         records: list[StepRecord],
     ) -> bool:
         """Plan, train, record and (when due) checkpoint ``step``; whether the run stops after
         it (a stop signal on any rank)."""
         cfg = self.cfg
-        batch, planned, plan_time_s, sampler_state = plans.next()
-        # A stop signal rides on the step's own reduction: every rank agrees on it
-        # without a collective of its own.
-        scalars = StepScalars()
-        scalars.add("stop", int(stop.requested), op=MAX)
-        # So does the checkpoint writers' status: an asynchronous save is published
-        # once every rank's files are durable.
-        scalars.add("checkpoint", self.checkpoints.status(), op=MAX)
+        batch, planned, sampler_state = plans.next()
         stats = self.runtime.train_step(
             planned.plan,
             DatasetSource(self.dataset, batch),
             skip_nonfinite=cfg.train.on_nonfinite == "skip",
-            scalars=scalars,
+            scalars=observers.contribute(step),
         )
-        self.checkpoints.observe(int(stats.reduced["checkpoint"][0]))
         with phase(f"the metrics record of step {step}"):
-            record = self.recorder.record(
-                step, stats, planned, plan_time_s, plan_wait_s=plans.wait_s
+            record = self.recorder.record(step, stats, planned, plan_wait_s=plans.wait_s)
+        observers.after_step(
+            StepOutcome(
+                step=step,
+                planned=planned,
+                slowest_step_times_s=stats.slowest_step_times_s,
+                reduced=stats.reduced,
+                stats=stats,
+                record=record,
             )
-        skips.count(step, stats, planned)
-        if self.calibrator.calibrate(step, planned, stats.slowest_step_times_s, self.planner):
-            plans.replan()
-        self.metrics.log(step, record.to_dict())
-        self.metrics.note(f"step {step}: {record.plan.summary()}")
+        )
         records.append(record)
-        skips.check(step, newest=self.checkpoints.newest)
-        stopping = stats.reduced["stop"][0] > 0
+        stopping = stop.agreed
         if self.checkpoints.due(step) or stopping:
             # The last step's save and a stop's are finished before the loop moves on.
             last = stopping or step == cfg.train.steps
@@ -512,29 +486,35 @@ def _check_writable(path: Path, what: str) -> None:
 
 
 class _SkipLimit:
-    """Counts steps skipped in a row for non-finite values and stops the run at ``limit``."""
+    """Counts steps skipped in a row for non-finite values and stops the run at ``limit`` (a
+    step observer: ``dcp.step.observers``)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, newest) -> None:
         self.limit = limit
+        self.newest = newest
+        """The newest complete checkpoint (a callable), named when the run stops."""
         self.in_a_row = 0
 
-    def count(self, step: int, stats: StepStats, planned: PlannedBatch) -> None:
+    def contribute(self, step: int, scalars) -> None:
+        """Nothing: the non-finite check rides on the runtime's own reduction."""
+
+    def after_step(self, outcome: StepOutcome) -> None:
+        """Count the step; raise once ``limit`` steps in a row were skipped (after the step was
+        logged)."""
+        step, stats = outcome.step, outcome.stats
         self.in_a_row = self.in_a_row + 1 if stats.skipped else 0
         if stats.skipped:
             logger.warning(
                 "step %d: non-finite loss or gradients, weights not updated (%d in a row); plan %s",
                 step,
                 self.in_a_row,
-                planned.plan.to_json(),
+                outcome.planned.plan.to_json(),
             )
-
-    def check(self, step: int, *, newest) -> None:
-        """Raise once ``limit`` steps in a row were skipped (after the step was logged)."""
         if self.in_a_row < self.limit:
             return
         first = step + 1 - self.in_a_row
         raise FloatingPointError(
             f"{self.in_a_row} steps in a row had non-finite loss or gradients (steps "
             f"{first}-{step}); stopping (train.max_consecutive_skips={self.limit}); the "
-            f"weights are those before step {first}; newest checkpoint: {newest()}"
+            f"weights are those before step {first}; newest checkpoint: {self.newest()}"
         )

@@ -197,6 +197,7 @@ class MegatronLMRun:
         from dcp.costmodel.spec import runtime_options
         from dcp.runtime.groups import GroupRegistry
         from dcp.step.batches import BatchPlanner
+        from dcp.step.planned import PlannedSteps
 
         args = get_args()
         tp = ps.get_tensor_model_parallel_world_size()
@@ -223,22 +224,14 @@ class MegatronLMRun:
             args.dcp_spec,
             planner.num_planner_ranks,
         )
-        calibrator = None
-        if args.dcp_calibration == "online":
-            from dcp.step.calibration import OnlineCalibrator
-
-            calibrator = OnlineCalibrator(
-                planner.cfg,
-                spec=planner.spec,
-                records_path=self.records_path,
-                records=[],  # a resumed run refits from the spec again
-            )
+        # A resumed run refits from the spec again; with fixed calibration nothing is written.
+        online = args.dcp_calibration == "online"
+        steps = PlannedSteps.start(planner, records_path=self.records_path if online else None)
         return DCPForwardBackward(
-            planner,
+            steps,
             registry=GroupRegistry(tensor_parallel_size=tp, pipeline_parallel_size=pp),
             dataset=self.dataset,
-            on_step=self.recorder.on_plan,
-            calibrator=calibrator,
+            observers=[self.recorder],
             first_step=args.iteration + 1,
         )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -44,41 +44,6 @@ def microsteps_path(metrics_path: str | Path) -> Path:
     if path.name == METRICS_FILENAME:
         return path.with_name(RECORDS_FILENAME)
     return path.with_name(f"{path.stem}.{RECORDS_FILENAME}")
-
-
-def plan_fields(
-    planned,
-    result,
-    *,
-    compute_time_s: float,
-    plan_time_s: float,
-    num_ranks: int,
-    mem_budget_bytes: float,
-) -> dict:
-    """What a ``--dcp`` step adds to its record: the plan, the memory budget it was made
-    against, the slowest rank's micro-step time (``compute_time_s``, what the planner predicts)
-    and this rank's padding."""
-    compute_s = compute_time_s
-    predicted = planned.predicted_step_time_s
-    return {
-        "planner": planned.plan.planner,
-        "compute_time_s": compute_s,
-        "predicted_step_time_s": predicted,
-        "prediction_error": abs(predicted - compute_s) / compute_s if compute_s > 0 else 0.0,
-        "calibration_version": planned.calibration_version,
-        "plan_time_s": plan_time_s,
-        "dropped_sequences": len(planned.dropped),
-        "mem_budget_bytes": float(mem_budget_bytes),
-        "local_padding_tokens": result.padding_tokens,
-        "plan": asdict(
-            PlanStats.of(
-                planned.plan,
-                planned.lengths,
-                num_ranks=num_ranks,
-                predicted_imbalance=planned.predicted_imbalance,
-            )
-        ),
-    }
 
 
 def _writing_rank() -> int:
@@ -108,7 +73,21 @@ class LoopRecorder:
         self._batch = batch
 
     def on_plan(self, fields: dict) -> None:
+        """A ``--dcp`` step's own fields (``PlannedSteps.record_fields`` and this rank's
+        padding), kept for the step's record."""
+        if is_dataclass(fields.get("plan")):
+            fields = {**fields, "plan": asdict(fields["plan"])}
+        if fields.get("exploration") is None:
+            fields.pop("exploration", None)
         self._plan = fields
+
+    # -- a step observer (dcp.step.observers), attached under --dcp ----------------------------
+    def contribute(self, step: int, scalars) -> None:
+        """Nothing: Megatron reduces the loss itself."""
+
+    def after_step(self, outcome) -> None:
+        """Keep the ``--dcp`` step's fields for the line ``train_step``'s wrapper writes."""
+        self.on_plan(outcome.record)
 
     def wrap(self, train_step):
         """``train_step`` that also records its step (same arguments, same results)."""

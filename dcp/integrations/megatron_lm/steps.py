@@ -18,24 +18,26 @@ data-parallel ranks: the same loss, gradients and optimizer step for the same do
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dcp.attention.layout import ShardLayout
-from dcp.collectives import MAX, StepScalars, phase, to_device
+from dcp.collectives import phase, to_device
 from dcp.integrations.megatron_lm.data import DocumentBatch, DocumentBatches
-from dcp.integrations.megatron_lm.records import plan_fields
-from dcp.runtime.builders import local_token_multiple as _token_multiple
-from dcp.runtime.dispatch import compute_device, local_batch
+from dcp.runtime.dispatch import LocalBatch, compute_device
+from dcp.runtime.microstep import MicroStepExecutor, masked_loss
 from dcp.runtime.pipeline import execute_plan
-from dcp.runtime.timing import stage_slots, whole_model_times
+from dcp.runtime.timing import add_step_times, reduced_step_times
 from dcp.step.batches import DatasetSource
+from dcp.step.observers import StepObservers, StepOutcome
 
-_local_token_multiple = functools.cache(_token_multiple)
-"""A built model's token alignment (TE, FP8, TP), looked up once per model."""
+
+@functools.cache
+def _forward_step_executor(model) -> MicroStepExecutor:
+    """The micro-step executor of a model chunk Megatron's schedule runs (built once per
+    model: its token alignment and layers are read from the built model)."""
+    return MicroStepExecutor(model)
 
 
 @dataclass(frozen=True)
@@ -78,41 +80,32 @@ class PackedMicroBatches:
         return item
 
 
-def _loss_func(loss_mask: torch.Tensor, token_loss: torch.Tensor):
+def _loss_func(batch: LocalBatch, token_loss: torch.Tensor):
     """Megatron's per-token loss contract: (loss sum, token count, report of both)."""
-    loss = (token_loss.float() * loss_mask).sum()
-    num_tokens = loss_mask.sum().to(torch.int)
+    loss = masked_loss(token_loss, batch)
+    num_tokens = batch.loss_mask.sum().to(torch.int)
     report = torch.stack([loss.detach(), num_tokens.detach().to(loss.dtype)])
     return loss, num_tokens, {"lm loss": report}
 
 
 def packed_forward_step(data_iterator, model):
     """Megatron's ``forward_step_func`` for packed documents: this CP rank's zig-zag shard of
-    the next micro-batch, THD with ``PackedSeqParams``. Give it to ``pretrain`` for runs
-    without ``--dcp``."""
+    the next micro-batch, THD with ``PackedSeqParams``, run by the micro-step executor in the
+    CP group megatron has set. Give it to ``pretrain`` for runs without ``--dcp``."""
     from megatron.core import parallel_state as ps
 
     item: MicroBatch = next(data_iterator)
     cp_size = ps.get_context_parallel_world_size()
-    group = ps.get_context_parallel_group() if cp_size > 1 else None
-    layout = ShardLayout.aligned(
-        [item.source.seq_len(i) for i in item.seq_ids],
-        cp_size=cp_size,
-        local_token_multiple=_local_token_multiple(model),
-    )
-    device = compute_device()
-    batch = local_batch(
+    executor = _forward_step_executor(model)
+    micro = executor.prepare(
         item.source,
         item.seq_ids,
-        layout=layout,
+        cp_size=cp_size,
         cp_rank=ps.get_context_parallel_rank(),
-        device=device,
+        group=ps.get_context_parallel_group() if cp_size > 1 else None,
     )
-    params = layout.packed_seq_params(device=device, cp_group=group)
-    token_loss = model(
-        batch.input_ids, batch.position_ids, None, labels=batch.labels, packed_seq_params=params
-    )
-    return token_loss, functools.partial(_loss_func, batch.loss_mask)
+    token_loss = executor.forward(micro)
+    return token_loss, functools.partial(_loss_func, micro.batch)
 
 
 class DCPForwardBackward:
@@ -120,17 +113,18 @@ class DCPForwardBackward:
     rank's micro-steps, leave the reduced gradients in the model for Megatron's optimizer."""
 
     def __init__(
-        self, planner, *, registry, dataset, on_step, calibrator=None, first_step: int = 1
+        self, steps, *, registry, dataset, observers: Sequence = (), first_step: int = 1
     ) -> None:
-        """``calibrator``: an ``OnlineCalibrator`` fed each step's micro-step times (online
-        calibration: its accepted refits replace the planner's cost model); ``first_step``: the
+        """``steps``: the run's ``PlannedSteps`` (its planner, and online calibration, the first
+        step observer); ``observers``: the loop's other step observers (``dcp.step.observers``:
+        the ``--dcp-metrics`` recorder), given each step's record fields; ``first_step``: the
         1-based number of the next step (a resumed run's)."""
-        self.planner = planner
+        self.steps = steps
         self.registry = registry
         self.dataset = dataset
-        self.on_step = on_step
-        self.calibrator = calibrator
+        self.observers = StepObservers([steps, *observers])
         self.step = first_step
+        self._executor: MicroStepExecutor | None = None
 
     def __call__(self, *, data_iterator, model, forward_only: bool = False, **_unused):
         if len(model) != 1:
@@ -138,47 +132,42 @@ class DCPForwardBackward:
         batch: DocumentBatch = next(data_iterator)
         if forward_only:
             return self._evaluate(model[0], batch)
-        start = time.perf_counter()
-        planned = self.planner.plan(batch)
-        plan_time_s = time.perf_counter() - start
+        planned = self.steps.plan_batch(batch, step=self.step)
+        scalars = self.observers.contribute(self.step)
         result = self._run(model[0], planned.plan, batch)
         # The slowest rank's time of every micro-step (calibration records, the step's compute
         # time): one reduction and one host read per step, the plan agreement the other.
         num_steps = len(planned.plan.steps)
-        times = stage_slots(
-            result.step_times_s,
-            num_steps,
+        add_step_times(
+            scalars,
+            result,
+            num_steps=num_steps,
             stage=self.registry.stage,
             stages=self.registry.pipeline_parallel_size,
         )
-        scalars = StepScalars()
-        scalars.add("compute_time_s", result.compute_time_s, op=MAX)
-        scalars.add_vector("step_times_s", times, op=MAX)
         with phase(f"the micro-step time reduction of step {self.step}"):
             reduced = scalars.reduce()
-        if self.calibrator is not None:
-            slowest = whole_model_times(reduced["step_times_s"], num_steps)
-            self.calibrator.calibrate(self.step, planned, slowest, self.planner)
-        self.step += 1
-        self.on_step(
-            plan_fields(
-                planned,
-                result,
-                compute_time_s=reduced["compute_time_s"][0],
-                plan_time_s=plan_time_s,
-                num_ranks=self.planner.num_planner_ranks,
-                mem_budget_bytes=self.planner.cost_model.mem_budget_bytes,
+        compute_time_s, slowest = reduced_step_times(reduced, num_steps)
+        fields = self.steps.record_fields(planned, compute_time_s=compute_time_s)
+        self.observers.after_step(
+            StepOutcome(
+                step=self.step,
+                planned=planned,
+                slowest_step_times_s=slowest,
+                reduced=reduced,
+                record={**fields, "local_padding_tokens": result.padding_tokens},
             )
         )
+        self.step += 1
         return [{"lm loss": _loss_report(result)}]
 
     def _run(self, model, plan, batch: DocumentBatch, *, forward_only: bool = False):
+        if self._executor is None or self._executor.model is not model:
+            self._executor = MicroStepExecutor(model, registry=self.registry)
         return execute_plan(
-            model,
+            self._executor,
             plan,
             source=DatasetSource(self.dataset, batch),
-            registry=self.registry,
-            local_token_multiple=_local_token_multiple(model),
             forward_only=forward_only,
         )
 
@@ -187,7 +176,7 @@ class DCPForwardBackward:
         (``Plan.forward_only``), the loss reported as in training. Megatron's ``evaluate`` sums
         the reports over the data-parallel ranks and its ``eval_iters`` batches into the
         per-token loss it prints. No step record, no calibration: the step count is training's."""
-        plan = self.planner.plan(batch).plan.forward_only()
+        plan = self.steps.planner.plan(batch).plan.forward_only()
         where = f"evaluating {len(batch.doc_ids)} documents after step {self.step - 1}"
         with phase(where):
             result = self._run(model, plan, batch, forward_only=True)

@@ -1,0 +1,104 @@
+"""``DCPEngine``, the ten-line API, runs the planned step every loop shares: its plans come from
+the run's batch planner (checked before they run) and online calibration refits the cost model
+from the micro-steps it measured, exactly as in DCP's trainer and Megatron-LM's loop; a caller's
+own step observer rides on the same step.
+
+The prior is ``cpu-tiny-uncalibrated+cpu-wrong`` (attention 3x too cheap, CP communication 5x
+too fast, recompute free), so a refit on the measured micro-steps predicts the held-out ones
+better and is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from tests.distributed.harness import run_on_ranks
+from tests.distributed.tiny import cleanup
+
+WRONG_PRIOR = "cpu-tiny-uncalibrated+cpu-wrong"
+STEPS = 8
+REFIT_EVERY = 4
+
+
+def batches(num_batches: int, seed: int = 5):
+    """Global batches of 12 documents of 3 to 1,024 tokens (the same on every rank)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(num_batches):
+        lengths = np.minimum(rng.lognormal(np.log(120), 1.1, size=12).astype(int) + 3, 1024)
+        yield [rng.integers(0, 250, size=n) for n in lengths]
+
+
+class RankWatcher:
+    """A caller's step observer: contributes its rank to the step's reduction (MAX) and keeps
+    what every finished step reports."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.seen: list[tuple[int, float, int]] = []
+
+    def contribute(self, step: int, scalars) -> None:
+        from dcp.collectives import MAX
+
+        scalars.add("highest_rank", self.rank, op=MAX)
+
+    def after_step(self, outcome) -> None:
+        self.seen.append(
+            (outcome.step, outcome.reduced["highest_rank"][0], len(outcome.slowest_step_times_s))
+        )
+
+
+def engine_run(records_path: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import dcp
+
+    try:
+        dcp.init()
+        model = dcp.build_gpt_model(dcp.ModelConfig(num_layers=2, hidden_size=64, max_seq_len=1024))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        engine = dcp.DCPEngine(
+            model,
+            optimizer,
+            spec=WRONG_PRIOR,
+            refit_interval_steps=REFIT_EVERY,
+            records_path=records_path,
+            observers=[watcher := RankWatcher(dist.get_rank())],
+        )
+        versions, losses, micro_steps = [], [], []
+        for documents in batches(STEPS):
+            stats = engine.train_step(documents)
+            versions.append(engine.last_planned.calibration_version)
+            losses.append(stats.loss)
+            micro_steps.append(len(engine.last_planned.plan.steps))
+        return {
+            "versions": versions,
+            "final_version": engine.calibration_version,
+            "losses": losses,
+            "micro_steps": micro_steps,
+            "observed": watcher.seen,
+        }
+    finally:
+        cleanup()
+
+
+def test_engine_refits_its_cost_model_online(tmp_path):
+    records = tmp_path / "microsteps.jsonl"
+    out = run_on_ranks(2, engine_run, str(records), timeout_s=300)
+    assert out[0]["versions"] == out[1]["versions"], "ranks planned with different models"
+    assert out[0]["losses"] == out[1]["losses"]
+    got = out[0]
+    # The caller's observer saw every step, its value reduced over both ranks.
+    assert got["observed"] == [
+        (step, 1.0, n) for step, n in enumerate(got["micro_steps"], start=1)
+    ], got["observed"]
+    # Steps 1-4 are planned with the prior; the refit after step 4 or 8 is accepted.
+    assert got["versions"][:REFIT_EVERY] == [0] * REFIT_EVERY, got
+    assert got["final_version"] >= 1, got
+    assert all(np.isfinite(got["losses"])) and got["losses"][-1] < got["losses"][0], got
+    # Every micro-step of every step is recorded once, by rank 0, in the trainer's format.
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(lines) == sum(got["micro_steps"]), (len(lines), got["micro_steps"])
+    assert sorted({line["step"] for line in lines}) == list(range(1, STEPS + 1))
