@@ -139,7 +139,7 @@ TINY_SIZES = Sizes(
 
 def full_sizes() -> Sizes:
     """``FULL`` with the MFU model: two layers of the llama3-8b preset."""
-    from dcp.train.bare_check.perf import llama3_8b_layers
+    from dcp.bench.bare_check.perf import llama3_8b_layers
 
     return dataclasses.replace(FULL, mfu_model=llama3_8b_layers(2))
 
@@ -202,10 +202,10 @@ def _verdicts(results: dict, peak_tflops: float | None) -> list[str]:
 def run_checks(*, device: str, sizes: Sizes, out_dir: Path, peak_tflops: float | None) -> dict:
     """Every check of the bare path on ``device`` (this process must be rank 0 of a world of
     one, megatron's patches applied); the summary dict, also written to ``summary.json``."""
-    from dcp.train.bare_check.cp2 import cp2_on_one_device
-    from dcp.train.bare_check.entry import entry_point, megatron_loop
-    from dcp.train.bare_check.parity import device_parity, fp64_reference, runtime_steps
-    from dcp.train.bare_check.perf import bf16_peak_tflops, calibrate, measure_mfu
+    from dcp.bench.bare_check.cp2 import cp2_on_one_device
+    from dcp.bench.bare_check.entry import entry_point, megatron_loop
+    from dcp.bench.bare_check.parity import device_parity, fp64_reference, runtime_steps
+    from dcp.bench.bare_check.perf import bf16_peak_tflops, calibrate, measure_mfu
 
     start = time.perf_counter()
     info = versions(device)

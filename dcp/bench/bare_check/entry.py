@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dcp.train.bare_check.parity import REPO, child_env
+from dcp.bench.bare_check.parity import REPO, child_env
 
 # Loss agreement of a resumed run with the uninterrupted one.
 RESUME_REL_TOL = {"cpu": 0.0, "cuda": 2e-2}
