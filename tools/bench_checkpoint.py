@@ -1,4 +1,4 @@
-"""What a checkpoint costs a run (``dcp.train.checkpoint_bench``): save (synchronous and
+"""What a checkpoint costs a run (``dcp.bench.checkpoint``): save (synchronous and
 asynchronous), the time the training loop is blocked, load, and each rank's peak resident memory
 above its baseline during each.
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     import dcp
-    from dcp.train.checkpoint_bench import measure, model_of
+    from dcp.bench.checkpoint import measure, model_of
 
     rank = int(os.environ["RANK"])
     console.setup(rank)

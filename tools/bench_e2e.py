@@ -46,7 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from dcp import console
-from dcp.train.bench import BENCH_PLANNERS, bench_summary
+from dcp.bench.e2e import BENCH_PLANNERS, bench_summary
 
 DEFAULT_CONFIG = "pretrain/configs/bench_cpu.yaml"
 
@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     console.setup(level=logging.WARNING)  # the benchmark's own lines are its report
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    from dcp.bench.e2e import with_spec_parallelism
     from dcp.schema import load_config
-    from dcp.train.bench import with_spec_parallelism
     from dcp.train.config import PretrainConfig
 
     try:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     import dcp
-    from dcp.train.bench import run_benchmark
+    from dcp.bench.e2e import run_benchmark
 
     rank = int(os.environ["RANK"])
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))

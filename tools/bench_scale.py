@@ -1,4 +1,4 @@
-"""Start-up and planning at scale (``dcp.train.scale``): the group registry's start-up on N gloo
+"""Start-up and planning at scale (``dcp.bench.scale``): the group registry's start-up on N gloo
 ranks of this machine, and DCP's plan time against the simulated step time on H200 presets.
 
     python -m tools.bench_scale groups [--ranks 16 32] [--tp 1 2]
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console.setup(0)
     log = _err
-    from dcp.train import scale
+    from dcp.bench import scale
 
     if args.what == "groups":
         rows = []

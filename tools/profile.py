@@ -6,7 +6,7 @@
     python -m tools.profile --from-measurements runs/profile/m.json --write-preset   # re-fit only
 
 Runs micro-steps of ``--config``'s model on 2 gloo ranks through the real runtime
-(``dcp.train.measure``: the grid, the memory probes) and fits the cost model to them
+(``dcp.bench.measure``: the grid, the memory probes) and fits the cost model to them
 (``dcp.costmodel.calibrate``). With a spec whose ``options.tensor_parallel_size`` is TP > 1
 (``--spec cpu-tiny+cpu-tp2``) it runs 2 planner ranks of TP ranks each and also times the TP
 collectives on their own, which the fit keeps as the cost model's TP term. Besides the three
@@ -99,8 +99,8 @@ def _partial_layers(requested: int | None, num_layers: int) -> int | None:
 
 
 def _measure(args) -> dict:
+    from dcp.bench.measure import measure
     from dcp.model import ModelConfig
-    from dcp.train.measure import measure
 
     data = load_yaml(args.config)
     if not isinstance(data.get("model"), dict):
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         source = args.from_measurements or "the measurements"
         with reading(source, "measurements file"):  # a file's wrong shapes name the file
             if "model" in measurements:
-                from dcp.train.measure import check_same_model
+                from dcp.bench.measure import check_same_model
 
                 check_same_model(base, measurements["model"])
             calibration = calibrated_spec(base, measurements)

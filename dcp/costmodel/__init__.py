@@ -1,7 +1,7 @@
 """The cost model: predicted time and memory of a micro-step, from a spec (pure Python + numpy).
 
 ``load_cost_model`` is the one entry point (preset name, spec JSON path or dict);
-``dcp.costmodel.calibrate`` fits coefficients to a profiling grid, ``dcp.train.measure`` takes
+``dcp.costmodel.calibrate`` fits coefficients to a profiling grid, ``dcp.bench.measure`` takes
 it on gloo ranks (imports torch, megatron-core), and ``dcp.costmodel.online`` refits a spec on
 the micro-step records a training run writes (``dcp.costmodel.records``). See docs/design.md,
 'The cost model'.

@@ -1,6 +1,6 @@
 """Fit ``dcp.costmodel`` coefficients to measured micro-step times and activation memory.
 
-``dcp.train.measure`` measures; this module only does the math (numpy, no torch, no I/O), so
+``dcp.bench.measure`` measures; this module only does the math (numpy, no torch, no I/O), so
 a fit can be re-run from saved measurements and is unit-tested against data that ``CostModel``
 itself generates. Time: a non-negative least squares on relative errors over the columns of
 ``dcp.costmodel.formula.time_features``, with the TP collectives (``TPCommPoint``, measured on
@@ -405,7 +405,7 @@ def _points(cls: type, items: list, key: str) -> list:
 
 def calibrated_spec(base: dict, measurements: dict) -> Calibration:
     """``base`` (a spec dict) with a calibration block fitted to ``measurements`` (what
-    ``dcp.train.measure.measure`` returns) and a description that says when and where."""
+    ``dcp.bench.measure.measure`` returns) and a description that says when and where."""
     analytic_spec = {k: v for k, v in base.items() if k != "calibration"}
     analytic = CostModel.from_spec(analytic_spec).coefficients
     try:

@@ -15,7 +15,7 @@ from dcp.schema import from_dict
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Sequence-parallel collectives of [tokens, hidden] per micro-step, forward + backward
-# (analytic_coefficients explains the count; dcp.train.measure times exactly these):
+# (analytic_coefficients explains the count; dcp.bench.measure times exactly these):
 # (all-gathers, reduce-scatters) per layer, and for the embedding and output layer together.
 TP_GATHERS_SCATTERS_PER_LAYER = (6, 4)
 TP_GATHERS_SCATTERS_OUTSIDE_LAYERS = (3, 2)

@@ -1,4 +1,4 @@
-"""The pretraining run: its config (``config``), planned global batches (``batches``), the loop
-(``trainer``), the benchmark (``bench``), the cost-model measurements (``measure``) and the
-stock-PyTorch GPU check (``bare_check``).
-Checkpoint files are ``dcp.checkpoint``."""
+"""The pretraining run: its config (``config``), the loop (``trainer``), resume, the run lock,
+signals, the ranks' agreement on failure and exit records, and the end-of-run comparison
+(``run_summary``). Planned global batches are ``dcp.step``; checkpoint files ``dcp.checkpoint``;
+the benchmarks and checks that drive the trainer ``dcp.bench``."""

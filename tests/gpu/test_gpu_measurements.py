@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from dcp.train.bare_check.perf import bf16_peak_tflops, llama3_8b_layers
+from dcp.bench.bare_check.perf import bf16_peak_tflops, llama3_8b_layers
 from tests.distributed.harness import run_on_ranks
 from tests.gpu.common import GPU_ONLY
 

@@ -36,6 +36,7 @@ LAYERS = [
     "dcp.runtime",
     "dcp.step",
     "dcp.train",
+    "dcp.bench",
     "dcp.integrations",
     "dcp",
     "tools",

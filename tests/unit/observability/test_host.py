@@ -6,11 +6,11 @@ import os
 
 import pytest
 
+from dcp.bench.e2e import bench_summary
 from dcp.observability.host import BUSY_LOAD_PER_CPU, HostStats, RunLoad, load_warnings
 from dcp.observability.metrics import encode_record
 from dcp.observability.record import PlanStats, StepRecord
 from dcp.plan import MicroStep, Plan
-from dcp.train.bench import bench_summary
 
 
 def _record(**host) -> StepRecord:

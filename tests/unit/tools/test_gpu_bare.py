@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp.train.bare_check import perf
+from dcp.bench.bare_check import perf
 
 REPO = Path(__file__).resolve().parents[3]
 BROKEN_TE = """raise FileNotFoundError(

@@ -12,7 +12,6 @@ their own processes (torchrun, world size 1, NCCL on a GPU), each launch time-bo
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -20,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dcp.train.bare_check.parity import REPO, child_env
+from dcp.bench.bare_check.parity import REPO, child_env
+from dcp.observability.metrics import read_metrics
 
 # Loss agreement of a resumed run with the uninterrupted one.
 RESUME_REL_TOL = {"cpu": 0.0, "cuda": 2e-2}
@@ -108,7 +108,7 @@ def entry_point(*, device: str, steps: int, tiny: bool, timeout_s: float) -> dic
         "checkpoints": checkpoints,
         "launch_seconds": seconds,
         "ok": len(full) == steps
-        and all(math.isfinite(x) for x in full)
+        and all(math.isfinite(x) for x in full + resumed)
         and worst <= RESUME_REL_TOL[device],
     }
 
@@ -141,7 +141,7 @@ def megatron_loop(*, device: str, iterations: int, timeout_s: float) -> dict:
         seconds = round(time.perf_counter() - start, 1)
         if proc.returncode != 0:
             return {"ok": False, "error": f"exited {proc.returncode}: {_tail(proc)}"}
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        rows = read_metrics(metrics)
     losses = [r["loss"] for r in rows]
     return {
         "iterations": iterations,
@@ -169,4 +169,6 @@ def _on_gpu(args: list[str]) -> list[str]:
 
 
 def _losses(path: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+    """A run's losses, a non-finite one as the float it was (``metrics.jsonl`` stores ``null``
+    and a marker)."""
+    return [record["loss"] for record in read_metrics(path)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dcp.bench.e2e import with_spec_parallelism
 from dcp.schema import load_config
-from dcp.train.bench import with_spec_parallelism
 from dcp.train.config import PretrainConfig
 
 CONFIG = "pretrain/configs/bench_cpu.yaml"

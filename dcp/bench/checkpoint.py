@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dcp.bench.e2e import release_memory
 from dcp.checkpoint import CheckpointSaver, Layout, apply, open_checkpoint
 from dcp.checkpoint.state import local_tensors, runtime_parts
 from dcp.collectives import all_gather_object, barrier
@@ -29,7 +30,6 @@ from dcp.optim import OptimConfig
 from dcp.plan import MicroStep, Plan, Recompute
 from dcp.runtime.dispatch import InMemorySource
 from dcp.runtime.runtime import Runtime
-from dcp.train.bench import release_memory
 
 
 def _rss_bytes() -> int:

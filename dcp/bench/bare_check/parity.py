@@ -110,7 +110,7 @@ def fp64_reference(model: dict, lengths: list[int], *, seed: int, timeout_s: flo
         Path(tmp, "job.json").write_text(json.dumps(job))
         env = child_env(CUDA_VISIBLE_DEVICES="")
         proc = subprocess.run(
-            [sys.executable, "-m", "dcp.train.bare_check.parity", str(Path(tmp) / "job.json")],
+            [sys.executable, "-m", "dcp.bench.bare_check.parity", str(Path(tmp) / "job.json")],
             cwd=REPO,
             env=env,
             timeout=timeout_s,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dcp.train.bare_check.parity import REPO, child_env
+from dcp.bench.bare_check.parity import REPO, child_env
 
 WORLD_SIZE = 2
 
@@ -30,6 +30,12 @@ def rank_main(job_path: str, rank: int) -> None:
     import torch.distributed as dist
 
     import megatron_patches
+    from dcp.bench.bare_check.parity import (
+        TOLERANCES,
+        canonical_grads,
+        documents,
+        rel_error,
+    )
     from dcp.collectives import all_gather_into, all_reduce, barrier, reduce_scatter_into
     from dcp.model import ModelConfig
     from dcp.optim import OptimConfig
@@ -37,12 +43,6 @@ def rank_main(job_path: str, rank: int) -> None:
     from dcp.runtime.dispatch import InMemorySource
     from dcp.runtime.runtime import Runtime
     from dcp.runtime.setup import init_megatron_parallel
-    from dcp.train.bare_check.parity import (
-        TOLERANCES,
-        canonical_grads,
-        documents,
-        rel_error,
-    )
     from dcp.weights.canonical import load_canonical
 
     job = json.loads(Path(job_path).read_text())
@@ -118,7 +118,7 @@ def _attempt(backend: str, job: dict, tmp: Path, timeout_s: float) -> dict:
     logs = [open(tmp / f"rank{r}-{backend}.log", "w+") for r in range(WORLD_SIZE)]  # noqa: SIM115
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "dcp.train.bare_check.cp2", str(job_path), str(r)],
+            [sys.executable, "-m", "dcp.bench.bare_check.cp2", str(job_path), str(r)],
             cwd=REPO,
             env=env,
             stdout=subprocess.DEVNULL,

@@ -1,4 +1,0 @@
-"""What ``python -m tools.gpu_check --bare`` measures on a stock-PyTorch GPU machine (no
-Transformer Engine): fp64 parity and training steps (``parity``), MFU and a cost-model
-calibration (``perf``), CP = 2 with two processes on one device (``cp2``). Each function takes
-its sizes and the device, so the whole sequence also runs at tiny sizes on a CPU."""
