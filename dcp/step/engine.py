@@ -126,13 +126,5 @@ class DCPEngine:
             planned.plan, source, scalars=self.observers.contribute(step)
         )
         self.last_planned = planned
-        self.observers.after_step(
-            StepOutcome(
-                step=step,
-                planned=planned,
-                slowest_step_times_s=stats.slowest_step_times_s,
-                reduced=stats.reduced,
-                stats=stats,
-            )
-        )
+        self.observers.after_step(StepOutcome.of_stats(step, planned, stats))
         return stats

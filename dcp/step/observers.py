@@ -48,6 +48,18 @@ class StepOutcome:
     """The step's record: a ``StepRecord`` (DCP's trainer) or the fields a ``--dcp-metrics``
     line adds (Megatron's loop); ``None`` where the loop writes none (``DCPEngine``)."""
 
+    @classmethod
+    def of_stats(cls, step: int, planned: PlannedBatch, stats, *, record=None) -> StepOutcome:
+        """The outcome of a step the runtime ran (``Runtime.train_step``'s ``StepStats``)."""
+        return cls(
+            step=step,
+            planned=planned,
+            slowest_step_times_s=stats.slowest_step_times_s,
+            reduced=stats.reduced,
+            stats=stats,
+            record=record,
+        )
+
 
 class StepObserver(Protocol):
     def contribute(self, step: int, scalars: StepScalars) -> None:

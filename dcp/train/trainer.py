@@ -423,16 +423,7 @@ class Trainer:
         )
         with phase(f"the metrics record of step {step}"):
             record = self.recorder.record(step, stats, planned, plan_wait_s=plans.wait_s)
-        observers.after_step(
-            StepOutcome(
-                step=step,
-                planned=planned,
-                slowest_step_times_s=stats.slowest_step_times_s,
-                reduced=stats.reduced,
-                stats=stats,
-                record=record,
-            )
-        )
+        observers.after_step(StepOutcome.of_stats(step, planned, stats, record=record))
         records.append(record)
         stopping = stop.agreed
         if self.checkpoints.due(step) or stopping:
