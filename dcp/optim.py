@@ -90,3 +90,49 @@ def build_adamw(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimiz
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:  # megatron's groups may scale it (lr_mult)
         group["lr"] = lr * group.get("lr_mult", 1.0)
+
+
+class MasterWeights:
+    """fp32 master copies of a model's low-precision (bf16, fp16) parameters for a plain torch
+    optimizer, as megatron's mixed-precision optimizer keeps them for its own.
+
+    An optimizer built over bf16 parameters would update them in bf16 (each update rounded to
+    8 bits of mantissa), and the fp32 gradients megatron's DDP reduces into ``main_grad``
+    (``grad_reduce_in_fp32``) cannot be its ``.grad`` at all. So the optimizer's parameter
+    groups are pointed at fp32 copies; each step gives the copies the fp32 gradients, steps, and
+    writes the result back into the model's parameters. fp32 parameters are left as they are.
+    The optimizer must not have stepped yet (its state would belong to the bf16 tensors)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        low = [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
+        if low and optimizer.state:
+            raise ValueError(
+                "the optimizer already holds state for the model's bf16/fp16 parameters; give "
+                "DCP the optimizer before its first step (DCP keeps fp32 master weights for it)"
+            )
+        self.pairs = [(p, p.detach().float().requires_grad_(p.requires_grad)) for p in low]
+        masters = {id(p): m for p, m in self.pairs}
+        for group in optimizer.param_groups:
+            group["params"] = [masters.get(id(p), p) for p in group["params"]]
+
+    def __bool__(self) -> bool:
+        return bool(self.pairs)
+
+    def master(self, param: torch.nn.Parameter) -> torch.nn.Parameter | torch.Tensor:
+        """The tensor the optimizer updates for ``param`` (its fp32 copy, or itself)."""
+        for p, m in self.pairs:
+            if p is param:
+                return m
+        return param
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """The model's parameters from the stepped fp32 copies (rounded to their dtype)."""
+        for p, m in self.pairs:
+            p.copy_(m)
+
+    @torch.no_grad()
+    def reload(self) -> None:
+        """The fp32 copies from the model's parameters (after new weights were loaded)."""
+        for p, m in self.pairs:
+            m.copy_(p)

@@ -22,9 +22,8 @@ def main() -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     # --- the ten lines ---------------------------------------------------------------------
     dcp.init()  # megatron patches this machine needs (CPU shim) + parallel state
-    dtype = "bf16" if torch.cuda.is_available() else "fp32"  # TE attention on GPU needs bf16
-    model = dcp.build_gpt_model(
-        dcp.ModelConfig(num_layers=2, hidden_size=64, max_seq_len=1024, dtype=dtype)
+    model = dcp.build_gpt_model(  # bf16 weights; DCP keeps fp32 master weights for AdamW
+        dcp.ModelConfig(num_layers=2, hidden_size=64, max_seq_len=1024, dtype="bf16")
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     engine = dcp.DCPEngine(model, optimizer, spec="cpu-tiny", planner="dcp")

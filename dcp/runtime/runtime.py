@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dcp.collectives import MAX, SUM, StepScalars, host_syncs, phase, run_device, to_host
 from dcp.model import ModelConfig
 from dcp.observability.memory import peak_memory_bytes, reset_peak_memory
-from dcp.optim import OptimConfig, lr_at, set_lr
+from dcp.optim import MasterWeights, OptimConfig, lr_at, set_lr
 from dcp.plan import Plan
 from dcp.runtime.builders import build_model_and_optimizer, wrap_ddp
 from dcp.runtime.dispatch import SequenceSource
@@ -122,6 +122,10 @@ class Runtime:
                 "the optimizer and DDP disagree on use_distributed_optimizer: wrap the model "
                 "with wrap_ddp(..., distributed_optimizer=...) matching the optimizer"
             )
+        self.master_weights = MasterWeights(
+            [] if self.megatron_optimizer else list(self.parameters()), optimizer
+        )
+        """fp32 copies of bf16/fp16 parameters for a plain torch optimizer (none otherwise)."""
         self._peak_window_open = False
         self.executor = MicroStepExecutor(
             self.model, registry=self.registry, token_multiple=local_token_multiple or 1
@@ -320,12 +324,18 @@ class Runtime:
                 with cuda_on_cpu(), phase(f"the optimizer step of step {self.step + 1}"):
                     _, grad_norm, _ = self.optimizer.step()
             else:
-                params = [p for p in self.parameters() if p.requires_grad]
-                for p in params:
-                    p.grad = p.main_grad
+                # The optimizer steps fp32 tensors: the parameters, or their fp32 master copies
+                # for bf16/fp16 ones (``MasterWeights``), given the fp32 reduced gradients.
+                params = []
+                for p in self.parameters():
+                    if p.requires_grad:
+                        target = self.master_weights.master(p)
+                        target.grad = p.main_grad
+                        params.append(target)
                 max_norm = self.clip_grad or float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
                 self.optimizer.step()
+                self.master_weights.write_back()
         self.step += 1
         return StepStats(
             loss=loss,
@@ -369,3 +379,4 @@ class Runtime:
         load(self.model.module)
         if hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()
+        self.master_weights.reload()

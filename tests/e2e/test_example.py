@@ -1,4 +1,5 @@
-"""README's ten-line DCPEngine example runs as documented and trains."""
+"""README's ten-line DCPEngine example runs as documented and trains (bf16 weights, fp32 master
+weights for the plain torch optimizer)."""
 
 from __future__ import annotations
 
