@@ -272,6 +272,25 @@ def recv(tensor: torch.Tensor, *, src: int, group=None) -> torch.Tensor:
 
 
 @_names_errors
+def exchange(messages: Sequence[tuple[str, torch.Tensor, int]], *, group=None) -> None:
+    """Post every message of ``messages`` at once, then wait for all of them: ``("send",
+    tensor, dst)`` or ``("recv", buffer, src)``, in the order both sides agree on (torch's
+    ``batch_isend_irecv``; on NCCL one grouped launch, as megatron's p2p pairs a send with a
+    receive). Buffers are filled when it returns."""
+    _check([t for _, t, _ in messages], "exchange")
+    ops = []
+    for kind, tensor, peer in messages:
+        if kind == "send":
+            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group))
+        elif kind == "recv":
+            ops.append(dist.P2POp(dist.irecv, tensor, peer, group))
+        else:
+            raise ValueError(f"a message is 'send' or 'recv', got {kind!r}")
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+
+
+@_names_errors
 def barrier(group=None) -> None:
     """Every member of ``group`` (default: every rank) reaches this point."""
     device_ids = _group_device_ids(group)

@@ -24,6 +24,13 @@ order, so the unfinished event with the least key always has all its participant
 collectives and blocking send/receive pairs complete whatever the plan, and each message pairs a
 sender and a receiver that agree on what it is.
 
+The runtime posts each run of consecutive messages of a rank's list at once and then waits for
+all of them (``message_batches``; torch's ``batch_isend_irecv``, as megatron's p2p pairs a send
+with the receive that follows it). The order argument still holds: a rank waiting on a batch has
+posted every message in it, and an event between two of its messages in key order would be in
+the same run, so the unfinished event with the least key again has every participant at it
+(posted), and it completes.
+
 Memory: a micro-step's activations live on a stage from its forward to its backward
 (``stage_peak_bytes``). Pure Python + numpy.
 """
@@ -44,6 +51,8 @@ SEND_ACTIVATION, RECV_ACTIVATION = "send_act", "recv_act"
 SEND_GRADIENT, RECV_GRADIENT = "send_grad", "recv_grad"
 _FORWARD_KINDS = frozenset({FORWARD, SEND_ACTIVATION, RECV_ACTIVATION})
 """The events of a forward-only pass (evaluation)."""
+MESSAGE_KINDS = frozenset({SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRADIENT, RECV_GRADIENT})
+"""The point-to-point events (the others are a stage's forward or backward)."""
 Op = tuple[str, int]
 """(``"F"`` or ``"B"``, index of the micro-step in ``Plan.steps``)."""
 # Dense-schedule durations that key the events (a GEMM's backward costs twice its forward).
@@ -174,6 +183,25 @@ class PipelineEvent:
     """Index of the micro-step in ``Plan.steps``."""
     peer_stage: int | None = None
     """The other stage of a message (at the same planner rank); ``None`` for F and B."""
+
+
+def message_batches(events: Sequence[PipelineEvent]) -> list[tuple[PipelineEvent, ...]]:
+    """A rank's ``rank_events`` as its executor runs them: each forward or backward alone, each
+    maximal run of consecutive messages as one batch, posted together and then waited for
+    (module docstring)."""
+    batches: list[tuple[PipelineEvent, ...]] = []
+    run: list[PipelineEvent] = []
+    for event in events:
+        if event.kind in MESSAGE_KINDS:
+            run.append(event)
+            continue
+        if run:
+            batches.append(tuple(run))
+            run = []
+        batches.append((event,))
+    if run:
+        batches.append(tuple(run))
+    return batches
 
 
 def rank_events(

@@ -10,10 +10,12 @@ the step, over TP under sequence parallelism, times the hidden size) and no shap
 What runs when is ``dcp.planning.pipeline.rank_events``: the non-interleaved 1F1B order over the
 plan's slots, each rank's subsequence of its stage's order, the messages placed between, every
 event with a key all its participants share. This module runs those events in order, nothing
-else: a forward (``F``), a backward (``B``), or a blocking send or receive to the same position
-on the next or previous stage. The order is why it cannot deadlock (docs/design.md, 'Pipelines'):
-each rank runs its events by increasing key, so the unfinished event with the least key has
-every participant at it, whatever the plan.
+else: a forward (``F``), a backward (``B``), or a batch of consecutive sends and receives to the
+same position on the next or previous stage, posted together and waited for together
+(``message_batches``: torch's ``batch_isend_irecv``, as megatron pairs a send with a receive).
+The order is why it cannot deadlock (docs/design.md, 'Pipelines'): each rank runs its events by
+increasing key, so the unfinished event with the least key has every participant at it (posted,
+for a message in a batch), whatever the plan.
 
 A micro-step is prepared, switched and run by the micro-step executor (``dcp.runtime.microstep``),
 which switches its CP group and recompute level in for its forward and again for its backward
@@ -32,9 +34,9 @@ over the first and last stage (``_allreduce_embedding_grads``).
 A forward-only pass (evaluation, ``forward_only=True``) runs the forwards and activation
 messages of the same order alone, without autograd, and reduces no gradient.
 
-On NCCL a send is queued on the pair's stream and a receive makes the compute stream wait for
-it (``ProcessGroupNCCL``: neither blocks the host); the messages of each pair of ranks are in key
-order on both sides, so their streams match them in order.
+On NCCL a batch is one grouped launch on the pair's stream and the compute stream waits for its
+receives (``ProcessGroupNCCL``: the host does not block); the messages of each pair of ranks are
+in key order on both sides, so their streams match them in order.
 """
 
 from __future__ import annotations
@@ -43,15 +45,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp.collectives import phase, recv, send
+from dcp.collectives import exchange, phase
 from dcp.plan import Plan
 from dcp.planning.pipeline import (
     BACKWARD,
     FORWARD,
+    MESSAGE_KINDS,
     RECV_ACTIVATION,
     RECV_GRADIENT,
     SEND_ACTIVATION,
     SEND_GRADIENT,
+    message_batches,
     rank_events,
 )
 from dcp.runtime.dispatch import SequenceSource
@@ -77,6 +81,17 @@ class _InFlight:
     """This stage's output activations (the last stage: the step's summed token loss)."""
     grad: torch.Tensor | None = None
     """The gradient of ``output`` received from the next stage."""
+
+
+def _describe(event, stage: int) -> str:
+    """A message as a phase names it (a rank stuck in it says which)."""
+    what = {
+        RECV_ACTIVATION: f"receiving plan step {event.step}'s activations from stage {stage - 1}",
+        SEND_ACTIVATION: f"sending plan step {event.step}'s activations to stage {stage + 1}",
+        RECV_GRADIENT: f"receiving plan step {event.step}'s gradient from stage {stage + 1}",
+        SEND_GRADIENT: f"sending plan step {event.step}'s input gradient to stage {stage - 1}",
+    }
+    return what[event.kind]
 
 
 def run_pipelined_plan(
@@ -128,18 +143,47 @@ def run_pipelined_plan(
             plan.steps[index], what=f"plan step {index} {what} on stage {stage}"
         )
 
+    def post(event) -> tuple[str, torch.Tensor, int]:
+        """The message ``event`` posts (its buffer ready for a receive)."""
+        index = event.step
+        if event.kind == RECV_ACTIVATION:
+            flight = live[index] = _InFlight(executor.prepare_step(source, plan.steps[index]))
+            flight.input = activation_buffer(flight)
+            return "recv", flight.input, previous
+        if event.kind == SEND_ACTIVATION:
+            return "send", live[index].output.detach(), following
+        if event.kind == RECV_GRADIENT:
+            flight = live[index]
+            flight.grad = activation_buffer(flight)
+            return "recv", flight.grad, following
+        assert event.kind == SEND_GRADIENT, event.kind
+        return "send", live[index].input.grad, previous
+
+    def delivered(event) -> None:
+        """What follows ``event`` once its batch has completed."""
+        index = event.step
+        if event.kind == RECV_ACTIVATION and not forward_only:
+            live[index].input.requires_grad_()
+        elif event.kind == SEND_ACTIVATION and forward_only:
+            del live[index]
+        elif event.kind == SEND_GRADIENT:
+            del live[index]
+
     events = rank_events(plan, stages, stage=stage, rank=me, forward_only=forward_only)
     timer.begin_loop()
     with around_steps(model, forward_only):
-        for event in events:
+        for batch in message_batches(events):
+            if batch[0].kind in MESSAGE_KINDS:
+                # Consecutive messages are posted at once and waited for together.
+                messages = [post(event) for event in batch]
+                with phase("; ".join(_describe(event, stage) for event in batch)):
+                    exchange(messages)
+                for event in batch:
+                    delivered(event)
+                continue
+            (event,) = batch
             index = event.step
-            if event.kind == RECV_ACTIVATION:
-                flight = live[index] = _InFlight(executor.prepare_step(source, plan.steps[index]))
-                with phase(f"receiving plan step {index}'s activations from stage {stage - 1}"):
-                    flight.input = recv(activation_buffer(flight), src=previous)
-                if not forward_only:
-                    flight.input.requires_grad_()
-            elif event.kind == FORWARD:
+            if event.kind == FORWARD:
                 if first:
                     live[index] = _InFlight(executor.prepare_step(source, plan.steps[index]))
                 flight = live[index]
@@ -158,15 +202,6 @@ def run_pipelined_plan(
                         del live[index]
                 else:
                     result.tokens_read += micro.batch.tokens_read
-            elif event.kind == SEND_ACTIVATION:
-                with phase(f"sending plan step {index}'s activations to stage {stage + 1}"):
-                    send(live[index].output.detach(), dst=following)
-                if forward_only:
-                    del live[index]
-            elif event.kind == RECV_GRADIENT:
-                flight = live[index]
-                with phase(f"receiving plan step {index}'s gradient from stage {stage + 1}"):
-                    flight.grad = recv(activation_buffer(flight), src=following)
             elif event.kind == BACKWARD:
                 flight = live[index]
                 timer.begin(index)
@@ -178,10 +213,6 @@ def run_pipelined_plan(
                 timer.end(index)
                 if first:
                     del live[index]
-            elif event.kind == SEND_GRADIENT:
-                flight = live.pop(index)
-                with phase(f"sending plan step {index}'s input gradient to stage {stage - 1}"):
-                    send(flight.input.grad, dst=previous)
             else:  # pragma: no cover - rank_events makes only the kinds above
                 raise AssertionError(f"unknown pipeline event {event.kind!r}")
     timer.end_loop()

@@ -27,6 +27,7 @@ from dcp.planning.pipeline import (
     SEND_ACTIVATION,
     SEND_GRADIENT,
     event_keys,
+    message_batches,
     pipeline_order,
     pipeline_slots,
     rank_events,
@@ -129,6 +130,61 @@ def run_buffered(plan: Plan, num_stages: int, num_ranks: int, forward_only: bool
     assert all(not q for q in channels.values()), "messages left unreceived"
 
 
+def run_batched(plan: Plan, num_stages: int, num_ranks: int, forward_only: bool = False) -> int:
+    """The runtime's execution: each run of consecutive messages of a rank is posted at once
+    and waited for together (``message_batches``); a message completes when both ends have it
+    posted, a batch when all its messages did, a forward or backward when every rank of its
+    micro-step is at it. Returns how many batches held more than one message."""
+    lists = {
+        key: message_batches(events)
+        for key, events in _lists(plan, num_stages, num_ranks, forward_only).items()
+    }
+    pos = dict.fromkeys(lists, 0)
+    delivered: dict[tuple, set] = {key: set() for key in lists}
+
+    def current(key):
+        return lists[key][pos[key]] if pos[key] < len(lists[key]) else ()
+
+    while any(pos[k] < len(lists[k]) for k in lists):
+        progressed = False
+        for key in lists:
+            batch = current(key)
+            if not batch:
+                continue
+            if batch[0].kind in (FORWARD, BACKWARD):
+                (event,) = batch
+                ident = _identity(*key, event)
+                members = _participants(plan, *key, event)
+                at = [
+                    m
+                    for m in members
+                    if len(current(m)) == 1 and _identity(*m, current(m)[0]) == ident
+                ]
+                if len(at) == len(members):
+                    for m in members:
+                        pos[m] += 1
+                    progressed = True
+                continue
+            for event in batch:
+                ident = _identity(*key, event)
+                if ident in delivered[key]:
+                    continue
+                peer = (event.peer_stage, key[1])
+                if any(_identity(*peer, e) == ident for e in current(peer)):
+                    delivered[key].add(ident)
+                    delivered[peer].add(ident)
+                    progressed = True
+            if all(_identity(*key, e) in delivered[key] for e in batch):
+                pos[key] += 1
+                progressed = True
+        if not progressed:
+            stuck = {k: current(k) for k in lists if current(k)}
+            pytest.fail(f"deadlock with batched messages: {stuck}")
+    return sum(
+        len(b) > 1 and b[0].kind not in (FORWARD, BACKWARD) for bs in lists.values() for b in bs
+    )
+
+
 def _aligned_random_plan(rng, num_ranks: int, num_steps: int) -> Plan:
     """Random steps on aligned power-of-two blocks (what DCP plans), shuffled."""
     steps = []
@@ -178,6 +234,7 @@ ADVERSARIAL = {
 def _check_schedule(plan: Plan, num_stages: int, num_ranks: int) -> None:
     done = run_blocking(plan, num_stages, num_ranks)
     run_buffered(plan, num_stages, num_ranks)
+    run_batched(plan, num_stages, num_ranks)
     order = pipeline_order(plan, num_stages)
     slot_of = {m: k for k, slot in enumerate(pipeline_slots(plan)) for m in slot}
     for (s, r), events in done.items():
@@ -215,6 +272,7 @@ def test_forward_only_passes_never_deadlock(name, num_stages):
     plan = ADVERSARIAL[name]
     done = run_blocking(plan, num_stages, 4, forward_only=True)
     run_buffered(plan, num_stages, 4, forward_only=True)
+    run_batched(plan, num_stages, 4, forward_only=True)
     forward_kinds = (FORWARD, SEND_ACTIVATION, RECV_ACTIVATION)
     for (s, r), events in done.items():
         training = rank_events(plan, num_stages, stage=s, rank=r)
@@ -325,6 +383,16 @@ def test_dense_pipeline_makespan_is_textbook_1f1b():
     assert bound <= sim.makespan_s <= 1.02 * bound + 2 * n * 4 * transfer
     assert sim.num_stages == 4 and len(sim.busy_s) == 4 * cm.num_ranks
     assert 0.1 < sim.bubble_fraction < 0.3  # about (P - 1) / (n + P - 1)
+
+
+def test_1f1b_pairs_a_send_with_the_receive_after_it():
+    """In the steady state of 1F1B a middle stage sends a micro-step's activations and then
+    receives another's gradient with nothing between: the runtime posts the two together."""
+    plan = _steps(*([[0]] * 6))
+    assert run_batched(plan, 4, 1) > 0
+    middle = message_batches(rank_events(plan, 4, stage=1, rank=0))
+    kinds = [tuple(e.kind for e in batch) for batch in middle]
+    assert (SEND_ACTIVATION, RECV_GRADIENT) in kinds, kinds
 
 
 def test_the_executor_catches_a_deadlock():
