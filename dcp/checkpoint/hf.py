@@ -17,10 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dcp.checkpoint.index import Layout
 from dcp.checkpoint.load import open_checkpoint
 from dcp.checkpoint.save import CheckpointSaver
 from dcp.checkpoint.state import LocalTensor
+from dcp.mesh import Mesh
 from dcp.model import ModelConfig
 from dcp.schema import from_dict, to_dict
 from dcp.weights.convert import (
@@ -60,7 +60,7 @@ def hf_to_dcp(
         LocalTensor(name, tensor, None)
         for name, tensor in iter_canonical_from_hf(hf_dir, cfg, progress=progress)
     ]
-    saver = CheckpointSaver(out_root, layout=Layout(1), rank=0)
+    saver = CheckpointSaver(out_root, mesh=Mesh(1), rank=0)
     saver.save(
         0,
         weights_finite=True,

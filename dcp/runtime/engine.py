@@ -22,6 +22,7 @@ from dcp.plan import Plan
 from dcp.planning import plan_batch
 from dcp.runtime.dispatch import InMemorySource
 from dcp.runtime.runtime import Runtime, StepStats
+from dcp.runtime.setup import model_mesh
 
 
 class DCPEngine:
@@ -31,9 +32,11 @@ class DCPEngine:
     (``dcp.build_gpt_model`` or ``dcp.model.layer_spec``), bare or DDP-wrapped.
     ``optimizer``: any torch optimizer over its parameters (or megatron's on GPU).
     ``spec``: cost-model preset name, spec JSON path, or ``CostModel``; its cluster must have as
-    many GPUs as the job has ranks, and its TP and PP sizes must be megatron's (``dcp.init``'s
-    ``tensor_parallel_size`` and ``pipeline_parallel_size``; under PP, ``model`` is this rank's
-    stage, as ``dcp.build_gpt_model`` builds it). ``planner``: ``dcp`` | ``static`` | ``megatron``.
+    many GPUs as the job has ranks, and its TP and PP sizes must be the model's (under PP,
+    ``model`` is this rank's stage, as ``dcp.build_gpt_model`` builds it). ``planner``: ``dcp`` |
+    ``static`` | ``megatron``. The run's mesh is the model's config's TP and PP sizes over the
+    job's ranks; megatron's parallel state (``dcp.init``'s ``tensor_parallel_size`` and
+    ``pipeline_parallel_size``) must agree with it.
     """
 
     def __init__(
@@ -48,13 +51,11 @@ class DCPEngine:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("initialise torch.distributed first (e.g. launch with torchrun)")
-        self.runtime = Runtime(model, optimizer, clip_grad=clip_grad, lr_schedule=lr_schedule)
-        self.cost_model = load_cost_model(
-            spec,
-            world_size=dist.get_world_size(),
-            tensor_parallel_size=self.runtime.tp,
-            pipeline_parallel_size=self.runtime.pp,
+        self.mesh = model_mesh(model)
+        self.runtime = Runtime(
+            model, optimizer, mesh=self.mesh, clip_grad=clip_grad, lr_schedule=lr_schedule
         )
+        self.cost_model = load_cost_model(spec, mesh=self.mesh)
         self.planner = planner
 
     @property

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dcp.mesh import Mesh
 from dcp.model import ModelConfig, build_gpt_model
 from dcp.optim import build_adamw, lr_at, set_lr
 from dcp.plan import Plan
@@ -223,7 +224,7 @@ def dcp_run(
             ModelConfig(**{**TINY, **(model or {})}, core_attention="dcp"),
             optim,
             seed=SEED,
-            tensor_parallel_size=tensor_parallel_size,
+            mesh=Mesh(dist.get_world_size(), tensor_parallel_size=tensor_parallel_size),
         )
         runtime.local_token_multiple = math.lcm(runtime.local_token_multiple, local_token_multiple)
         initial = to_numpy(runtime.weights().items())
