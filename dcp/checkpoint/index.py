@@ -9,8 +9,8 @@ sha256. The optimizer part maps each parameter to the pieces of its optimizer st
 rank, flat element ranges ``[start, end)`` of that rank's slice, each with the file holding the
 fp32 main parameter and Adam's moments for the range and their digests (a distributed optimizer
 shards each slice over the data-parallel ranks; a replicated one holds it whole). Every shape and
-range is in canonical coordinates or TP-slice coordinates, never in a bucket layout, so any other
-layout can read them (``dcp.checkpoint.load``).
+range is in canonical coordinates or TP-slice coordinates, never in a bucket layout, so a run on
+any other mesh can read them (``dcp.checkpoint.load``).
 
 ``Index.check`` refuses, naming the checkpoint: file names outside the directory or not in the
 manifest, a TP rank missing or given twice, optimizer ranges that overlap or leave holes, shapes
