@@ -2,8 +2,8 @@
 Megatron-Core.
 
 The public API is below; torch and megatron-core load on first use of a name that needs them.
-``dcp.plan``, ``dcp.planning`` and ``dcp.costmodel`` are pure Python (numpy), safe to import
-anywhere. ``docs/design.md`` maps the packages.
+``dcp.plan``, ``dcp.mesh``, ``dcp.planning`` and ``dcp.costmodel`` are pure Python (numpy), safe
+to import anywhere. ``docs/design.md`` maps the packages.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ _LAZY = {
     "OptimConfig": "dcp.optim",
     "Plan": "dcp.plan",
     "MicroStep": "dcp.plan",
+    "Mesh": "dcp.mesh",
     "plan_batch": "dcp.planning",
     "CostModel": "dcp.costmodel",
     "load_cost_model": "dcp.costmodel",

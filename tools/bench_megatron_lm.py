@@ -109,11 +109,17 @@ def megatron_value(argv: list[str], flag: str, default: str | None = None) -> st
 def run_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(run name, extra Megatron flags) of every run of one round."""
     from dcp.costmodel import load_cost_model
+    from dcp.mesh import Mesh
     from dcp.planning import static_configs
 
     base = base_args(args)
     seq_length = int(megatron_value(base, "--seq-length"))
-    cost_model = load_cost_model(args.spec, world_size=args.nproc)
+    mesh = Mesh(
+        args.nproc,
+        tensor_parallel_size=int(megatron_value(base, "--tensor-model-parallel-size", "1")),
+        pipeline_parallel_size=int(megatron_value(base, "--pipeline-model-parallel-size", "1")),
+    )
+    cost_model = load_cost_model(args.spec, mesh=mesh)
     statics = [
         (f"static-cp{cp}-{level}", ["--context-parallel-size", str(cp), *RECOMPUTE_FLAGS[level]])
         for cp, level in static_configs(cost_model, seq_length)

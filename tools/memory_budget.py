@@ -171,7 +171,7 @@ def _recipe(config: str, overrides: list[str]):
     )
     spec, reshaped = with_model(spec, cfg.model.shape)
     matches = not reshaped and "tied_embeddings" not in retied
-    cost_model = load_cost_model(spec, tensor_parallel_size=cfg.parallel.tensor_parallel_size)
+    cost_model = load_cost_model(spec)  # its TP size is the recipe's, laid over above
     check_asked_length(cfg, overrides)
     return cost_model, matches, *longest_seq_len(cfg)
 

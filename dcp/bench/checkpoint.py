@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from dcp.bench.e2e import release_memory
-from dcp.checkpoint import CheckpointSaver, Layout, apply, open_checkpoint
+from dcp.checkpoint import CheckpointSaver, apply, open_checkpoint
 from dcp.checkpoint.state import local_tensors, runtime_parts
 from dcp.collectives import all_gather_object, barrier
+from dcp.mesh import Mesh
 from dcp.model import ModelConfig
 from dcp.observability.memory import peak_memory_bytes, reset_peak_memory
 from dcp.optim import OptimConfig
@@ -60,10 +61,8 @@ def measure(
     a line as each phase starts (rank 0's progress)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     log(f"building the model and optimizer (resident {_rss_bytes() / 2**30:.1f} GiB)")
-    layout = Layout(world, tensor_parallel_size)
-    runtime = Runtime.from_config(
-        model, OptimConfig(), seed=1, tensor_parallel_size=tensor_parallel_size
-    )
+    mesh = Mesh(world, tensor_parallel_size=tensor_parallel_size)
+    runtime = Runtime.from_config(model, OptimConfig(), seed=1, mesh=mesh)
     planner_ranks = world // tensor_parallel_size
     docs = [torch.randint(0, model.vocab_size, (33,)).numpy() for _ in range(planner_ranks)]
     plan = Plan(
@@ -77,7 +76,7 @@ def measure(
     runtime.train_step(plan, InMemorySource(docs))
     shared = {"sampler": None, "scheduler": {"step": 1}, "extra": {}} if rank == 0 else None
     module, optimizer = runtime.model.module, runtime.optimizer
-    saver = CheckpointSaver(root, layout=layout, rank=rank, keep_last=1)
+    saver = CheckpointSaver(root, mesh=mesh, rank=rank, keep_last=1)
     parameters = sum(math.prod(t.whole_shape(tensor_parallel_size)) for t in local_tensors(module))
     results: dict = {
         "parameters": parameters,
@@ -104,7 +103,7 @@ def measure(
     results["checkpoint_bytes"] = files
 
     def load():
-        state = open_checkpoint(path).read(module, optimizer, rank=rank, layout=layout)
+        state = open_checkpoint(path).read(module, optimizer, rank=rank, mesh=mesh)
         apply(state, module, optimizer)
 
     log("load")

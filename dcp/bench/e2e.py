@@ -47,7 +47,7 @@ def static_variants(base_cfg: PretrainConfig) -> list[tuple[str, dict]]:
     (``dcp.planning.static_configs``); the benchmark measures each instead of predicting."""
     dataset = build_dataset(base_cfg.data, vocab_size=base_cfg.model.vocab_size)
     cost_model = BatchPlanner.for_run(
-        base_cfg, world_size=dist.get_world_size(), dataset=dataset
+        base_cfg, mesh=base_cfg.parallel.mesh(dist.get_world_size()), dataset=dataset
     ).cost_model
     return [
         (f"static-cp{cp}-{level}", {"static_cp_size": cp, "static_recompute": level})

@@ -171,6 +171,9 @@ class _RankSession:
     """The model, runtime and grid of one rank."""
 
     def __init__(self, rank: int, job: Job) -> None:
+        import torch.distributed as dist
+
+        from dcp.mesh import Mesh
         from dcp.model import ModelConfig
         from dcp.optim import OptimConfig
         from dcp.runtime.runtime import Runtime
@@ -180,7 +183,7 @@ class _RankSession:
         self.runtime = Runtime.from_config(
             from_dict(ModelConfig, job.model, prefix="model"),
             from_dict(OptimConfig, job.optim, prefix="optim"),
-            tensor_parallel_size=job.tensor_parallel_size,
+            mesh=Mesh(dist.get_world_size(), tensor_parallel_size=job.tensor_parallel_size),
         )
         self.vocab = int(job.model["vocab_size"])
         self.rss_after_build = peak_memory_bytes()

@@ -28,6 +28,7 @@ def _group_rank(rank: int, world_size: int, store: str, tp: int, members_only: b
     import torch.distributed as dist
 
     from dcp.collectives import all_reduce, barrier
+    from dcp.mesh import Mesh
     from dcp.runtime.groups import GroupRegistry
 
     torch.set_num_threads(1)
@@ -42,7 +43,7 @@ def _group_rank(rank: int, world_size: int, store: str, tp: int, members_only: b
     init_s = time.perf_counter() - start
     barrier()
     start = time.perf_counter()
-    registry = GroupRegistry(tensor_parallel_size=tp, members_only=members_only)
+    registry = GroupRegistry(Mesh(world_size, tensor_parallel_size=tp), members_only=members_only)
     registry_s = time.perf_counter() - start
     # Each group answers once (gloo connected them when they were made).
     start = time.perf_counter()

@@ -8,7 +8,7 @@ background, if asked), and a checkpoint loads at another world size and TP size.
 - ``state``: what a checkpoint holds of the runtime and which rank writes each part;
 - ``rng``: RNG state as tensors and plain numbers;
 - ``save``: staging, the parallel (and asynchronous) write, publishing;
-- ``load``: reading at the same or another layout, each tensor checked as it is read;
+- ``load``: reading at the same or another mesh (``dcp.mesh``), each tensor checked as it is read;
 - ``restore``: what a rank read, put into its model and optimizer;
 - ``legacy``: checkpoints of the earlier ``torch.save`` format;
 - ``hf``: Hugging Face weights in and out, streaming;
@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from dcp.checkpoint.config import CheckpointConfig
-from dcp.checkpoint.index import CheckpointIndexError, Layout
+from dcp.checkpoint.index import CheckpointIndexError
 from dcp.checkpoint.layout import (
     complete_checkpoints,
     find_latest,
@@ -45,7 +45,6 @@ __all__ = [
     "CheckpointSaveError",
     "CheckpointSaver",
     "CorruptCheckpointError",
-    "Layout",
     "RankState",
     "TensorFileError",
     "apply",

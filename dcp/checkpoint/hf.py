@@ -2,7 +2,7 @@
 
 ``hf_to_dcp`` writes a weights-only checkpoint (``step_000000``) of a Hugging Face directory: the
 canonical tensors whole, as one process at TP = 1 holds them, which ``init.from_checkpoint``
-starts a run of any layout from. ``dcp_to_hf`` exports a checkpoint of any layout: each
+starts a run of any mesh from. ``dcp_to_hf`` exports a checkpoint of any mesh: each
 canonical tensor is assembled from its TP slices when the exporter reaches it, converted to the
 Hugging Face tensors it holds and handed to a shard writer that flushes every
 ``max_shard_bytes``, so the whole model is never in one process's memory.
@@ -17,10 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dcp.checkpoint.index import Layout
 from dcp.checkpoint.load import open_checkpoint
 from dcp.checkpoint.save import CheckpointSaver
 from dcp.checkpoint.state import LocalTensor
+from dcp.mesh import Mesh
 from dcp.model import ModelConfig
 from dcp.schema import from_dict, to_dict
 from dcp.weights.convert import (
@@ -60,7 +60,7 @@ def hf_to_dcp(
         LocalTensor(name, tensor, None)
         for name, tensor in iter_canonical_from_hf(hf_dir, cfg, progress=progress)
     ]
-    saver = CheckpointSaver(out_root, layout=Layout(1), rank=0)
+    saver = CheckpointSaver(out_root, mesh=Mesh(1), rank=0)
     saver.save(
         0,
         weights_finite=True,
@@ -92,7 +92,7 @@ def dcp_to_hf(
     progress: Progress | None = None,
 ) -> Path:
     """Export a DCP checkpoint (a ``step_*`` directory, or a root: its newest complete one) of
-    any layout as a HF directory ``out_dir``. ``kind`` picks the architecture (default: the
+    any mesh as a HF directory ``out_dir``. ``kind`` picks the architecture (default: the
     imported model's, else ``qwen2``/``qwen3``/``llama`` from the model's features)."""
     from dcp.checkpoint import resolve_checkpoint
 

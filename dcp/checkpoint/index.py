@@ -9,8 +9,8 @@ sha256. The optimizer part maps each parameter to the pieces of its optimizer st
 rank, flat element ranges ``[start, end)`` of that rank's slice, each with the file holding the
 fp32 main parameter and Adam's moments for the range and their digests (a distributed optimizer
 shards each slice over the data-parallel ranks; a replicated one holds it whole). Every shape and
-range is in canonical coordinates or TP-slice coordinates, never in a bucket layout, so any other
-layout can read them (``dcp.checkpoint.load``).
+range is in canonical coordinates or TP-slice coordinates, never in a bucket layout, so a run on
+any other mesh can read them (``dcp.checkpoint.load``).
 
 ``Index.check`` refuses, naming the checkpoint: file names outside the directory or not in the
 manifest, a TP rank missing or given twice, optimizer ranges that overlap or leave holes, shapes
@@ -27,6 +27,7 @@ from typing import Any
 
 from dcp.checkpoint.layout import FORMAT_VERSION, is_count, is_file_name
 from dcp.checkpoint.tensorfile import DTYPES
+from dcp.mesh import Mesh
 
 MAX_NAME_CHARS = 1024
 OPTIMIZER_STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -35,37 +36,6 @@ OPTIMIZER_STATES = ("param", "exp_avg", "exp_avg_sq")
 
 class CheckpointIndexError(ValueError):
     """A checkpoint's index is malformed or inconsistent: ``"<checkpoint>: <what>"``."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the ranks that wrote (or read) a checkpoint were arranged: world = TP × PP × planner
-    ranks, TP innermost (``dcp.runtime.groups.Mesh``)."""
-
-    world_size: int
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if not (is_count(self.world_size) and is_count(tp) and is_count(pp)):
-            raise ValueError(f"layout sizes must be non-negative integers, got {self}")
-        if min(self.world_size, tp, pp) < 1 or self.world_size % (tp * pp):
-            raise ValueError(f"world size {self.world_size} does not split into TP {tp} × PP {pp}")
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tensor_parallel_size
-
-    def stage(self, rank: int) -> int:
-        """The pipeline stage of ``rank`` (stages are blocks of world / PP consecutive ranks)."""
-        return rank // (self.world_size // self.pipeline_parallel_size)
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "world_size": self.world_size,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "pipeline_parallel_size": self.pipeline_parallel_size,
-        }
 
 
 @dataclass(frozen=True)
@@ -116,7 +86,8 @@ class OptimizerEntry:
 
 @dataclass(frozen=True)
 class Index:
-    layout: Layout
+    mesh: Mesh
+    """How the writing ranks were arranged (the manifest's ``"layout"`` object)."""
     step: int
     model: dict[str, ModelEntry]
     optimizer: dict[str, OptimizerEntry] | None
@@ -157,30 +128,26 @@ class _Checker:
     def index(self) -> Index:
         m = self.manifest
         self.need(m.get("format_version") == FORMAT_VERSION, "not a checkpoint of this format")
-        layout_data = m.get("layout")
-        self.need(isinstance(layout_data, dict), "manifest has no layout")
+        mesh_data = m.get("layout")
+        self.need(isinstance(mesh_data, dict), "manifest has no layout")
         try:
-            layout = Layout(
-                world_size=layout_data.get("world_size"),
-                tensor_parallel_size=layout_data.get("tensor_parallel_size"),
-                pipeline_parallel_size=layout_data.get("pipeline_parallel_size", 1),
-            )
+            mesh = Mesh.from_dict(mesh_data)
         except (ValueError, TypeError) as exc:
             raise self.fail(f"layout: {exc}") from None
         self.files = m["files"]
-        model = self.model(m.get("model"), layout)
+        model = self.model(m.get("model"), mesh)
         optimizer, groups, kind = None, None, None
         if m.get("optimizer") is not None:
-            optimizer, groups, kind = self.optimizer(m["optimizer"], layout)
+            optimizer, groups, kind = self.optimizer(m["optimizer"], mesh)
         rng = m.get("rng")
         self.need(
             isinstance(rng, dict) and all(isinstance(r, str) and r.isdigit() for r in rng),
             "rng: not a map of ranks to files",
         )
         rng_files = {int(r): self.file(f, "rng") for r, f in rng.items()}
-        self.need(all(r < layout.world_size for r in rng_files), "rng: a rank outside the world")
+        self.need(all(r < mesh.world_size for r in rng_files), "rng: a rank outside the world")
         return Index(
-            layout=layout,
+            mesh=mesh,
             step=m["step"],
             model=model,
             optimizer=optimizer,
@@ -222,9 +189,9 @@ class _Checker:
         self.need(isinstance(value, str) and len(value) == 64, f"{where}: bad sha256")
         return value
 
-    def model(self, data: Any, layout: Layout) -> dict[str, ModelEntry]:
+    def model(self, data: Any, mesh: Mesh) -> dict[str, ModelEntry]:
         self.need(isinstance(data, dict), "model: not a map of tensors")
-        tp = layout.tensor_parallel_size
+        tp = mesh.tensor_parallel_size
         out = {}
         for name, entry in data.items():
             where = f"model {self.name(name, 'model')}"
@@ -255,13 +222,13 @@ class _Checker:
             out[name] = ModelEntry(entry["dtype"], shape, split, tp, by_rank)
         return out
 
-    def optimizer(self, data: Any, layout: Layout):
+    def optimizer(self, data: Any, mesh: Mesh):
         self.need(isinstance(data, dict), "optimizer: not an object")
         kind, groups, params = data.get("kind"), data.get("groups"), data.get("params")
         self.need(kind in ("distributed", "replicated"), f"optimizer: unknown kind {kind!r}")
         self.need(isinstance(groups, list), "optimizer: no param groups")
         self.need(isinstance(params, dict), "optimizer: no params")
-        tp = layout.tensor_parallel_size
+        tp = mesh.tensor_parallel_size
         out = {}
         for name, entry in params.items():
             where = f"optimizer {self.name(name, 'optimizer')}"

@@ -7,10 +7,10 @@ optimizer shard in megatron's bucket layout), ``scheduler.pt``, ``sampler.pt``, 
 read with ``torch.load(weights_only=True)``: tensors and plain data, never code; a file holding
 anything else is refused naming it. Each file's checksum is checked when it is read.
 
-The weights load at any layout (whole tensors, cut to each rank's slice). The optimizer state is
+The weights load at any mesh (whole tensors, cut to each rank's slice). The optimizer state is
 in a bucket layout that only the same world size and TP size can read, so resuming from such a
-checkpoint needs the layout it was written at; its first save writes this format, which any
-layout reads.
+checkpoint needs the mesh it was written at; its first save writes this format, which any
+mesh reads.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from dcp.checkpoint.index import Layout
 from dcp.checkpoint.restore import CorruptCheckpointError, RankState
+from dcp.mesh import Mesh
 from dcp.weights.canonical import canonical_state, model_names
 from dcp.weights.tensor_parallel import local_slice, tp_coordinates
 
@@ -102,7 +102,9 @@ class LegacyCheckpoint:
         parallel = ((extra.get("config") or {}) if isinstance(extra, dict) else {}).get(
             "parallel"
         ) or {}
-        self.layout = Layout(world, int(parallel.get("tensor_parallel_size", 1) or 1))
+        self.mesh = Mesh(
+            world, tensor_parallel_size=int(parallel.get("tensor_parallel_size", 1) or 1)
+        )
 
     def component(self, component: str, *, rank: int | None = None, mmap: bool = False) -> Any:
         name = _file_name(component, rank if component in self.per_rank else None)
@@ -124,8 +126,8 @@ class LegacyCheckpoint:
     def canonical_state(self) -> Mapping[str, torch.Tensor]:
         return canonical_state(self.component("model_state", mmap=True))
 
-    def read(self, module: torch.nn.Module, optimizer, *, rank: int, layout: Layout) -> RankState:
-        """What rank ``rank`` restores; the optimizer state needs the layout it was written at."""
+    def read(self, module: torch.nn.Module, optimizer, *, rank: int, mesh: Mesh) -> RankState:
+        """What rank ``rank`` restores; the optimizer state needs the mesh it was written at."""
         state = self.canonical_state()
         names = model_names(module)
         own = module.state_dict(keep_vars=True)
@@ -140,18 +142,18 @@ class LegacyCheckpoint:
             for c in names
             if c in state
         }
-        if layout.world_size != self.layout.world_size and self.per_rank - {"rng_state"}:
+        if mesh.world_size != self.mesh.world_size and self.per_rank - {"rng_state"}:
             raise ValueError(
                 f"{self.path} (an earlier checkpoint format) was written by "
-                f"{self.layout.world_size} ranks with per-rank optimizer state; this run has "
-                f"{layout.world_size}. Resume with {self.layout.world_size} ranks once: its next "
-                "checkpoint loads at any layout"
+                f"{self.mesh.world_size} ranks with per-rank optimizer state; this run has "
+                f"{mesh.world_size}. Resume with {self.mesh.world_size} ranks once: its next "
+                "checkpoint loads at any mesh"
             )
         return RankState(
             model=model,
             optimizer=None,
             optimizer_groups=None,
-            rng=self.component("rng_state", rank=rank) if layout == self.layout else None,
+            rng=self.component("rng_state", rank=rank) if mesh == self.mesh else None,
             legacy_optimizer=self.component("optimizer_state", rank=rank),
         )
 

@@ -1,4 +1,4 @@
-"""Loading a checkpoint at the layout it was written at, or at another one.
+"""Loading a checkpoint at the mesh it was written at, or at another one.
 
 ``open_checkpoint(path)`` reads and checks the manifest and its index (``dcp.checkpoint.index``)
 and returns a ``Checkpoint``; nothing else is opened until asked for, and every tensor read is
@@ -28,13 +28,14 @@ from typing import Any
 
 import torch
 
-from dcp.checkpoint.index import OPTIMIZER_STATES, Index, Layout, ModelEntry, OptimizerEntry
+from dcp.checkpoint.index import OPTIMIZER_STATES, Index, ModelEntry, OptimizerEntry
 from dcp.checkpoint.layout import SHARED, is_complete, read_manifest
 from dcp.checkpoint.legacy import LegacyCheckpoint
 from dcp.checkpoint.restore import CorruptCheckpointError, RankState, canonical_params
 from dcp.checkpoint.rng import from_tensors
 from dcp.checkpoint.tensorfile import TensorFile, TensorFileError
 from dcp.files import load_json, parse_json, reading
+from dcp.mesh import Mesh
 from dcp.weights.canonical import (
     EXTRA_STATE,
     VOCAB_TENSORS,
@@ -69,7 +70,7 @@ class Checkpoint:
         self.path = path
         self.index = index
         self.step = index.step
-        self.layout = index.layout
+        self.mesh = index.mesh
         self._files: dict[str, TensorFile] = {}
         self._views: dict[int, tuple[TensorFile, str]] = {}
         """Address of a tensor handed out as a view of a file → (file, name): ``release``."""
@@ -284,10 +285,10 @@ class Checkpoint:
         ]
 
     # -- RNG ---------------------------------------------------------------------------------
-    def rng(self, rank: int, layout: Layout) -> dict[str, Any] | None:
-        """Rank ``rank``'s RNG state when the checkpoint was written at ``layout`` (RNG streams
-        belong to a rank's place in the layout), else None."""
-        if layout != self.layout or rank not in self.index.rng_files:
+    def rng(self, rank: int, mesh: Mesh) -> dict[str, Any] | None:
+        """Rank ``rank``'s RNG state when the checkpoint was written at ``mesh`` (RNG streams
+        belong to a rank's place in the mesh), else None."""
+        if mesh != self.mesh or rank not in self.index.rng_files:
             return None
         f = self._file(self.index.rng_files[rank])
         with reading(f.path, "RNG state"):
@@ -299,13 +300,13 @@ class Checkpoint:
             )
 
     # -- one rank ----------------------------------------------------------------------------
-    def read(self, module: torch.nn.Module, optimizer, *, rank: int, layout: Layout) -> RankState:
-        """Everything rank ``rank`` of a run at ``layout`` restores, read and checked."""
+    def read(self, module: torch.nn.Module, optimizer, *, rank: int, mesh: Mesh) -> RankState:
+        """Everything rank ``rank`` of a run at ``mesh`` restores, read and checked."""
         return RankState(
             model=self.read_model(module),
             optimizer=self.read_optimizer(optimizer, module) if optimizer is not None else None,
             optimizer_groups=self.index.optimizer_groups,
-            rng=self.rng(rank, layout),
+            rng=self.rng(rank, mesh),
             release=self.release,
         )
 

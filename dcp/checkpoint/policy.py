@@ -14,23 +14,23 @@ from pathlib import Path
 import torch
 
 from dcp.checkpoint.config import CheckpointConfig
-from dcp.checkpoint.index import Layout
 from dcp.checkpoint.layout import find_latest
 from dcp.checkpoint.save import CheckpointSaveError, CheckpointSaver
 from dcp.checkpoint.state import runtime_parts
 from dcp.collectives import MAX
+from dcp.mesh import Mesh
 
 
 class Checkpointer:
     """Saves under ``root`` every ``cfg.interval_steps`` steps and after the last step."""
 
     def __init__(
-        self, cfg: CheckpointConfig, root: Path, *, last_step: int, layout: Layout, rank: int
+        self, cfg: CheckpointConfig, root: Path, *, last_step: int, mesh: Mesh, rank: int
     ) -> None:
         self.cfg = cfg
         self.root = root
         self.last_step = last_step
-        self.saver = CheckpointSaver(root, layout=layout, rank=rank, keep_last=cfg.keep_last)
+        self.saver = CheckpointSaver(root, mesh=mesh, rank=rank, keep_last=cfg.keep_last)
 
     @property
     def last_saved(self) -> Path | None:

@@ -2,7 +2,7 @@
 
 ``RankState`` is one rank's share of a checkpoint, read and checked (``dcp.checkpoint.load``, or
 ``dcp.checkpoint.legacy`` for the earlier format): verified views of the checkpoint's files where
-this rank holds what a rank saved, host tensors where they were assembled at another layout.
+this rank holds what a rank saved, host tensors where they were assembled at another mesh.
 ``apply`` copies it into a freshly built model and megatron optimizer, one tensor at a time: the
 weights, then the optimizer's state allocated with the saved step counts and each piece's fp32
 main parameter and moments copied in; each view's pages are released once copied.
@@ -36,8 +36,8 @@ class RankState:
     optimizer_groups: list | None
     rng: dict[str, Any] | None
     legacy_optimizer: Any = None
-    """An earlier-format checkpoint's optimizer state (megatron's own state dict, at the layout
-    it was written at) instead of ``optimizer``."""
+    """An earlier-format checkpoint's optimizer state (megatron's own state dict, at the mesh it
+    was written at) instead of ``optimizer``."""
     release: Callable[[torch.Tensor], None] | None = None
     """Called with each tensor once ``apply`` copied it (the checkpoint unmaps its pages)."""
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dcp.checkpoint.index import OPTIMIZER_STATES, Index, Layout
+from dcp.checkpoint.index import OPTIMIZER_STATES, Index
 from dcp.checkpoint.layout import (
     FORMAT_VERSION,
     LATEST,
@@ -54,6 +54,7 @@ from dcp.checkpoint.state import LocalTensor, OptimizerPiece, writers
 from dcp.checkpoint.tensorfile import NAMES, TensorFileWriter
 from dcp.collectives import MAX, all_gather_object, all_reduce_int, note_host_wait, phase
 from dcp.files import fsync_dir, load_json, write_atomic
+from dcp.mesh import Mesh
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def stage(
     pieces: list[OptimizerPiece] | None,
     optimizer_kind: str | None,
     optimizer_groups: list | None,
-    layout: Layout,
+    mesh: Mesh,
     rank: int,
     rng: dict | None,
     shared: dict[str, Any] | None,
@@ -112,9 +113,9 @@ def stage(
 ) -> Staged:
     """This rank's share of a save (module docstring, step 1); ``copy=False`` leaves host
     tensors in place (the caller writes before it changes them)."""
-    tp = layout.tensor_parallel_size
-    tp_rank = layout.tp_rank(rank)
-    owner = writers(tensors, layout, stage=layout.stage(rank))
+    tp = mesh.tensor_parallel_size
+    tp_rank = mesh.tp_rank(rank)
+    owner = writers(tensors, mesh, stage=mesh.stage(rank))
     staged = Staged(shared=shared)
     live: dict[str, torch.Tensor] = {}
     splits = {t.name: t.split for t in tensors}
@@ -196,7 +197,7 @@ def write(tmp: Path, rank: int, staged: Staged) -> None:
     write_atomic(tmp / rank_index_name(rank), json.dumps(part))
 
 
-def finalize(root: Path, step: int, layout: Layout, *, keep_last: int) -> Path:
+def finalize(root: Path, step: int, mesh: Mesh, *, keep_last: int) -> Path:
     """Step 3, on rank 0: the manifest from every rank's index part, then the rename."""
     tmp = root / tmp_dir_name(step)
     final = root / step_dir_name(step)
@@ -205,7 +206,7 @@ def finalize(root: Path, step: int, layout: Layout, *, keep_last: int) -> Path:
     files: dict[str, int] = {}
     rng: dict[str, str] = {}
     head = None
-    for rank in range(layout.world_size):
+    for rank in range(mesh.world_size):
         part = load_json(
             tmp / rank_index_name(rank), what="checkpoint index part", max_bytes=1 << 30
         )
@@ -229,7 +230,7 @@ def finalize(root: Path, step: int, layout: Layout, *, keep_last: int) -> Path:
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
-        "layout": layout.to_dict(),
+        "layout": mesh.to_dict(),
         "files": files,
         "model": model,
         "optimizer": None if head is None else {**head, "params": params},
@@ -238,7 +239,7 @@ def finalize(root: Path, step: int, layout: Layout, *, keep_last: int) -> Path:
     }
     Index.check(manifest, tmp)  # what a load will check: never publish a checkpoint it refuses
     write_atomic(tmp / MANIFEST, json.dumps(manifest, separators=(",", ":")))
-    for rank in range(layout.world_size):
+    for rank in range(mesh.world_size):
         (tmp / rank_index_name(rank)).unlink()
     fsync_dir(tmp)
     if final.exists():  # re-saving a step (after resuming from it): replace it
@@ -258,10 +259,10 @@ class CheckpointSaver:
     """One rank's saves under ``root`` (module docstring)."""
 
     def __init__(
-        self, root: str | os.PathLike[str], *, layout: Layout, rank: int, keep_last: int = 0
+        self, root: str | os.PathLike[str], *, mesh: Mesh, rank: int, keep_last: int = 0
     ) -> None:
         self.root = Path(root)
-        self.layout = layout
+        self.mesh = mesh
         self.rank = rank
         self.keep_last = keep_last
         self.pending: int | None = None
@@ -274,7 +275,7 @@ class CheckpointSaver:
 
     def save(self, step: int, *, weights_finite: bool, asynchronous: bool, **parts) -> None:
         """Save step ``step`` (every rank together; ``parts``: ``stage``'s keyword arguments
-        but ``layout`` and ``rank``). Non-finite weights on any rank are refused
+        but ``mesh`` and ``rank``). Non-finite weights on any rank are refused
         (``FloatingPointError`` on every rank). With ``asynchronous`` the call returns once the
         state is staged; otherwise the checkpoint is complete when it returns."""
         start = time.perf_counter()
@@ -292,7 +293,7 @@ class CheckpointSaver:
                 f"(the newest checkpoint stays {self.last_saved or 'as it was'})"
             )
         with phase(f"the checkpoint staging of step {step}"):
-            staged = stage(layout=self.layout, rank=self.rank, copy=asynchronous, **parts)
+            staged = stage(mesh=self.mesh, rank=self.rank, copy=asynchronous, **parts)
         self.pending = step
         self._error = None
         if asynchronous:
@@ -338,7 +339,7 @@ class CheckpointSaver:
             )
         if self.rank == 0:
             try:
-                self.last_saved = finalize(self.root, step, self.layout, keep_last=self.keep_last)
+                self.last_saved = finalize(self.root, step, self.mesh, keep_last=self.keep_last)
             except OSError as exc:
                 raise CheckpointSaveError(
                     f"checkpoint save of step {step} under {self.root} failed: "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp.checkpoint.index import Layout
+from dcp.mesh import Mesh
 from dcp.weights.canonical import EXTRA_STATE, param_names, state_names, tied_copy_name
 from dcp.weights.tensor_parallel import split_spec
 from megatron_patches.optimizer_state import param_pieces
@@ -55,15 +55,15 @@ def local_tensors(module: torch.nn.Module) -> list[LocalTensor]:
 
 
 def writers(
-    tensors: list[LocalTensor], layout: Layout, *, stage: int = 0
+    tensors: list[LocalTensor], mesh: Mesh, *, stage: int = 0
 ) -> dict[tuple[str, int], int]:
     """(canonical name, TP rank) → the global rank that writes that slice (module docstring),
     for the tensors of pipeline stage ``stage`` (held by that stage's ranks only). Replicated
     tensors have one entry, TP rank 0's, which any rank of the stage may write."""
-    tp = layout.tensor_parallel_size
-    ranks = [r for r in range(layout.world_size) if layout.stage(r) == stage]
+    tp = mesh.tensor_parallel_size
+    ranks = list(mesh.stage_ranks(stage))
     holders: dict[int, list[int]] = {
-        t: [r for r in ranks if layout.tp_rank(r) == t] for t in range(tp)
+        t: [r for r in ranks if mesh.tp_rank(r) == t] for t in range(tp)
     }
     load = [(0, r) for r in ranks]  # (bytes given, rank): a min-heap
     heapq.heapify(load)
@@ -79,7 +79,7 @@ def writers(
             jobs.extend((size, t.name, rank) for rank in range(tp))
     jobs.sort(key=lambda j: (-j[0], j[1], -1 if j[2] is None else j[2]))
     out: dict[tuple[str, int], int] = {}
-    given = [0] * layout.world_size
+    given = [0] * mesh.world_size
     for size, name, tp_rank in jobs:
         heap = load if tp_rank is None else per_tp[tp_rank]
         while True:  # lazy deletion: an entry is stale when the rank got bytes elsewhere since

@@ -4,8 +4,8 @@ Presets are the JSON files in ``dcp/costmodel/profiles``; ``a+b`` merges several
 (``h200x32+llama3-8b``: a cluster and a model). A GPU preset (``h100``, ``h200``, ``b200``: a
 datasheet without a GPU count, and the coefficients ``tools.costmodel_check`` chose for that
 GPU) is named with its count, ``<gpu>x<N>``. A name ending in ``.json`` or naming an existing
-file is a path. With ``world_size``, the spec's cluster must have exactly that many planner
-ranks (the launch and the spec describe the same job).
+file is a path. With a ``mesh`` (``dcp.mesh.Mesh``: the job's ranks, TP and PP sizes), the spec must
+describe that job; without one (a tool planning a spec's own cluster) it is taken as it is.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dcp.costmodel.spec import (
     parse_spec,
 )
 from dcp.files import load_json, reading
+from dcp.mesh import Mesh
 from dcp.plan import RECOMPUTE_LEVELS
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -221,44 +222,38 @@ def with_launch(
 
 
 def load_cost_model(
-    source: str | Path | dict | CostModel,
-    *,
-    world_size: int | None = None,
-    tensor_parallel_size: int | None = None,
-    pipeline_parallel_size: int | None = None,
+    source: str | Path | dict | CostModel, *, mesh: Mesh | None = None
 ) -> CostModel:
-    """A ``CostModel`` from any spec source, checked against the job when told about it:
-    ``tensor_parallel_size`` must be the spec's ``options.tensor_parallel_size``,
-    ``pipeline_parallel_size`` its ``options.pipeline_parallel_size`` (a job, i.e. a call with
-    ``world_size``, that does not name its PP size runs without pipelining: 1), and
-    ``world_size`` (the launched ranks, one per GPU) its ``cluster.num_gpus``, i.e. the spec's
-    planner ranks times its TP and PP sizes."""
+    """A ``CostModel`` from any spec source, checked against the job's ``mesh`` when given: the
+    spec's ``options.tensor_parallel_size`` and ``options.pipeline_parallel_size`` must be the
+    mesh's, and its ``cluster.num_gpus`` (its planner ranks times its TP and PP sizes) the
+    mesh's ``world_size``. Without a mesh the spec's own cluster is planned (``tools.plan``)."""
     model = source if isinstance(source, CostModel) else CostModel.from_spec(load_spec(source))
+    if mesh is None:
+        return model
     spec_tp = model.tensor_parallel_size
-    if tensor_parallel_size is not None and spec_tp != tensor_parallel_size:
+    if spec_tp != mesh.tensor_parallel_size:
         raise ValueError(
             f"cost-model spec {model.name!r} plans with tensor parallelism {spec_tp} "
             f"(options.tensor_parallel_size) but the run uses parallel.tensor_parallel_size="
-            f"{tensor_parallel_size}; use a spec for that TP size (its "
+            f"{mesh.tensor_parallel_size}; use a spec for that TP size (its "
             "options.tensor_parallel_size and cluster.num_gpus; the CPU presets have the overlay "
             "'+cpu-tp2' for TP = 2 on 4 ranks)"
         )
     spec_pp = model.pipeline_parallel_size
-    if pipeline_parallel_size is None and world_size is not None:
-        pipeline_parallel_size = 1
-    if pipeline_parallel_size is not None and spec_pp != pipeline_parallel_size:
+    if spec_pp != mesh.pipeline_parallel_size:
         raise ValueError(
             f"cost-model spec {model.name!r} plans with pipeline parallelism {spec_pp} "
-            f"(options.pipeline_parallel_size) but the run uses {pipeline_parallel_size} "
+            f"(options.pipeline_parallel_size) but the run uses {mesh.pipeline_parallel_size} "
             "pipeline stage(s); use a spec with that options.pipeline_parallel_size"
         )
     gpus = model.num_ranks * spec_tp * spec_pp
-    if world_size is not None and gpus != world_size:
+    if gpus != mesh.world_size:
         pp = f" x PP {spec_pp}" if spec_pp > 1 else ""
         raise ValueError(
             f"cost-model spec {model.name!r} describes {gpus} GPUs "
-            f"({model.num_ranks} planner ranks x TP {spec_tp}{pp}) but the job has {world_size} "
-            "ranks; use a spec whose cluster.num_gpus matches the launch"
+            f"({model.num_ranks} planner ranks x TP {spec_tp}{pp}) but the job has "
+            f"{mesh.world_size} ranks; use a spec whose cluster.num_gpus matches the launch"
         )
     return model
 

@@ -23,13 +23,11 @@ def build_model_and_optimizer(
     optim_cfg: OptimConfig,
     *,
     seed: int = 1234,
-    tensor_parallel_size: int | None = None,
 ):
     """The DDP-wrapped GPTModel (bf16 under megatron's ``Float16Module`` when ``model_cfg.dtype``
-    says so) and megatron-core's optimizer over it (distributed when ``optim_cfg.distributed``).
-    ``tensor_parallel_size`` (default: what megatron's parallel state has, else 1) must agree
-    with an initialised parallel state."""
-    init_megatron_parallel(tensor_parallel_size=tensor_parallel_size)
+    says so) and megatron-core's optimizer over it (distributed when ``optim_cfg.distributed``),
+    for megatron's parallel state (initialised at TP = PP = 1 if it is not yet)."""
+    init_megatron_parallel()
     model = build_gpt_model(model_cfg, seed=seed)
     if model_cfg.dtype == "bf16":
         # megatron's mixed-precision wrapper: bf16 compute, fp32 logits/loss; the optimizer

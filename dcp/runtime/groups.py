@@ -1,14 +1,7 @@
 """Every process group a plan may use, created once at start and looked up by planner ranks.
 
-The mesh: world = PP × (DP·CP) × TP in megatron-core's default rank order ("tp-cp-ep-dp-pp": TP
-innermost, pipeline stages outermost). A stage holds ``world / PP`` consecutive global ranks; a
-*planner rank* is one TP group of ``tensor_parallel_size`` consecutive ranks within a stage, so
-global rank ``g`` is TP rank ``g % tp`` of planner rank ``(g % S) // tp`` on stage ``g // S``
-(``S = world / PP``). Plans name planner ranks; a micro-step on planner ranks ``B`` runs on every
-stage, at the same positions. On its stage, a global rank with TP rank ``t`` runs
-context-parallel with the ranks of the same TP rank across ``B`` (its *CP group*), and the
-step's tensor-and-context group is the union over every TP rank. At TP = PP = 1 both are ``B``
-itself.
+The rank arrangement (stages, planner ranks, TP ranks, and which global ranks form a block's CP
+and tensor-and-context groups) is ``dcp.mesh.Mesh``; this module makes those groups.
 
 ``GroupRegistry`` builds every group a plan may use at start (a plan must never wait for a group
 to be made): power-of-two sized, aligned contiguous blocks of planner ranks (for P planner ranks,
@@ -39,10 +32,11 @@ How they are made, at 1,024 ranks (torch 2.11-2.14, ``distributed_c10d``):
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from dcp.mesh import Mesh
 
 
 def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
@@ -58,60 +52,6 @@ def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
     if world not in shapes:
         shapes.append(world)
     return shapes
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """Where one global rank sits in world = PP × planner ranks × TP (TP innermost, stages
-    outermost)."""
-
-    world_size: int
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if tp < 1 or pp < 1 or self.world_size % (tp * pp):
-            raise ValueError(
-                f"tensor_parallel_size={tp} times pipeline_parallel_size={pp} must divide the "
-                f"world size {self.world_size} (launch a multiple of TP x PP ranks)"
-            )
-
-    @property
-    def stage_size(self) -> int:
-        """Global ranks per pipeline stage."""
-        return self.world_size // self.pipeline_parallel_size
-
-    @property
-    def num_planner_ranks(self) -> int:
-        """Ranks the planner distributes work over (one per TP group of a stage)."""
-        return self.stage_size // self.tensor_parallel_size
-
-    def stage(self, rank: int) -> int:
-        return rank // self.stage_size
-
-    def planner_rank(self, rank: int) -> int:
-        return rank % self.stage_size // self.tensor_parallel_size
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tensor_parallel_size
-
-    def global_rank(self, *, stage: int, planner_rank: int, tp_rank: int) -> int:
-        return stage * self.stage_size + planner_rank * self.tensor_parallel_size + tp_rank
-
-    def cp_ranks(self, block: Sequence[int], tp_rank: int, stage: int = 0) -> tuple[int, ...]:
-        """Global ranks of TP rank ``tp_rank``'s CP group on the planner ranks ``block`` of
-        pipeline stage ``stage``."""
-        return tuple(self.global_rank(stage=stage, planner_rank=p, tp_rank=tp_rank) for p in block)
-
-    def tp_cp_ranks(self, block: Sequence[int], stage: int = 0) -> tuple[int, ...]:
-        """Global ranks of the tensor-and-context group on the planner ranks ``block`` of
-        pipeline stage ``stage``."""
-        return tuple(
-            self.global_rank(stage=stage, planner_rank=p, tp_rank=t)
-            for p in block
-            for t in range(self.tensor_parallel_size)
-        )
 
 
 def members_only_sizes(num_planner_ranks: int) -> set[int]:
@@ -133,20 +73,25 @@ def _device_bound_default_group() -> bool:
 
 class GroupRegistry:
     """Process groups by planner-rank block, all created at construction: each by its members
-    alone where that is safe (``members_only``, the default), else by every rank."""
+    alone where that is safe (``members_only``, the default), else by every rank. ``mesh``
+    must describe the initialised world (its ``world_size`` ranks)."""
 
     def __init__(
         self,
+        mesh: Mesh,
         *,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
         backend: str | None = None,
         timeout_s: float | None = None,
         members_only: bool = True,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupRegistry needs torch.distributed to be initialised first")
-        self.mesh = Mesh(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size)
+        if mesh.world_size != dist.get_world_size():
+            raise ValueError(
+                f"the mesh has world_size={mesh.world_size} but the job has "
+                f"{dist.get_world_size()} ranks"
+            )
+        self.mesh = mesh
         self.rank = dist.get_rank()
         self.stage = self.mesh.stage(self.rank)
         self.planner_rank = self.mesh.planner_rank(self.rank)
@@ -182,10 +127,10 @@ class GroupRegistry:
         self._tp_cp: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         # Every rank walks every stage's groups in one order: world-wide creation needs it, and
         # members-only creation gives each member the same count of groups before each one.
-        for stage in range(pipeline_parallel_size):
+        for stage in range(mesh.pipeline_parallel_size):
             for block in aligned_blocks(self.mesh.num_planner_ranks):
                 local = len(block) in local_sizes
-                for t in range(tensor_parallel_size):
+                for t in range(mesh.tensor_parallel_size):
                     cp = group(self.mesh.cp_ranks(block, t, stage), local=local)
                     if stage == self.stage and t == self.tp_rank:
                         self._cp[block] = cp

@@ -6,7 +6,8 @@ group a plan may use. ``train_step(plan, source)`` runs this rank's micro-steps
 ``dcp.runtime.microstep``), checks the reduced gradients, clips the global gradient norm, steps
 the optimizer and returns the global mean loss. Process set-up is in
 ``dcp.runtime.setup``, the builders in ``dcp.runtime.builders``; what a checkpoint holds of it,
-``dcp.checkpoint.state``. ``Runtime(model, optimizer)`` also accepts any ``torch.optim`` optimizer.
+``dcp.checkpoint.state``. ``Runtime(model, optimizer, mesh=...)`` also accepts any ``torch.optim``
+optimizer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.collectives import MAX, SUM, StepScalars, host_syncs, phase, run_device, to_host
+from dcp.mesh import Mesh
 from dcp.model import ModelConfig
 from dcp.observability.memory import peak_memory_bytes, reset_peak_memory
 from dcp.optim import MasterWeights, OptimConfig, lr_at, set_lr
@@ -30,7 +32,7 @@ from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.microstep import MicroStepExecutor
 from dcp.runtime.pipeline import execute_plan
-from dcp.runtime.setup import init_megatron_parallel, pipeline_parallel_size
+from dcp.runtime.setup import init_megatron_mesh, model_mesh
 from dcp.runtime.timing import add_step_times, reduced_step_times
 from dcp.weights.tensor_parallel import gather_whole
 from megatron_patches.cpu_optimizer import cuda_on_cpu
@@ -74,9 +76,11 @@ class StepStats:
 class Runtime:
     """Model (DDP-wrapped), optimizer and CP groups on this rank; executes plans.
 
-    Give it a built megatron-core model (bare or already DDP-wrapped) and any optimizer over its
-    parameters, or use ``Runtime.from_config``. ``lr_schedule(step) -> lr`` is applied before each
-    optimizer step when given; otherwise the optimizer's own learning rate is left alone.
+    Give it a built megatron-core model (bare or already DDP-wrapped), any optimizer over its
+    parameters and the run's ``mesh`` (megatron's parallel state is initialised at it, or
+    checked against it once), or use ``Runtime.from_config``. ``lr_schedule(step) -> lr`` is
+    applied before each optimizer step when given; otherwise the optimizer's own learning rate is
+    left alone.
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class Runtime:
         model: torch.nn.Module,
         optimizer,
         *,
+        mesh: Mesh,
         clip_grad: float = 1.0,
         lr_schedule: Callable[[int], float] | None = None,
         registry: GroupRegistry | None = None,
@@ -91,27 +96,24 @@ class Runtime:
     ) -> None:
         from megatron.core.distributed import DistributedDataParallel
 
-        self.tp = init_megatron_parallel()
-        self.pp = pipeline_parallel_size()
         if clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {clip_grad}")
+        init_megatron_mesh(mesh)
+        self.mesh = mesh
         self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.registry = registry or GroupRegistry(
-            tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp
-        )
-        built = (self.registry.tensor_parallel_size, self.registry.pipeline_parallel_size)
-        if built != (self.tp, self.pp):
+        self.world_size = mesh.world_size
+        self.registry = registry or GroupRegistry(mesh)
+        if self.registry.mesh != mesh:
             raise ValueError(
-                f"the group registry is built for TP = {built[0]}, PP = {built[1]}; megatron's "
-                f"parallel state has TP = {self.tp}, PP = {self.pp}"
+                f"the group registry is built for {self.registry.mesh.describe()}, the run's "
+                f"mesh is {mesh.describe()}"
+            )
+        built = model_mesh(model)
+        if built != mesh:
+            raise ValueError(
+                f"the model was built for {built.describe()}, the run's mesh is {mesh.describe()}"
             )
         self.model = model if isinstance(model, DistributedDataParallel) else wrap_ddp(model)
-        built_tp = self.model.config.tensor_model_parallel_size
-        if built_tp != self.tp:
-            raise ValueError(
-                f"the model was built for TP = {built_tp}, the job runs TP = {self.tp}"
-            )
         self.optimizer = optimizer
         self.clip_grad = clip_grad
         self.lr_schedule = lr_schedule
@@ -133,6 +135,16 @@ class Runtime:
         self.step = 0
 
     @property
+    def tp(self) -> int:
+        """The mesh's tensor-parallel size."""
+        return self.mesh.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        """The mesh's pipeline stages."""
+        return self.mesh.pipeline_parallel_size
+
+    @property
     def planner_rank(self) -> int:
         """This rank's planner rank (its TP group's index; the global rank at TP = 1)."""
         return self.registry.planner_rank
@@ -143,19 +155,21 @@ class Runtime:
         model_cfg: ModelConfig,
         optim_cfg: OptimConfig,
         *,
+        mesh: Mesh | None = None,
         seed: int = 1234,
         registry: GroupRegistry | None = None,
-        tensor_parallel_size: int | None = None,
     ) -> Runtime:
         """Build the GPTModel, DDP and megatron-core's optimizer (distributed when
-        ``optim_cfg.distributed``). ``tensor_parallel_size`` (default: what megatron's
-        parallel state has, else 1) must agree with an initialised parallel state."""
-        model, optimizer = build_model_and_optimizer(
-            model_cfg, optim_cfg, seed=seed, tensor_parallel_size=tensor_parallel_size
-        )
+        ``optim_cfg.distributed``) for ``mesh``, which must agree with megatron's parallel state
+        when that is initialised already (default: the mesh of megatron's parallel state, TP =
+        PP = 1 when it is not initialised, read from the built model)."""
+        if mesh is not None:
+            init_megatron_mesh(mesh)
+        model, optimizer = build_model_and_optimizer(model_cfg, optim_cfg, seed=seed)
         return cls(
             model,
             optimizer,
+            mesh=mesh or model_mesh(model),
             clip_grad=optim_cfg.clip_grad,
             lr_schedule=functools.partial(lr_at, cfg=optim_cfg),
             registry=registry,

@@ -1,10 +1,10 @@
 """Process set-up for the DCP runtime: megatron's patches and parallel state.
 
-The mesh is world = PP × (DP·CP) × TP: megatron's parallel_state is initialised with the run's TP
-and PP sizes and CP = 1, so its TP groups are consecutive ranks, its pipeline stages are blocks
-of world / PP consecutive ranks, and DDP reduces over the fixed DP×CP group of each TP rank of a
-stage (the stage's planner ranks). DCP regroups planner ranks into CP groups per micro-step
-(``dcp.runtime.groups``).
+The mesh (``dcp.mesh.Mesh``) is world = PP × (DP·CP) × TP: megatron's parallel_state is
+initialised with the run's TP and PP sizes and CP = 1, so its TP groups are consecutive ranks,
+its pipeline stages are blocks of world / PP consecutive ranks, and DDP reduces over the fixed
+DP×CP group of each TP rank of a stage (the stage's planner ranks). DCP regroups planner ranks
+into CP groups per micro-step (``dcp.runtime.groups``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patches
-from dcp.runtime.groups import Mesh
+from dcp.mesh import Mesh
 
 
 def init(
@@ -89,7 +89,8 @@ def init_megatron_parallel(
         return current
     tp = 1 if tensor_parallel_size is None else tensor_parallel_size
     pp = 1 if pipeline_parallel_size is None else pipeline_parallel_size
-    Mesh(dist.get_world_size(), tp, pp)  # the world must split into TP groups and stages
+    # The world must split into TP groups and stages.
+    mesh = Mesh(dist.get_world_size(), tensor_parallel_size=tp, pipeline_parallel_size=pp)
     extra = {}
     if timeout_s is not None:
         extra["distributed_timeout_minutes"] = max(1, math.ceil(timeout_s / 60))
@@ -99,19 +100,39 @@ def init_megatron_parallel(
         context_parallel_size=1,
         **extra,
     )
-    # dcp.runtime.groups numbers planner ranks by TP groups of consecutive ranks and stages by
-    # blocks of world / PP ranks, megatron's default order ("tp-cp-ep-dp-pp": TP innermost, PP
-    # outermost).
-    mesh = Mesh(dist.get_world_size(), tp, pp)
+    # dcp.mesh numbers planner ranks by TP groups of consecutive ranks and stages by blocks of
+    # world / PP ranks, megatron's default order ("tp-cp-ep-dp-pp": TP innermost, PP outermost).
     assert ps.get_tensor_model_parallel_rank() == mesh.tp_rank(dist.get_rank())
     assert ps.get_pipeline_model_parallel_rank() == mesh.stage(dist.get_rank())
     return tp
 
 
-def pipeline_parallel_size() -> int:
-    """Pipeline stages of megatron's parallel state (1 before it is initialised)."""
-    from megatron.core import parallel_state as ps
+def init_megatron_mesh(mesh: Mesh) -> None:
+    """Megatron's parallel state at ``mesh``: initialised with its TP and PP sizes (CP = 1) when
+    it is not yet, else checked once against it. A ``ValueError`` says which size disagrees."""
+    if mesh.world_size != dist.get_world_size():
+        raise ValueError(
+            f"the mesh has world_size={mesh.world_size} but torch.distributed has "
+            f"{dist.get_world_size()} ranks"
+        )
+    try:
+        init_megatron_parallel(
+            tensor_parallel_size=mesh.tensor_parallel_size,
+            pipeline_parallel_size=mesh.pipeline_parallel_size,
+        )
+    except ValueError as exc:
+        raise ValueError(
+            f"the run's mesh ({mesh.describe()} on {mesh.world_size} ranks) disagrees with "
+            f"megatron's parallel state: {exc}"
+        ) from None
 
-    if not ps.model_parallel_is_initialized():
-        return 1
-    return ps.get_pipeline_model_parallel_world_size()
+
+def model_mesh(model) -> Mesh:
+    """The mesh a megatron-core model was built for: its config's TP and PP sizes
+    (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``) over this job's ranks."""
+    config = model.config
+    return Mesh(
+        dist.get_world_size(),
+        tensor_parallel_size=config.tensor_model_parallel_size,
+        pipeline_parallel_size=config.pipeline_model_parallel_size,
+    )

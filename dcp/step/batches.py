@@ -27,6 +27,7 @@ from dcp.costmodel import (
 from dcp.costmodel.spec import ModelSpec
 from dcp.data import build_document_dataset
 from dcp.data.sampler import GlobalBatch
+from dcp.mesh import Mesh
 from dcp.plan import STATIC_PER_BATCH, Plan
 from dcp.planning import (
     DCPOptions,
@@ -120,29 +121,25 @@ class BatchPlanner:
         self,
         dcp_cfg,
         *,
-        world_size: int,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
+        mesh: Mesh,
         max_seq_len: int | None = None,
         runtime_options: dict | None = None,
         ranks_per_node: int | None = None,
         model: ModelSpec | None = None,
         spec: dict | None = None,
     ) -> None:
-        """``world_size``: the launched ranks (GPUs); plans are over ``world_size /
-        (tensor_parallel_size × pipeline_parallel_size)`` planner ranks. ``max_seq_len``: the
+        """``mesh``: the launched ranks (GPUs) and their TP and PP sizes; plans are over its
+        ``num_planner_ranks``, and the cost model is checked against it. ``max_seq_len``: the
         run's longest sequence; the static baseline is sized for it (as a static Megatron run
-        must be), not for each batch's
-        longest. ``runtime_options`` (``dcp.costmodel.spec.runtime_options``) replace the
-        spec's options the run fixes; with them, the spec's cluster is also sized to the launch
-        (``world_size``, ``ranks_per_node``): the run and its launch are the truth for the
-        layout, the spec for the hardware. ``model`` (the run's ``ModelConfig.shape``) replaces
-        the spec's model (``dcp.costmodel.with_model``). ``spec``: a spec dict to plan with in
-        place of the one ``dcp_cfg.spec`` names (an API caller's own)."""
+        must be), not for each batch's longest. ``runtime_options``
+        (``dcp.costmodel.spec.runtime_options``) replace the spec's options the run fixes; with
+        them, the spec's cluster is also sized to the launch (``mesh.world_size``,
+        ``ranks_per_node``): the run and its launch are the truth for the mesh, the spec for the
+        hardware. ``model`` (the run's ``ModelConfig.shape``) replaces the spec's model
+        (``dcp.costmodel.with_model``). ``spec``: a spec dict to plan with in place of the one
+        ``dcp_cfg.spec`` names (an API caller's own)."""
         self.cfg = dcp_cfg
-        self.world_size = world_size
-        self.tensor_parallel_size = tensor_parallel_size
-        self.pipeline_parallel_size = pipeline_parallel_size
+        self.mesh = mesh
         self.max_seq_len = max_seq_len
         self._runtime_options = runtime_options
         self._ranks_per_node = ranks_per_node
@@ -154,26 +151,24 @@ class BatchPlanner:
         self.peak_tflops_per_gpu = float(self.spec["cluster"]["peak_tflops"])
 
     @classmethod
-    def for_run(cls, cfg, *, world_size: int, dataset) -> BatchPlanner:
-        """The planner a training run ``cfg`` (a ``PretrainConfig``) uses on ``world_size``
-        ranks over ``dataset``: the run's parallelism, dtype, optimizer, model and launch laid
-        over its spec (the trainer's, and the benchmark's for its static candidates)."""
+    def for_run(cls, cfg, *, mesh: Mesh, dataset) -> BatchPlanner:
+        """The planner a training run ``cfg`` (a ``PretrainConfig``) uses on ``mesh`` (built
+        from ``cfg.parallel``) over ``dataset``: the run's parallelism, dtype, optimizer, model
+        and launch laid over its spec (the trainer's, and the benchmark's for its static
+        candidates)."""
         from dcp.costmodel.spec import runtime_options
 
-        tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
         return cls(
             cfg.planning,
-            world_size=world_size,
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
+            mesh=mesh,
             max_seq_len=longest_seq_len(dataset),
             runtime_options=runtime_options(
                 dtype=cfg.model.dtype,
                 distributed_optimizer=cfg.optim.distributed,
                 fp8=cfg.model.fp8,
-                tensor_parallel_size=tp,
+                tensor_parallel_size=mesh.tensor_parallel_size,
                 tied_embeddings=cfg.model.tie_embeddings,
-                pipeline_parallel_size=pp,
+                pipeline_parallel_size=mesh.pipeline_parallel_size,
             ),
             ranks_per_node=launch_ranks_per_node(),
             model=cfg.model.shape,
@@ -187,7 +182,7 @@ class BatchPlanner:
         if self._runtime_options:
             spec, changed = with_runtime_options(spec, self._runtime_options)
             spec, resized = with_launch(
-                spec, world_size=self.world_size, ranks_per_node=self._ranks_per_node
+                spec, world_size=self.mesh.world_size, ranks_per_node=self._ranks_per_node
             )
             for key, (old, new) in {**changed, **resized}.items():
                 where = key if key.startswith("cluster.") else f"options.{key}"
@@ -214,12 +209,7 @@ class BatchPlanner:
         return spec
 
     def _load(self, spec: dict):
-        return load_cost_model(
-            spec,
-            world_size=self.world_size,
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-        )
+        return load_cost_model(spec, mesh=self.mesh)
 
     @property
     def num_planner_ranks(self) -> int:

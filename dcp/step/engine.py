@@ -25,6 +25,7 @@ from dcp.costmodel import CostModel, load_spec
 from dcp.plan import Plan
 from dcp.runtime.dispatch import InMemorySource
 from dcp.runtime.runtime import Runtime, StepStats
+from dcp.runtime.setup import model_mesh
 from dcp.step.batches import BatchPlanner, PlannedBatch
 from dcp.step.config import PlanningConfig
 from dcp.step.observers import StepObserver, StepObservers, StepOutcome
@@ -38,9 +39,11 @@ class DCPEngine:
     (``dcp.build_gpt_model`` or ``dcp.model.layer_spec``), bare or DDP-wrapped.
     ``optimizer``: any torch optimizer over its parameters (or megatron's on GPU).
     ``spec``: the cost model's spec: a preset name, a spec JSON path or a spec dict; its
-    cluster must have as many GPUs as the job has ranks, and its TP and PP sizes must be
-    megatron's (``dcp.init``'s ``tensor_parallel_size`` and ``pipeline_parallel_size``; under
-    PP, ``model`` is this rank's stage, as ``dcp.build_gpt_model`` builds it).
+    cluster must have as many GPUs as the job has ranks, and its TP and PP sizes must be the
+    model's (under PP, ``model`` is this rank's stage, as ``dcp.build_gpt_model`` builds it).
+    The run's mesh is the model's config's TP and PP sizes over the job's ranks; megatron's
+    parallel state (``dcp.init``'s ``tensor_parallel_size`` and ``pipeline_parallel_size``)
+    must agree with it.
     ``planner``: ``dcp`` | ``static`` | ``megatron``.
     ``calibration``: ``online`` (refit on the measured micro-steps every
     ``refit_interval_steps`` steps) or ``fixed`` (plan with ``spec`` as given: bit-exact
@@ -71,7 +74,10 @@ class DCPEngine:
                 "DCPEngine plans and refits from a cost-model spec: pass its preset name, JSON "
                 "path or dict (what CostModel.from_spec reads), not a built CostModel"
             )
-        self.runtime = Runtime(model, optimizer, clip_grad=clip_grad, lr_schedule=lr_schedule)
+        self.mesh = model_mesh(model)
+        self.runtime = Runtime(
+            model, optimizer, mesh=self.mesh, clip_grad=clip_grad, lr_schedule=lr_schedule
+        )
         spec_dict = load_spec(spec)
         planning = PlanningConfig(
             planner=planner,
@@ -80,13 +86,7 @@ class DCPEngine:
             calibration=calibration,
             refit_interval_steps=refit_interval_steps,
         )
-        batch_planner = BatchPlanner(
-            planning,
-            world_size=dist.get_world_size(),
-            tensor_parallel_size=self.runtime.tp,
-            pipeline_parallel_size=self.runtime.pp,
-            spec=spec_dict,
-        )
+        batch_planner = BatchPlanner(planning, mesh=self.mesh, spec=spec_dict)
         self.steps = PlannedSteps.start(
             batch_planner, records_path=None if records_path is None else Path(records_path)
         )

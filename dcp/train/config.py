@@ -17,6 +17,7 @@ from dcp.checkpoint import CheckpointConfig
 from dcp.data.indexed import IndexedDataConfig
 from dcp.data.sampler import SamplerConfig
 from dcp.data.synthetic import SyntheticDataConfig
+from dcp.mesh import Mesh
 from dcp.model import WEIGHT_SHAPE_FIELDS, ModelConfig, check_tensor_parallel
 from dcp.observability.metrics import MetricsConfig
 from dcp.optim import OptimConfig
@@ -116,6 +117,15 @@ class ParallelConfig:
                 "interleaved virtual stages are not supported (DCP runs a non-interleaved 1F1B "
                 "schedule per plan); set it to 1"
             )
+
+    def mesh(self, world_size: int) -> Mesh:
+        """The run's mesh on ``world_size`` launched ranks (the one every part is given)."""
+        return Mesh(
+            world_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            virtual_pipeline_parallel_size=self.virtual_pipeline_parallel_size,
+        )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -9,7 +9,7 @@ by content too (``check_data_content``): the sampler's state covers the document
 fingerprint of the files covers the tokens.
 
 The trainer's checkpoint parts (``dcp.checkpoint.extras``) are here too: its config and data
-checks, its online calibration carried to another layout, its W&B run id.
+checks, its online calibration carried to another mesh, its W&B run id.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ FREE_KEYS = (
     "runs_dir",
     "train.steps",
     "checkpoint",
-    # The layout: a checkpoint loads at any world size, TP size and optimizer sharding.
+    # The mesh: a checkpoint loads at any world size, TP size and optimizer sharding.
     "parallel",
     "optim.distributed",
     "metrics",
@@ -177,8 +177,8 @@ class DataCheck:
 
 class CarriedCalibration:
     """Checkpoint part ``calibration``: the run's online calibration (``PlannedSteps``). A
-    checkpoint written at another layout carries its refitted spec to this one; the records
-    measured at the old layout no longer describe this run's micro-steps."""
+    checkpoint written at another mesh carries its refitted spec to this one; the records
+    measured at the old mesh no longer describe this run's micro-steps."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
@@ -190,7 +190,7 @@ class CarriedCalibration:
 
     def load_state_dict(self, state: dict | None) -> None:
         ckpt, trainer = self.resumed_from, self.trainer
-        if state and ckpt is not None and ckpt.layout != trainer.layout:
+        if state and ckpt is not None and ckpt.mesh != trainer.mesh:
             state = {
                 **state,
                 "spec": trainer.planner.lay(state["spec"]),

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from dcp.checkpoint import (
     Checkpoint,
     CorruptCheckpointError,
-    Layout,
     RankState,
     apply,
     complete_checkpoints,
@@ -72,12 +71,6 @@ from dcp.weights.convert import check_hf_checkpoint, load_hf_weights
 logger = logging.getLogger(__name__)
 
 
-def _mesh(layout: Layout) -> str:
-    """``TP t`` or ``TP t x PP p``: how a layout splits its ranks."""
-    pp = layout.pipeline_parallel_size
-    return f"TP {layout.tensor_parallel_size}" + (f" x PP {pp}" if pp > 1 else "")
-
-
 class StopFailedError(ReportedError):
     """A stop signal arrived but the job could not finish its step and save (exit 1: a
     supervisor restarts from the newest complete checkpoint)."""
@@ -102,16 +95,13 @@ class Trainer:
         self.locks = [RunLock(self.run_dir)]
         if self.ckpt_root.resolve() != self.run_dir.resolve():
             self.locks.append(RunLock(self.ckpt_root, what="checkpoint directory"))
-        self.layout = Layout(
-            self.world_size,
-            cfg.parallel.tensor_parallel_size,
-            cfg.parallel.pipeline_parallel_size,
-        )
+        self.mesh = cfg.parallel.mesh(self.world_size)
+        """The run's rank arrangement, built here once and given to every part."""
         self.checkpoints = Checkpointer(
             cfg.checkpoint,
             self.ckpt_root,
             last_step=cfg.train.steps,
-            layout=self.layout,
+            mesh=self.mesh,
             rank=self.rank,
         )
         self.metrics = None
@@ -141,10 +131,7 @@ class Trainer:
         agree("sizing the model and opening the data", self._open_data)
         cfg = self.cfg  # with planner=static's configuration fixed
         self.runtime = Runtime.from_config(
-            cfg.model,
-            cfg.optim,
-            seed=cfg.train.seed,
-            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            cfg.model, cfg.optim, mesh=self.mesh, seed=cfg.train.seed
         )
         # The run's own state in its checkpoints (dcp.checkpoint.extras): the config and the
         # data's fingerprint are checked before a checkpoint's tensors are read; calibration
@@ -204,12 +191,12 @@ class Trainer:
         """Dataset, sampler and planner. Before anything is allocated: the model's size against
         this rank's memory, and the initial weights' tensor headers against the model config."""
         cfg = self.cfg
-        tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+        mesh = self.mesh
         check_model_fits(
             cfg.model,
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            optimizer_shards=self.world_size // (tp * pp) if cfg.optim.distributed else 1,
+            tensor_parallel_size=mesh.tensor_parallel_size,
+            pipeline_parallel_size=mesh.pipeline_parallel_size,
+            optimizer_shards=mesh.num_planner_ranks if cfg.optim.distributed else 1,
         )
         if cfg.init.from_hf and not self.checkpoints.resumable():
             check_hf_checkpoint(cfg.init.from_hf, cfg.model)
@@ -221,7 +208,7 @@ class Trainer:
         # compares it). A synthetic dataset's tokens follow from its config.
         fingerprint = getattr(self.dataset, "content_fingerprint", None)
         self.data_fingerprint = fingerprint() if fingerprint else None
-        self.planner = BatchPlanner.for_run(cfg, world_size=self.world_size, dataset=self.dataset)
+        self.planner = BatchPlanner.for_run(cfg, mesh=self.mesh, dataset=self.dataset)
         # planner=static fixes its configuration once, before the run, over the run's first
         # batches (a fresh sampler: a resumed run chooses the same); config.yaml records it.
         planning = with_fixed_static_config(
@@ -269,7 +256,7 @@ class Trainer:
                 self.runtime.model.module,
                 self.runtime.optimizer,
                 rank=self.rank,
-                layout=self.layout,
+                mesh=self.mesh,
             )
         except CorruptCheckpointError as exc:
             logger.error("%s", exc)
@@ -286,13 +273,13 @@ class Trainer:
             with reading(ckpt.path, f"checkpoint's RNG state of rank {self.rank}"):
                 restore_rng_state(state.rng)
         if self.rank == 0:
-            moved = ckpt.layout != self.layout
+            moved = ckpt.mesh != self.mesh
             logger.info(
                 "resumed from %s (step %d%s)",
                 ckpt.path,
                 ckpt.step,
-                f"; written by {ckpt.layout.world_size} ranks at {_mesh(ckpt.layout)}, "
-                f"resharded to {self.world_size} at {_mesh(self.layout)}: each rank's RNG "
+                f"; written by {ckpt.mesh.world_size} ranks at {ckpt.mesh.describe()}, "
+                f"resharded to {self.world_size} at {self.mesh.describe()}: each rank's RNG "
                 "state starts as set up "
                 "(nothing draws from it while training: no dropout)"
                 if moved
@@ -310,7 +297,7 @@ class Trainer:
         elif init.from_checkpoint:
             path = resolve_checkpoint(init.from_checkpoint)
             ckpt = open_checkpoint(path)
-            # Another run's vocabulary padding or layout is fine: the rows are re-padded and
+            # Another run's vocabulary padding or mesh is fine: the rows are re-padded and
             # each whole tensor is cut to this rank's slice, one tensor at a time.
             self.runtime.load_model_weights(
                 lambda module: weights_for(module, ckpt, vocab_size=self.cfg.model.vocab_size)

@@ -38,20 +38,24 @@ def _plan(num_planner_ranks: int):
     return Plan(steps=tuple(steps), planner="test")
 
 
+def _mesh(tp: int, pp: int = 1):
+    from dcp.mesh import Mesh
+
+    return Mesh(dist.get_world_size(), tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
 def _runtime(tp: int, distributed: bool, pp: int = 1, model: dict | None = None):
     import dataclasses
 
     from dcp.model import ModelConfig
     from dcp.runtime.runtime import Runtime
-    from dcp.runtime.setup import init_megatron_parallel
 
-    init_megatron_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     optim = dataclasses.replace(OPTIM, distributed=distributed, decay_steps=8)
     return Runtime.from_config(
         ModelConfig(**{**TINY, "make_vocab_size_divisible_by": 8, **(model or {})}),
         optim,
         seed=SEED,
-        tensor_parallel_size=tp,
+        mesh=_mesh(tp, pp),
     )
 
 
@@ -84,15 +88,13 @@ def train_save_continue(
     model: dict | None = None,
 ) -> dict:
     """``STEPS_BEFORE`` steps, a checkpoint, ``STEPS_AFTER`` more: losses and final weights."""
-    from dcp.checkpoint import CheckpointSaver, Layout
+    from dcp.checkpoint import CheckpointSaver
     from dcp.checkpoint.state import runtime_parts
 
     try:
         runtime = _runtime(tp, distributed, pp, model)
         before = _steps(runtime, tp, STEPS_BEFORE, pp)
-        saver = CheckpointSaver(
-            Path(root), layout=Layout(dist.get_world_size(), tp, pp), rank=dist.get_rank()
-        )
+        saver = CheckpointSaver(Path(root), mesh=_mesh(tp, pp), rank=dist.get_rank())
         shared = {"sampler": None, "scheduler": {"step": STEPS_BEFORE}, "extra": {}}
         saver.save(
             STEPS_BEFORE,
@@ -124,15 +126,13 @@ def resume_and_continue(
 ) -> dict:
     """A fresh runtime at (this world, ``tp``, ``pp``) resumed from the checkpoint: the next
     losses."""
-    from dcp.checkpoint import Layout, apply, open_checkpoint, resolve_checkpoint
+    from dcp.checkpoint import apply, open_checkpoint, resolve_checkpoint
 
     try:
         runtime = _runtime(tp, distributed, pp, model)
         ckpt = open_checkpoint(resolve_checkpoint(root))
-        layout = Layout(dist.get_world_size(), tp, pp)
-        state = ckpt.read(
-            runtime.model.module, runtime.optimizer, rank=dist.get_rank(), layout=layout
-        )
+        mesh = _mesh(tp, pp)
+        state = ckpt.read(runtime.model.module, runtime.optimizer, rank=dist.get_rank(), mesh=mesh)
         apply(state, runtime.model.module, runtime.optimizer)
         runtime.step = ckpt.step
         return {
@@ -140,9 +140,9 @@ def resume_and_continue(
             "weights": _weights(runtime),
             "rng_carried": state.rng is not None,
             "saved_layout": (
-                ckpt.layout.world_size,
-                ckpt.layout.tensor_parallel_size,
-                ckpt.layout.pipeline_parallel_size,
+                ckpt.mesh.world_size,
+                ckpt.mesh.tensor_parallel_size,
+                ckpt.mesh.pipeline_parallel_size,
             ),
         }
     finally:

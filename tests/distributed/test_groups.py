@@ -17,9 +17,11 @@ def registry_groups(tensor_parallel_size: int, members_only: bool) -> dict:
     import torch
 
     from dcp.collectives import all_reduce
+    from dcp.mesh import Mesh
     from dcp.runtime.groups import GroupRegistry
 
-    registry = GroupRegistry(tensor_parallel_size=tensor_parallel_size, members_only=members_only)
+    mesh = Mesh(dist.get_world_size(), tensor_parallel_size=tensor_parallel_size)
+    registry = GroupRegistry(mesh, members_only=members_only)
     out = {"calls": registry.new_group_calls, "members_only": registry.members_only, "groups": {}}
     for block in registry.shapes:
         seen = {}

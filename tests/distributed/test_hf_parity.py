@@ -36,6 +36,7 @@ def dcp_logits(hf_dir: str, docs: list[np.ndarray], vocab: int) -> dict:
     import torch.distributed as dist
 
     import dcp
+    from dcp.mesh import Mesh
     from dcp.runtime.evaluate import packed_logits
     from dcp.runtime.groups import GroupRegistry
 
@@ -43,7 +44,7 @@ def dcp_logits(hf_dir: str, docs: list[np.ndarray], vocab: int) -> dict:
     try:
         # Padding the vocabulary to 64 rows exercises the padding mask on every architecture.
         model = dcp.load_hf_model(hf_dir, make_vocab_size_divisible_by=64)
-        registry = GroupRegistry()
+        registry = GroupRegistry(Mesh(dist.get_world_size()))
         rank = dist.get_rank()
         out = {}
         for name, ranks in (("cp1", (rank,)), ("cp2", (0, 1))):

@@ -115,12 +115,13 @@ def cp_group_switch_restores() -> dict:
     """use_cp_group points every CP touch point at the group and restores them all."""
     from megatron.core import parallel_state as ps
 
+    from dcp.mesh import Mesh
     from dcp.runtime.groups import GroupRegistry
     from megatron_patches.parallel_state import use_cp_group
 
     init_megatron_parallel()
     try:
-        registry = GroupRegistry()
+        registry = GroupRegistry(Mesh(dist.get_world_size()))
         model = build_gpt_model(ModelConfig(**TINY), seed=5)
         before = (
             ps.get_context_parallel_world_size(),

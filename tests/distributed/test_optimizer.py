@@ -77,8 +77,9 @@ def test_distributed_optimizer_state_is_sharded(dtype):
 def resume_exactly(root: str) -> dict:
     """Three steps straight vs two steps, a sharded checkpoint, a fresh runtime (another seed)
     restored from it, one step."""
-    from dcp.checkpoint import CheckpointSaver, Layout, apply, open_checkpoint, resolve_checkpoint
+    from dcp.checkpoint import CheckpointSaver, apply, open_checkpoint, resolve_checkpoint
     from dcp.checkpoint.state import runtime_parts
+    from dcp.mesh import Mesh
 
     try:
         straight = _runtime()
@@ -97,14 +98,12 @@ def resume_exactly(root: str) -> dict:
             for piece in parts["pieces"]
             for t in piece.tensors.values()
         )
-        layout = Layout(dist.get_world_size(), 1)
-        saver = CheckpointSaver(Path(root), layout=layout, rank=dist.get_rank())
+        mesh = Mesh(dist.get_world_size())
+        saver = CheckpointSaver(Path(root), mesh=mesh, rank=dist.get_rank())
         saver.save(2, weights_finite=True, asynchronous=False, **parts)
         resumed = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED + 1)
         ckpt = open_checkpoint(resolve_checkpoint(root))
-        state = ckpt.read(
-            resumed.model.module, resumed.optimizer, rank=dist.get_rank(), layout=layout
-        )
+        state = ckpt.read(resumed.model.module, resumed.optimizer, rank=dist.get_rank(), mesh=mesh)
         apply(state, resumed.model.module, resumed.optimizer)
         resumed.step = ckpt.step
         last = _train(resumed, range(2, 3))

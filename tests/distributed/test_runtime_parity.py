@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dcp.mesh import Mesh
 from dcp.model import ModelConfig, build_gpt_model
 from dcp.optim import build_adamw, lr_at, set_lr
 from dcp.plan import Plan
@@ -236,7 +237,7 @@ def dcp_run(
             ModelConfig(**{**TINY, **(model or {})}, core_attention="dcp"),
             optim,
             seed=SEED,
-            tensor_parallel_size=tensor_parallel_size,
+            mesh=Mesh(dist.get_world_size(), tensor_parallel_size=tensor_parallel_size),
         )
         runtime.executor.token_multiple = math.lcm(
             runtime.executor.token_multiple, local_token_multiple

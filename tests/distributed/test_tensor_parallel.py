@@ -19,6 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from dcp.attention.layout import ShardLayout
+from dcp.mesh import Mesh
 from dcp.model import ModelConfig
 from dcp.plan import Plan
 from dcp.runtime.dispatch import InMemorySource
@@ -187,7 +188,7 @@ def _runtime(tp: int, model: dict = MODEL) -> Runtime:
         ModelConfig(**{**TINY, **model}, core_attention="dcp"),
         OPTIM,
         seed=SEED,
-        tensor_parallel_size=tp,
+        mesh=Mesh(dist.get_world_size(), tensor_parallel_size=tp),
     )
 
 
@@ -199,14 +200,17 @@ def _loss_and_grads(runtime: Runtime, plan_dict: dict) -> dict:
 def train_then_save(docs, plans, root: str, tp: int, model: dict = MODEL) -> dict | None:
     """Train one step on ``plans[0]``, checkpoint (the trainer's way), then evaluate loss and
     gradients of ``plans[-1]`` on the trained weights."""
-    from dcp.checkpoint import CheckpointSaver, Layout
+    from dcp.checkpoint import CheckpointSaver
     from dcp.checkpoint.state import runtime_parts
+    from dcp.mesh import Mesh
 
     try:
         runtime = _runtime(tp, model)
         stats = runtime.train_step(Plan.from_dict(plans[0]), InMemorySource(docs))
         saver = CheckpointSaver(
-            Path(root), layout=Layout(dist.get_world_size(), tp), rank=dist.get_rank()
+            Path(root),
+            mesh=Mesh(dist.get_world_size(), tensor_parallel_size=tp),
+            rank=dist.get_rank(),
         )
         shared = {
             "sampler": None,

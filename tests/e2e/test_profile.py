@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from dcp.costmodel import load_cost_model
+from dcp.mesh import Mesh
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +41,7 @@ def test_profile_at_tp2_measures_the_tp_collectives_and_fits_them(tmp_path):
     assert len(points) == 4 * 2 * 3
     assert sum(p["recompute_layers"] == 2 for p in points) == 4 * 2
     assert all(p["recompute"] == "full" for p in points if p["recompute_layers"] is not None)
-    fitted = load_cost_model(spec_out, world_size=4, tensor_parallel_size=2)
+    fitted = load_cost_model(spec_out, mesh=Mesh(4, tensor_parallel_size=2))
     c = fitted.coefficients
     assert c.tp_comm_s_per_token > 0 and c.tp_latency_s >= 0
     assert fitted.tp_time_s([1024], 1, "full") > fitted.tp_time_s([1024], 1, "none") > 0

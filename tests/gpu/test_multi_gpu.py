@@ -49,6 +49,9 @@ def grads_for_plans(
     0 before the plans run / loaded (each rank cutting its TP slice) before they run. GPU
     initialisation draws each TP rank's slice from its own stream, so runs at different TP
     sizes compare on loaded weights."""
+    import torch.distributed as dist
+
+    from dcp.mesh import Mesh
     from dcp.model import ModelConfig
     from dcp.optim import OptimConfig
     from dcp.plan import Plan
@@ -61,9 +64,8 @@ def grads_for_plans(
     docs = [rng.integers(0, 512, size=n + 1) for n in (4093, 1000, 130, 7, 1, 2900)]
     out = []
     try:
-        runtime = Runtime.from_config(
-            ModelConfig(**MODEL), OptimConfig(), seed=5, tensor_parallel_size=tensor_parallel_size
-        )
+        mesh = Mesh(dist.get_world_size(), tensor_parallel_size=tensor_parallel_size)
+        runtime = Runtime.from_config(ModelConfig(**MODEL), OptimConfig(), seed=5, mesh=mesh)
         if load_weights:
             state = torch.load(load_weights, map_location="cpu")
             runtime.load_model_weights(lambda module: load_canonical(module, state))

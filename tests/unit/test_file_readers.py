@@ -155,10 +155,11 @@ def _read_tokenizer_dir(run_config):
 def _manifest(tmp: Path):
     import torch
 
-    from dcp.checkpoint import CheckpointSaver, Layout
+    from dcp.checkpoint import CheckpointSaver
     from dcp.checkpoint.state import LocalTensor
+    from dcp.mesh import Mesh
 
-    saver = CheckpointSaver(tmp / "ckpt", layout=Layout(1), rank=0)
+    saver = CheckpointSaver(tmp / "ckpt", mesh=Mesh(1), rank=0)
     saver.save(
         2,
         weights_finite=True,

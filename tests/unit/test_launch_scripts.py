@@ -170,6 +170,7 @@ def test_the_usage_examples_run_with_the_shipped_configs():
     """A launcher's example fails at start if its overrides name an old key or its cost-model
     spec does not match the launched job (nodes x ranks per node, the config's TP size)."""
     from dcp.costmodel import load_cost_model
+    from dcp.mesh import Mesh
     from dcp.schema import load_config
     from dcp.train.config import PretrainConfig
 
@@ -190,6 +191,6 @@ def test_the_usage_examples_run_with_the_shipped_configs():
                 per_node = int(argv[i + 1])
         tp = cfg.parallel.tensor_parallel_size
         spec = load_cost_model(
-            cfg.planning.spec, world_size=nodes * per_node, tensor_parallel_size=tp
+            cfg.planning.spec, mesh=Mesh(nodes * per_node, tensor_parallel_size=tp)
         )
         assert spec.num_ranks * tp == nodes * per_node, (name, argv)

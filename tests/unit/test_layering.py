@@ -20,6 +20,7 @@ PACKAGES = ("dcp", "megatron_patches", "tools", "pretrain")
 LAYERS = [
     "megatron_patches",
     "dcp.plan",
+    "dcp.mesh",
     "dcp.files",
     "dcp.schema",
     "dcp.console",
@@ -163,7 +164,7 @@ def test_megatron_patches_import_nothing_from_dcp():
             assert not bad, f"{name} imports {bad}"
 
 
-@pytest.mark.parametrize("package", ["dcp.plan", "dcp.planning", "dcp.costmodel"])
+@pytest.mark.parametrize("package", ["dcp.plan", "dcp.mesh", "dcp.planning", "dcp.costmodel"])
 def test_planning_core_loads_without_torch_or_megatron(package):
     """Module-level imports only: the Megatron baseline loads megatron's scheduler lazily."""
     for name, path in _modules().items():

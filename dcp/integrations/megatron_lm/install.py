@@ -45,6 +45,7 @@ from dcp.integrations.megatron_lm.steps import (
     PackedMicroBatches,
     packed_forward_step,
 )
+from dcp.mesh import Mesh
 from dcp.step.calibration import RECORDS_FILENAME
 from megatron_patches.megatron_training import training_on_cpu
 
@@ -96,6 +97,20 @@ def _model_spec(args: argparse.Namespace):
         ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=args.padded_vocab_size,
         kv_channels=args.kv_channels,
+    )
+
+
+def megatron_mesh(args: argparse.Namespace) -> Mesh:
+    """The run's mesh, from Megatron-LM's arguments: ``--tensor-model-parallel-size`` and
+    ``--pipeline-model-parallel-size`` over its ``world_size`` ranks (interleaved virtual stages
+    are refused by ``check_args`` and by the mesh). Megatron initialises its parallel state from
+    the same arguments, in the rank order the mesh numbers."""
+    return Mesh(
+        args.world_size,
+        tensor_parallel_size=args.tensor_model_parallel_size,
+        pipeline_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None)
+        or 1,
     )
 
 
@@ -190,8 +205,6 @@ class MegatronLMRun:
         return self._forward_backward
 
     def _build_forward_backward(self) -> DCPForwardBackward:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
         from megatron.training import get_args
 
         from dcp.costmodel.spec import runtime_options
@@ -200,21 +213,18 @@ class MegatronLMRun:
         from dcp.step.planned import PlannedSteps
 
         args = get_args()
-        tp = ps.get_tensor_model_parallel_world_size()
-        pp = ps.get_pipeline_model_parallel_world_size()
+        mesh = megatron_mesh(args)
         planner = BatchPlanner(
             planning_config(args),
-            world_size=dist.get_world_size(),
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
+            mesh=mesh,
             max_seq_len=args.seq_length,
             runtime_options=runtime_options(
                 dtype="bf16" if args.bf16 else "fp32",
                 distributed_optimizer=args.use_distributed_optimizer,
                 fp8=bool(args.fp8),
-                tensor_parallel_size=tp,
+                tensor_parallel_size=mesh.tensor_parallel_size,
                 tied_embeddings=not args.untie_embeddings_and_output_weights,
-                pipeline_parallel_size=pp,
+                pipeline_parallel_size=mesh.pipeline_parallel_size,
             ),
             model=_model_spec(args),
         )
@@ -229,7 +239,7 @@ class MegatronLMRun:
         steps = PlannedSteps.start(planner, records_path=self.records_path if online else None)
         return DCPForwardBackward(
             steps,
-            registry=GroupRegistry(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+            registry=GroupRegistry(mesh),
             dataset=self.dataset,
             observers=[self.recorder],
             first_step=args.iteration + 1,

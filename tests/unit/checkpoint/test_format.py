@@ -15,7 +15,6 @@ from dcp.checkpoint import (
     CheckpointIndexError,
     CheckpointSaver,
     CorruptCheckpointError,
-    Layout,
     TensorFileError,
     capture_rng_state,
     find_latest,
@@ -26,6 +25,7 @@ from dcp.checkpoint import (
 from dcp.checkpoint.load import weights_for
 from dcp.checkpoint.state import LocalTensor, writers
 from dcp.checkpoint.tensorfile import TensorFile, TensorFileWriter
+from dcp.mesh import Mesh
 from dcp.weights.tensor_parallel import cut, join
 from tests.payload import plant_payload
 
@@ -36,7 +36,7 @@ def _module(seed: int) -> torch.nn.Module:
 
 
 def _save(root, step: int, module: torch.nn.Module, *, keep_last: int = 0, **shared):
-    saver = CheckpointSaver(root, layout=Layout(1), rank=0, keep_last=keep_last)
+    saver = CheckpointSaver(root, mesh=Mesh(1), rank=0, keep_last=keep_last)
     saver.save(
         step,
         weights_finite=True,
@@ -57,7 +57,7 @@ def test_round_trip_of_weights_shared_state_and_rng(tmp_path):
     random.random(), np.random.rand(), torch.rand(1)  # draws the restored state must undo
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     ckpt = open_checkpoint(path)
-    assert ckpt.step == 3 and ckpt.layout == Layout(1)
+    assert ckpt.step == 3 and ckpt.mesh == Mesh(1)
     assert ckpt.shared() == {
         "sampler": {"step": 3},
         "scheduler": {"step": 3},
@@ -67,7 +67,7 @@ def test_round_trip_of_weights_shared_state_and_rng(tmp_path):
     weights_for(fresh, ckpt)
     for (name, a), b in zip(module.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
-    restore_rng_state(ckpt.rng(0, Layout(1)))
+    restore_rng_state(ckpt.rng(0, Mesh(1)))
     random.random(), np.random.rand(), torch.rand(1)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
     assert (tmp_path / "latest").read_text().strip() == "step_000003"
@@ -313,20 +313,20 @@ def test_a_released_tensor_leaves_the_process_and_reads_the_same_again(tmp_path)
 
 
 def test_every_slice_has_one_writer_and_the_bytes_are_spread():
-    layout = Layout(8, tensor_parallel_size=2)
+    mesh = Mesh(8, tensor_parallel_size=2)
     tensors = [LocalTensor(f"w{i}", torch.empty(64 * (i + 1), 4), (0, 1)) for i in range(12)]
     tensors += [LocalTensor(f"norm{i}", torch.empty(4), None) for i in range(5)]
-    owner = writers(tensors, layout)
+    owner = writers(tensors, mesh)
     assert set(owner) == {(t.name, r) for t in tensors[:12] for r in (0, 1)} | {
         (f"norm{i}", 0) for i in range(5)
     }
-    assert all(layout.tp_rank(rank) == r for (name, r), rank in owner.items() if "w" in name)
+    assert all(mesh.tp_rank(rank) == r for (name, r), rank in owner.items() if "w" in name)
     given = [0] * 8
     for (name, _), rank in owner.items():
         t = next(x for x in tensors if x.name == name)
         given[rank] += t.tensor.numel()
     assert max(given) <= 1.3 * sum(given) / 8
-    assert owner == writers(list(reversed(tensors)), layout)  # the same answer on every rank
+    assert owner == writers(list(reversed(tensors)), mesh)  # the same answer on every rank
 
 
 @pytest.mark.parametrize("stride", [1, 2])

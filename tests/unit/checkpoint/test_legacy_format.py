@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from dcp.checkpoint import CorruptCheckpointError, Layout, find_latest, is_complete, open_checkpoint
+from dcp.checkpoint import CorruptCheckpointError, find_latest, is_complete, open_checkpoint
 from dcp.checkpoint.legacy import LegacyCheckpoint, UnsafeCheckpointError
 from dcp.checkpoint.load import weights_for
+from dcp.mesh import Mesh
 from tests.legacy_checkpoint import COMPONENTS, file_name, write_legacy
 from tests.payload import plant_payload, rewrite_manifest
 
@@ -41,7 +42,7 @@ def test_an_earlier_checkpoint_opens_and_its_weights_load(tmp_path, version):
     path = write_legacy(tmp_path, 2, _state(module), version=version)
     assert find_latest(tmp_path) == path
     ckpt = open_checkpoint(path)
-    assert isinstance(ckpt, LegacyCheckpoint) and ckpt.step == 2 and ckpt.layout == Layout(1)
+    assert isinstance(ckpt, LegacyCheckpoint) and ckpt.step == 2 and ckpt.mesh == Mesh(1)
     assert ckpt.shared()["sampler"] == {"epoch": 0, "cursor": 4}
     assert ckpt.shared()["extra"]["note"] == "old"
     fresh = _module(1)
@@ -59,7 +60,7 @@ def test_a_pickle_payload_in_any_component_is_refused_naming_the_file(tmp_path, 
     with pytest.raises(UnsafeCheckpointError, match=rf"{name}: refused to load"):
         ckpt = open_checkpoint(path)
         ckpt.shared()
-        ckpt.read(_module(1), None, rank=0, layout=Layout(1))
+        ckpt.read(_module(1), None, rank=0, mesh=Mesh(1))
     assert not marker.exists()
 
 
@@ -114,4 +115,4 @@ def test_per_rank_optimizer_state_needs_the_layout_it_was_written_at(tmp_path):
         tmp_path, 3, _state(module, world=2), per_rank=("rng_state", "optimizer_state")
     )
     with pytest.raises(ValueError, match="written by 2 ranks .* Resume with 2 ranks once"):
-        open_checkpoint(path).read(module, None, rank=0, layout=Layout(4))
+        open_checkpoint(path).read(module, None, rank=0, mesh=Mesh(4))

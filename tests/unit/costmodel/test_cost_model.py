@@ -13,6 +13,7 @@ import yaml
 from dcp.costmodel import CostModel, available_presets, load_cost_model, load_preset
 from dcp.costmodel.load import gpu_presets
 from dcp.costmodel.spec import DEFAULT_FP8_LINEAR_SPEEDUP
+from dcp.mesh import Mesh
 from dcp.plan import MicroStep, Plan
 
 H200_8B = "h200x8+llama3-8b"
@@ -101,17 +102,17 @@ def test_one_loader_takes_a_preset_a_path_or_a_dict(tmp_path, cm):
     assert load_cost_model(H200_8B).num_ranks == 8
     assert load_cost_model(load_preset(H200_8B)).coefficients == cm.coefficients
     assert load_cost_model(cm) is cm
-    assert load_cost_model(H200_8B, world_size=8).num_ranks == 8
+    assert load_cost_model(H200_8B, mesh=Mesh(8)).num_ranks == 8
     with pytest.raises(
         ValueError, match=r"describes 8 GPUs \(8 planner ranks x TP 1\) but the job has 2"
     ):
-        load_cost_model(H200_8B, world_size=2)
+        load_cost_model(H200_8B, mesh=Mesh(2))
     # Under TP the launch counts GPUs and the spec must plan with the run's TP size.
-    assert load_cost_model(H200_70B, world_size=256, tensor_parallel_size=8).num_ranks == 32
+    assert load_cost_model(H200_70B, mesh=Mesh(256, tensor_parallel_size=8)).num_ranks == 32
     with pytest.raises(ValueError, match="tensor parallelism 8 .* parallel.tensor_parallel_size=2"):
-        load_cost_model(H200_70B, world_size=256, tensor_parallel_size=2)
+        load_cost_model(H200_70B, mesh=Mesh(256, tensor_parallel_size=2))
     with pytest.raises(ValueError, match=r"describes 256 GPUs \(32 planner ranks x TP 8\)"):
-        load_cost_model(H200_70B, world_size=32, tensor_parallel_size=8)
+        load_cost_model(H200_70B, mesh=Mesh(32, tensor_parallel_size=8))
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"bad\.json: not valid JSON"):
         load_cost_model(tmp_path / "bad.json")
@@ -241,8 +242,8 @@ def test_the_run_and_its_launch_size_the_spec():
     assert changed["tensor_parallel_size"] == (1, 2)
     assert resized == {"cluster.num_gpus": (2, 4), "cluster.gpus_per_node": (2, 4)}
     overlay, _ = with_runtime_options(load_spec("cpu-tiny+cpu-mem-demo+cpu-tp2"), options)
-    got = load_cost_model(spec, world_size=4, tensor_parallel_size=2)
-    want = load_cost_model(overlay, world_size=4, tensor_parallel_size=2)
+    got = load_cost_model(spec, mesh=Mesh(4, tensor_parallel_size=2))
+    want = load_cost_model(overlay, mesh=Mesh(4, tensor_parallel_size=2))
     assert (got.coefficients, got.options, got.num_ranks) == (
         want.coefficients,
         want.options,

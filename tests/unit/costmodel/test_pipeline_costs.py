@@ -8,6 +8,7 @@ import pytest
 
 from dcp.costmodel import CostModel, load_cost_model, load_preset
 from dcp.costmodel.pipeline import PipelineCosts, planning_view, stage_layer_counts
+from dcp.mesh import Mesh
 from dcp.plan import MicroStep, Recompute
 
 
@@ -45,12 +46,12 @@ def test_planner_ranks_are_one_stage_of_the_mesh():
 
 def test_load_cost_model_checks_the_jobs_pipeline():
     spec = _spec(4)
-    assert load_cost_model(spec, world_size=32, pipeline_parallel_size=4).num_ranks == 8
+    assert load_cost_model(spec, mesh=Mesh(32, pipeline_parallel_size=4)).num_ranks == 8
     # A job that does not name its PP size runs without pipelining.
     with pytest.raises(ValueError, match=r"pipeline parallelism 4 .* the run uses 1 pipeline"):
-        load_cost_model(spec, world_size=32)
+        load_cost_model(spec, mesh=Mesh(32))
     with pytest.raises(ValueError, match=r"describes 32 GPUs \(8 planner ranks x TP 1 x PP 4\)"):
-        load_cost_model(spec, world_size=16, pipeline_parallel_size=4)
+        load_cost_model(spec, mesh=Mesh(16, pipeline_parallel_size=4))
 
 
 def test_stages_split_the_whole_models_terms():

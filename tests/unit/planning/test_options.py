@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from dcp.mesh import Mesh
 from dcp.plan import PLANNERS
 from dcp.planning import (
     PLANNER_REGISTRY,
@@ -85,7 +86,7 @@ def test_batch_planner_builds_each_planners_options():
 
     def options(planner: str, **cfg):
         config = PlanningConfig(planner=planner, spec="cpu-tiny", on_oversize="drop", **cfg)
-        batch_planner = BatchPlanner(config, world_size=2, max_seq_len=5000)
+        batch_planner = BatchPlanner(config, mesh=Mesh(2), max_seq_len=5000)
         return batch_planner
 
     dcp = options("dcp")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dcp.costmodel import CostModel, load_cost_model, load_preset
+from dcp.mesh import Mesh
 from dcp.plan import PLANNERS
 from dcp.planning import (
     DCPOptions,
@@ -213,7 +214,7 @@ def test_training_config_on_oversize_reaches_every_planner(planner):
     batch = GlobalBatch(doc_ids=(0, 1, 2, 3), lengths=doc_lens, epoch=0, index_in_epoch=0, step=0)
     for on_oversize in ("error", "drop"):
         cfg = PlanningConfig(planner=planner, spec=spec, on_oversize=on_oversize)
-        batch_planner = BatchPlanner(cfg, world_size=2, max_seq_len=too_long)
+        batch_planner = BatchPlanner(cfg, mesh=Mesh(2), max_seq_len=too_long)
         if on_oversize == "error":
             with pytest.raises(ValueError, match="sequence 1 .* fits no plan"):
                 batch_planner.plan(batch)
@@ -239,9 +240,9 @@ def test_the_trainers_planner_plans_for_the_runs_model(caplog):
         vocab_size=257,
     )
     cfg = PlanningConfig(spec="cpu-tiny+cpu-mem-tight")
-    as_written = BatchPlanner(cfg, world_size=2)
+    as_written = BatchPlanner(cfg, mesh=Mesh(2))
     with caplog.at_level("INFO", logger="dcp.step.batches"):
-        for_run = BatchPlanner(cfg, world_size=2, model=run_model.shape)
+        for_run = BatchPlanner(cfg, mesh=Mesh(2), model=run_model.shape)
     assert for_run.cost_model.model == run_model.shape
     assert as_written.cost_model.model != run_model.shape
     assert "model.hidden_size: 128 -> 512 (the run's model)" in caplog.text

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dcp.costmodel import load_cost_model
+from dcp.mesh import Mesh
 from dcp.plan import Recompute
 from dcp.planning import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp, simulate
 from dcp.planning.workloads import make_batch
@@ -20,7 +21,7 @@ from dcp.step.config import PlanningConfig
 def cpu_tight(step_overhead_s: float | None = None):
     """The CPU benchmark's cost model (2 ranks, ~4K tokens per rank without recompute), with
     the per-step overhead replaced when given."""
-    cm = load_cost_model("cpu-tiny+cpu-mem-tight", world_size=2)
+    cm = load_cost_model("cpu-tiny+cpu-mem-tight", mesh=Mesh(2))
     if step_overhead_s is None:
         return cm
     return replace(cm, coefficients=replace(cm.coefficients, step_overhead_s=step_overhead_s))
@@ -114,10 +115,10 @@ def test_training_config_switches_reach_the_planner():
     cfg = PlanningConfig(
         spec="cpu-tiny+cpu-mem-tight", partial_recompute=False, share_cp_groups=False
     )
-    planner = BatchPlanner(cfg, world_size=2)
+    planner = BatchPlanner(cfg, mesh=Mesh(2))
     options = planner.planner_options([5000] * 4)
     assert (options.partial_recompute, options.share_cp_groups) == (False, False)
-    default = BatchPlanner(PlanningConfig(spec="cpu-tiny+cpu-mem-tight"), world_size=2)
+    default = BatchPlanner(PlanningConfig(spec="cpu-tiny+cpu-mem-tight"), mesh=Mesh(2))
     options = default.planner_options([5000] * 4)
     assert (options.partial_recompute, options.share_cp_groups) == (True, True)
 
@@ -127,7 +128,7 @@ def test_pack_configs_least_layers_equals_the_cost_models(spec):
     """The planner's plain-float ``least_layers`` is the cost model's ``min_recompute_layers``."""
     from dcp.planning.joins import _PackConfigs
 
-    cm = load_cost_model(spec, world_size=2) if spec.startswith("cpu") else load_cost_model(spec)
+    cm = load_cost_model(spec, mesh=Mesh(2)) if spec.startswith("cpu") else load_cost_model(spec)
     pack = _PackConfigs(cm, [1, 2, 4], ["none", "selective", "full"], partial=True)
     cap = cm.max_tokens_per_rank("full")
     for cp in (1, 2, 4):

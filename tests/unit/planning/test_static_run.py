@@ -7,6 +7,7 @@ import pytest
 
 from dcp.costmodel import load_cost_model
 from dcp.data.sampler import GlobalBatch
+from dcp.mesh import Mesh
 from dcp.plan import PLANNERS, STATIC_PER_BATCH, Plan
 from dcp.planning import (
     StaticOptions,
@@ -83,39 +84,39 @@ def test_fixed_config_is_the_fastest_in_total_over_the_batches(cm):
 
 def test_a_static_run_trains_every_batch_with_one_configuration(cm):
     planning = PlanningConfig(planner="static", spec=SPEC)
-    first = BatchPlanner(planning, world_size=8, max_seq_len=MAX_SEQ_LEN)
+    first = BatchPlanner(planning, mesh=Mesh(8), max_seq_len=MAX_SEQ_LEN)
     run_batches = [batch(BATCH_A, 0), batch(BATCH_B, 1)]
     fixed = with_fixed_static_config(first, iter(run_batches))
     expected = fixed_static_config([BATCH_A, BATCH_B], cost_model=cm, max_seq_len=MAX_SEQ_LEN)
     assert (fixed.static_cp_size, fixed.static_recompute) == expected
-    planner = BatchPlanner(fixed, world_size=8, max_seq_len=MAX_SEQ_LEN)
+    planner = BatchPlanner(fixed, mesh=Mesh(8), max_seq_len=MAX_SEQ_LEN)
     configs = {config_of(planner.plan(b).plan) for b in run_batches}
     assert configs == {expected}
     for b in run_batches:
         assert planner.plan(b).plan.planner == "static"
     # Without the trainer's choice the planner still fixes one configuration, on its first batch.
-    lazy = BatchPlanner(planning, world_size=8, max_seq_len=MAX_SEQ_LEN)
+    lazy = BatchPlanner(planning, mesh=Mesh(8), max_seq_len=MAX_SEQ_LEN)
     first_choice = config_of(lazy.plan(run_batches[0]).plan)
     assert config_of(lazy.plan(run_batches[1]).plan) == first_choice
 
 
 def test_the_choice_looks_at_the_runs_first_batches_only():
     planning = PlanningConfig(planner="static", spec=SPEC)
-    planner = BatchPlanner(planning, world_size=8, max_seq_len=MAX_SEQ_LEN)
+    planner = BatchPlanner(planning, mesh=Mesh(8), max_seq_len=MAX_SEQ_LEN)
     head = [batch(BATCH_A, i) for i in range(STATIC_CHOICE_BATCHES)]
     fixed = with_fixed_static_config(planner, iter([*head, batch(BATCH_B, 99)]))
     only_head = with_fixed_static_config(planner, iter(head))
     assert fixed == only_head
     # Other planners, and a static config that already fixes both, are left as they are.
     given = PlanningConfig(planner="static", spec=SPEC, static_cp_size=4, static_recompute="full")
-    assert with_fixed_static_config(BatchPlanner(given, world_size=8), iter(head)) is given
+    assert with_fixed_static_config(BatchPlanner(given, mesh=Mesh(8)), iter(head)) is given
     dcp = PlanningConfig(planner="dcp", spec=SPEC)
-    assert with_fixed_static_config(BatchPlanner(dcp, world_size=8), iter(head)) is dcp
+    assert with_fixed_static_config(BatchPlanner(dcp, mesh=Mesh(8)), iter(head)) is dcp
 
 
 def test_static_per_batch_chooses_again_for_every_batch(cm):
     planning = PlanningConfig(planner=STATIC_PER_BATCH, spec=SPEC)
-    planner = BatchPlanner(planning, world_size=8, max_seq_len=MAX_SEQ_LEN)
+    planner = BatchPlanner(planning, mesh=Mesh(8), max_seq_len=MAX_SEQ_LEN)
     plans = [planner.plan(batch(b, i)).plan for i, b in enumerate((BATCH_A, BATCH_B))]
     assert [config_of(p) for p in plans] == per_batch_configs(cm)
     assert {p.planner for p in plans} == {STATIC_PER_BATCH}

@@ -117,10 +117,11 @@ def test_h200_recipe_is_a_valid_config():
 
 def test_70b_recipe_runs_tp8_on_256_h200s_and_its_spec_agrees():
     from dcp.costmodel import load_cost_model
+    from dcp.mesh import Mesh
 
     cfg = load_config(PretrainConfig, REPO / "pretrain/configs/llama3_70b_h200.yaml")
     assert cfg.parallel.tensor_parallel_size == 8 and cfg.model.dtype == "bf16"
-    spec = load_cost_model(cfg.planning.spec, world_size=256, tensor_parallel_size=8)
+    spec = load_cost_model(cfg.planning.spec, mesh=Mesh(256, tensor_parallel_size=8))
     assert spec.num_ranks == 32  # one planner rank per node's TP group
     assert (spec.model.num_layers, spec.model.hidden_size) == (80, 8192)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dcp.data.sampler import GlobalBatchSampler, SamplerConfig
+from dcp.mesh import Mesh
 from dcp.observability.host import HostStats
 from dcp.observability.record import PlanStats, StepRecord
 from dcp.planning import StaticOptions, fixed_static_config, plan_static
@@ -62,7 +63,7 @@ def _records(
 
 
 def test_the_run_is_set_against_the_best_fixed_configuration_on_its_batches():
-    planner = BatchPlanner(PlanningConfig(spec=SPEC, calibration="fixed"), world_size=2)
+    planner = BatchPlanner(PlanningConfig(spec=SPEC, calibration="fixed"), mesh=Mesh(2))
     records = _records(planner, range(1, 11), lambda step: 9.0 if step == 1 else 0.5 + step / 100)
     c = compare_with_fixed(records, _batches(), planner)
     # The first step (warm-up) is left out of every mean.
@@ -96,7 +97,7 @@ def test_the_run_is_set_against_the_best_fixed_configuration_on_its_batches():
 
 
 def test_a_resumed_session_compares_its_own_steps():
-    planner = BatchPlanner(PlanningConfig(spec=SPEC, calibration="fixed"), world_size=2)
+    planner = BatchPlanner(PlanningConfig(spec=SPEC, calibration="fixed"), mesh=Mesh(2))
     records = _records(planner, range(6, 9), lambda step: 1.0)
     c = compare_with_fixed(records, _batches(5), planner)
     assert (c.first_step, c.last_step, c.measured_step_time_s) == (6, 8, 1.0)  # no warm-up cut
@@ -106,7 +107,7 @@ def test_a_resumed_session_compares_its_own_steps():
 
 
 def test_a_busy_host_is_named_next_to_the_measured_time():
-    planner = BatchPlanner(PlanningConfig(spec=SPEC, calibration="fixed"), world_size=2)
+    planner = BatchPlanner(PlanningConfig(spec=SPEC, calibration="fixed"), mesh=Mesh(2))
     busy = compare_with_fixed(
         _records(planner, range(1, 5), lambda s: 3.0, 23.0), _batches(), planner
     )

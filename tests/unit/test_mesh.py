@@ -1,0 +1,69 @@
+"""The mesh: its checks name the field, its rank arithmetic is megatron's order, and its JSON is
+the checkpoint index's ``"layout"`` object, unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp.mesh import Mesh
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be an integer >= 1, got 0"),
+        ({"world_size": 4, "tensor_parallel_size": 0}, "tensor_parallel_size must be"),
+        ({"world_size": 4, "pipeline_parallel_size": 2.0}, "pipeline_parallel_size must be"),
+        ({"world_size": True}, "world_size must be an integer"),
+        ({"world_size": 6, "tensor_parallel_size": 4}, "must divide world_size=6"),
+        ({"world_size": 8, "tensor_parallel_size": 2, "pipeline_parallel_size": 3}, "must divide"),
+        ({"world_size": 8, "expert_parallel_size": 2}, "expert_parallel_size=2 is not supported"),
+        (
+            {"world_size": 8, "pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
+            "virtual_pipeline_parallel_size=2 is not supported yet",
+        ),
+    ],
+)
+def test_refuses_what_it_cannot_arrange(kwargs, message):
+    world = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=message):
+        Mesh(world, **kwargs)
+
+
+def test_ranks_are_tp_innermost_and_stages_outermost():
+    mesh = Mesh(16, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert (mesh.stage_size, mesh.num_planner_ranks) == (8, 4)
+    # Global rank 13: stage 1, planner rank 2 (ranks 12-13), TP rank 1.
+    assert (mesh.stage(13), mesh.planner_rank(13), mesh.tp_rank(13)) == (1, 2, 1)
+    assert mesh.global_rank(stage=1, planner_rank=2, tp_rank=1) == 13
+    assert list(mesh.stage_ranks(1)) == list(range(8, 16))
+    assert mesh.cp_ranks((2, 3), tp_rank=1, stage=1) == (13, 15)
+    assert mesh.tp_cp_ranks((0, 1)) == (0, 1, 2, 3)
+    for rank in range(16):
+        where = {"stage": mesh.stage(rank), "planner_rank": mesh.planner_rank(rank)}
+        assert mesh.global_rank(**where, tp_rank=mesh.tp_rank(rank)) == rank
+    plain = Mesh(4)
+    assert plain.cp_ranks((1, 2), 0) == plain.tp_cp_ranks((1, 2)) == (1, 2)
+    assert (plain.describe(), mesh.describe()) == ("TP 1", "TP 2 x PP 2")
+
+
+def test_the_checkpoint_json_keeps_its_keys():
+    mesh = Mesh(8, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert mesh.to_dict() == {
+        "world_size": 8,
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+    }
+    assert Mesh.from_dict(mesh.to_dict()) == mesh
+    # Written before pipelining: no pipeline_parallel_size.
+    assert Mesh.from_dict({"world_size": 4, "tensor_parallel_size": 2}) == Mesh(
+        4, tensor_parallel_size=2
+    )
+    for bad, message in [
+        ({"world_size": 4}, "misses"),
+        ({"world_size": 4, "tensor_parallel_size": 1, "dp": 4}, "unknown mesh keys"),
+        ({"world_size": "4", "tensor_parallel_size": 1}, "world_size must be an integer"),
+        ([4, 1], "an object of sizes"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Mesh.from_dict(bad)
