@@ -81,14 +81,18 @@ unit: setup
 	$(VENV)/bin/pytest -q tests/unit
 
 # The oldest supported torch (requirements-compat.txt) with every other pin, in its own venv:
-# the unit tests and the distributed parity tests (docs/testing.md, "Supported versions").
+# the unit tests, the distributed parity tests, and one short run of each entry point under
+# torchrun, DCP's trainer and Megatron-LM's loop with --dcp (docs/testing.md, "Supported
+# versions").
 COMPAT_VENV := .venv-compat
 COMPAT_PY   := $(COMPAT_VENV)/bin/python
 COMPAT_REQS := requirements-compat.txt $(REQS)
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell cat $(COMPAT_REQS) | cksum | cut -d' ' -f1)
 COMPAT_TESTS ?= tests/unit tests/distributed/test_attention.py \
                 tests/distributed/test_runtime_parity.py tests/distributed/test_tensor_parallel.py \
-                tests/distributed/test_hf_parity.py
+                tests/distributed/test_hf_parity.py \
+                tests/e2e/test_pretrain.py::test_run_writes_metrics_config_and_wandb \
+                tests/e2e/test_collective_devices.py::test_megatron_loop_collectives_use_the_run_device
 
 $(COMPAT_STAMP): $(COMPAT_REQS)
 	@if [ -z "$(PYTHON312)" ]; then \

@@ -23,7 +23,7 @@ unless told otherwise, and megatron's ``initialize_model_parallel`` creates its 
 way, so a timeout passed to ``init_process_group`` alone leaves most groups on the default. DCP
 starts with a generous start-up timeout and, once training runs, lowers every group it knows
 (the default group, every group megatron's ``create_group`` registered, every group of the
-``GroupRegistry``) to the training timeout with ``torch.distributed.set_timeout``.
+``GroupRegistry``) to the training timeout (``set_group_timeout``).
 
 ``phase(name)`` marks what a rank is doing ("plan agreement", "micro-step 3 on ranks (0, 1)",
 "gradient reduction", ...); an error leaving a phase carries its name, so ``where(exc)`` still
@@ -458,6 +458,16 @@ def _member_groups(groups: Iterable[object]) -> list[dist.ProcessGroup]:
     return out
 
 
+def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup) -> None:
+    """Set ``timeout`` on every backend of ``group`` (a member's) for its later collectives.
+    ``torch.distributed.set_timeout`` is public from torch 2.14 (2.14 deprecates the private
+    ``distributed_c10d._set_pg_timeout``, which 2.11 to 2.13 have and it replaced)."""
+    set_timeout = getattr(dist, "set_timeout", None)
+    if set_timeout is None:
+        set_timeout = dist.distributed_c10d._set_pg_timeout
+    set_timeout(timeout, group)
+
+
 def set_collective_timeout(timeout_s: float, *, extra_groups: Iterable[object] = ()) -> int:
     """Set ``timeout_s`` on the default group, on every group megatron's parallel_state created
     and on ``extra_groups`` (those this rank belongs to). Returns how many groups were set."""
@@ -470,5 +480,5 @@ def set_collective_timeout(timeout_s: float, *, extra_groups: Iterable[object] =
         if id(group) in seen:
             continue
         seen.add(id(group))
-        dist.set_timeout(timeout, group)
+        set_group_timeout(timeout, group)
     return len(seen)

@@ -5,6 +5,9 @@
 set -euo pipefail
 : "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
 : "${GPUS_PER_NODE:=8}" "${RDZV_ID:=dcp}"
+# Micro-step shapes vary: let the CUDA allocator grow segments (docs/gpu.md; also the image's).
+: "${PYTORCH_CUDA_ALLOC_CONF:=expandable_segments:True}"
+export PYTORCH_CUDA_ALLOC_CONF
 # torchrun's c10d rendezvous: the nodes may start in any order (within its 600 s join timeout).
 # NODE_RANK 0 hosts its store at MASTER_ADDR:MASTER_PORT (torchrun would otherwise guess the
 # host from the node's names). Global ranks are torchrun's choice (nodes sorted by host name and

@@ -16,6 +16,11 @@ Why upstream can't, in megatron-core 0.19.2 (``optimizer/optimizer.py``,
   ``step`` tensor shared by every parameter; torch's AdamW increments it once per parameter, so
   the step count (and Adam's bias correction) would run ahead after a resume. ``load_distributed``
   gives every parameter its own copy.
+- Where the step count lives depends on the optimizer megatron picks: torch's AdamW (no TE or
+  apex) keeps it per parameter, TE's and apex's FusedAdam per parameter group, and megatron's
+  own save reads it from the one its import-time flags name. ``step_count`` reads it wherever it
+  is and ``allocate_state`` restores it where the optimizer in use keeps it, so a checkpoint
+  moves between a CPU and a GPU run.
 """
 
 from __future__ import annotations
@@ -198,15 +203,49 @@ def _flat_states(tensors: dict) -> dict[str, torch.Tensor]:
     }
 
 
+def keeps_step_per_param(torch_optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``torch_optimizer`` counts Adam's steps per parameter (torch's Adam and AdamW:
+    ``state[p]["step"]``, a tensor) rather than per parameter group. megatron-core builds TE's
+    ``FusedAdam`` when TE imports, else apex's, else torch's AdamW (``optimizer/__init__.py``);
+    both fused ones increment ``group["step"]``, an int they pass to the ``int step`` argument of
+    their multi-tensor kernel, and keep only the moments per parameter
+    (``transformer_engine/pytorch/optimizers/fused_adam.py``, ``apex/optimizers/fused_adam.py``:
+    ``step``)."""
+    return isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW)
+
+
+def step_count(torch_optimizer: torch.optim.Optimizer) -> int:
+    """Adam's step count, wherever ``torch_optimizer`` keeps it: the largest any parameter or any
+    group holds (every parameter has taken every step, but a rank's shard may hold no parameter
+    of some group, and FusedAdam counts no step for an empty group)."""
+    counts = [st["step"] for st in torch_optimizer.state.values() if "step" in st]
+    counts += [g["step"] for g in torch_optimizer.param_groups if "step" in g]
+    return max((int(c) for c in counts), default=0)
+
+
+def _set_step(torch_optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Give ``torch_optimizer`` the step count ``step`` where it keeps it
+    (``keeps_step_per_param``): a tensor of each parameter's own, or an int in every group (the
+    fused kernels take an int; pybind11 refuses a Python float for it)."""
+    if keeps_step_per_param(torch_optimizer):
+        for state in torch_optimizer.state.values():
+            state["step"] = torch.tensor(float(step))
+        for group in torch_optimizer.param_groups:
+            group.pop("step", None)
+        return
+    for state in torch_optimizer.state.values():
+        state.pop("step", None)
+    for group in torch_optimizer.param_groups:
+        group["step"] = int(step)
+
+
 def group_states(optimizer) -> list[dict]:
-    """Per inner optimizer, its param groups' settings and step count, as plain data (what
+    """Per inner optimizer, its param groups' settings and step count (``step_count``, as a
+    float in every group whichever optimizer counted it), as plain data (what
     ``allocate_state`` needs besides the tensors)."""
     out = []
     for opt in inner_optimizers(optimizer):
-        # Every parameter has taken every step (a rank's shard may hold no parameter of some
-        # group, so the count is the largest any parameter has).
-        steps = [float(st["step"]) for st in opt.optimizer.state.values() if "step" in st]
-        step = max(steps, default=0.0)
+        step = float(step_count(opt.optimizer))
         groups = [
             {**{k: _plain(v) for k, v in group.items() if k != "params"}, "step": step}
             for group in opt.optimizer.param_groups
@@ -240,16 +279,15 @@ def allocate_state(optimizer, saved_groups: list[dict]) -> None:
     for opt, saved in zip(inner, saved_groups, strict=True):
         groups = [dict(g) for g in saved["param_groups"]]
         _take_run_settings(groups, opt.optimizer.param_groups)
+        step = max((int(g.get("step", 0)) for g in groups), default=0)
         if isinstance(opt, DistributedOptimizer):
             # megatron allocates the shard's moments (``load_state_dict`` above) from the group
-            # state, with one step tensor every parameter shares: each gets its own.
+            # state; without TE or apex it adds one step tensor every parameter shares.
             opt.load_state_dict({"optimizer": {"param_groups": groups}})
-            _unshare_state_tensors(opt.optimizer)
-            continue
-        for group, now in zip(groups, opt.optimizer.param_groups, strict=True):
-            for p in now["params"]:
-                main = p
-                state = opt.optimizer.state[main]
-                state["step"] = torch.tensor(float(group["step"]))
-                for moment in ADAM_MOMENTS:
-                    state[moment] = torch.zeros_like(main, memory_format=torch.preserve_format)
+        else:
+            for now in opt.optimizer.param_groups:
+                for main in now["params"]:
+                    state = opt.optimizer.state[main]
+                    for moment in ADAM_MOMENTS:
+                        state[moment] = torch.zeros_like(main, memory_format=torch.preserve_format)
+        _set_step(opt.optimizer, step)

@@ -28,6 +28,7 @@ from dcp.train.exit_record import write_exit_record
 from dcp.train.launcher import die_with_launcher
 from dcp.train.signals import StopRequest
 from dcp.train.trainer import Trainer
+from dcp.versions import require_supported_versions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout=timedelta(seconds=startup),
     )
     try:
+        # Before anything else uses torch; agreed, so a node with another image is named too.
+        agree("checking the torch version", require_supported_versions)
         # A config that reads differently on one rank (a file only one node sees) fails every
         # rank together, like every other start-up phase (dcp.train.agree).
         agree("reading the config", lambda: _raise(config_error))

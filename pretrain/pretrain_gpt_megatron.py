@@ -30,6 +30,7 @@ from megatron.training.argument_utils import (
 
 from dcp.integrations import megatron_lm as dcp_mlm  # DCP
 from dcp.train.launcher import die_with_launcher  # DCP
+from dcp.versions import require_supported_versions  # DCP
 
 
 def model_provider(
@@ -62,6 +63,7 @@ def model_provider(
 def main() -> int:
     die_with_launcher()  # DCP: a launcher killed with -9 takes its workers along
     try:
+        require_supported_versions()  # DCP: a torch outside DCP's range, in one line
         train()
     except ValueError as exc:  # a bad argument or data file: the same on every rank
         if os.environ.get("RANK", "0") == "0":

@@ -21,6 +21,7 @@ import torch
 from dcp.attention.kernels import reference_attention
 from dcp.attention.layout import ShardLayout
 from dcp.attention.varlen import flash_varlen, flash_varlen_usable, sdpa_varlen, varlen_inputs
+from dcp.collectives import to_device
 
 LocalKernel = Literal["reference", "flash_varlen", "sdpa_varlen"]
 LOCAL_KERNELS: tuple[str, ...] = typing.get_args(LocalKernel)
@@ -36,15 +37,19 @@ def select_local_kernel(q: torch.Tensor) -> LocalKernel:
 
 @lru_cache(maxsize=32)
 def _device_inputs(layout: ShardLayout, rank: int, device: torch.device) -> tuple:
+    """The packed inputs' row indices and boundaries on ``device``. A micro-step's layout is
+    new, so these are copied once per micro-step: from pinned memory without blocking on a GPU
+    (``to_device``; a pageable host-to-device copy is a synchronising ``cudaMemcpy``), the
+    arrays themselves on the CPU."""
     inputs = varlen_inputs(layout, rank)
     q_rows = None
     if inputs.q_rows.size != layout.local_num_tokens:  # else every local row is real, in order
-        q_rows = torch.from_numpy(inputs.q_rows).to(device)
+        q_rows = to_device(torch.from_numpy(inputs.q_rows), device=device)
     return (
         q_rows,
-        torch.from_numpy(inputs.kv_rows).to(device),
-        torch.from_numpy(inputs.cu_seq_q).to(device),
-        torch.from_numpy(inputs.cu_seq_k).to(device),
+        to_device(torch.from_numpy(inputs.kv_rows), device=device),
+        to_device(torch.from_numpy(inputs.cu_seq_q), device=device),
+        to_device(torch.from_numpy(inputs.cu_seq_k), device=device),
     )
 
 

@@ -1,10 +1,12 @@
 """A process's RNG state: captured, stored as tensors plus plain numbers, restored.
 
-Python, NumPy's global generator, torch's CPU generator, CUDA's (every device, if any) and
-megatron-core's model-parallel RNG tracker when it holds states (dropout inside tensor-parallel
-regions draws from it). NumPy ``Generator`` objects are not global: the sampler keeps its own in
-its state. In a checkpoint the tensors go to the rank's tensor file under ``rng/...`` and the
-numbers to the file's metadata (``rng_tensors`` / ``from_tensors``): nothing is pickled.
+Python, NumPy's global generator, torch's CPU generator, the CUDA generator of the process's
+current device (a rank draws from no other; a resume may see another number of devices, as
+under SLURM with one GPU per task) and megatron-core's model-parallel RNG tracker when it holds
+states (dropout inside tensor-parallel regions draws from it). NumPy ``Generator`` objects are
+not global: the sampler keeps its own in its state. In a checkpoint the tensors go to the rank's
+tensor file under ``rng/...`` and the numbers to the file's metadata (``rng_tensors`` /
+``from_tensors``): nothing is pickled.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def capture_rng_state() -> dict[str, Any]:
         "megatron_tracker": None,
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+        state["torch_cuda"] = [torch.cuda.get_rng_state().cpu()]  # the current device's
     tracker = _megatron_tracker()
     if tracker is not None:
         states = tracker.get_states()
@@ -45,7 +47,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Put back a state from ``capture_rng_state`` (same device count)."""
+    """Put back a state from ``capture_rng_state``, the CUDA generator's into the current
+    device's (``_own_cuda_state``)."""
     py_version, py_internal, py_gauss = state["python"]
     random.setstate((py_version, tuple(int(x) for x in py_internal.tolist()), py_gauss))
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
@@ -61,17 +64,32 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch_cpu"])
     cuda_states = state.get("torch_cuda")
     if cuda_states is not None:
-        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda_states):
-            raise RuntimeError(
-                f"checkpoint holds CUDA RNG state for {len(cuda_states)} device(s) but this "
-                f"process sees {torch.cuda.device_count() if torch.cuda.is_available() else 0}; "
-                "resume on the same GPU layout for a bit-exact continuation"
-            )
-        torch.cuda.set_rng_state_all(cuda_states)
+        torch.cuda.set_rng_state(_own_cuda_state(cuda_states))
     tracker_states = state.get("megatron_tracker")
     if tracker_states is not None:
         tracker = _megatron_tracker(require=True)
         tracker.set_states({k: v.clone() for k, v in tracker_states.items()})
+
+
+def _own_cuda_state(states: list[torch.Tensor]) -> torch.Tensor:
+    """The saved CUDA generator state of this rank's device. Checkpoints of earlier versions
+    hold every visible device's state in device order, without saying which was the saving
+    rank's: with as many devices visible now, the current device's index picks it."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "checkpoint holds a CUDA RNG state but this process sees no GPU; resume on a GPU "
+            "for a bit-exact continuation"
+        )
+    if len(states) == 1:
+        return states[0]
+    count = torch.cuda.device_count()
+    if count != len(states):
+        raise RuntimeError(
+            f"checkpoint (of an earlier version) holds the CUDA RNG state of {len(states)} "
+            f"devices, not which was this rank's, and this process sees {count}: resume it "
+            f"with {len(states)} visible GPUs per process (its next save holds one)"
+        )
+    return states[torch.cuda.current_device()]
 
 
 def _megatron_tracker(require: bool = False) -> Any:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import megatron_patches
 from dcp.mesh import Mesh
+from dcp.versions import require_supported_versions
 
 
 def init(
@@ -30,7 +31,9 @@ def init(
     ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
     megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
     megatron's parallel state with ``tensor_parallel_size`` and ``pipeline_parallel_size``, its
-    groups created with ``timeout_s`` (default: torch's)."""
+    groups created with ``timeout_s`` (default: torch's). A torch outside the supported range
+    raises ``dcp.versions.UnsupportedVersion`` first."""
+    require_supported_versions()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # megatron's distributed optimizer calls these every step; torch 2.14 marks them deprecated

@@ -55,3 +55,34 @@ def test_members_only_groups_equal_world_wide_ones(world, tp, calls_local, calls
                 assert ranks == [p * tp + rank % tp for p in block]
                 assert total == sum(ranks)
                 assert seen["tp_cp"][0] == [p * tp + t for p in block for t in range(tp)]
+
+
+def timeouts_set_without_the_public_api() -> dict:
+    """``set_collective_timeout`` with ``torch.distributed.set_timeout`` removed (torch 2.11 to
+    2.13 have only the private ``distributed_c10d._set_pg_timeout``): the timeout each group's
+    gloo backend then holds. Every timeout is put back afterwards (the pool reuses the ranks)."""
+    import torch
+
+    from dcp.collectives import set_collective_timeout
+
+    def backend_timeout_s(group) -> float:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    extra = dist.new_group(backend="gloo")
+    before = backend_timeout_s(dist.group.WORLD)
+    public = dist.__dict__.pop("set_timeout", None)
+    try:
+        count = set_collective_timeout(7.0, extra_groups=[extra])
+        seen = [backend_timeout_s(g) for g in (dist.group.WORLD, extra)]
+    finally:
+        set_collective_timeout(before, extra_groups=[extra])
+        if public is not None:
+            dist.set_timeout = public
+    dist.barrier()
+    return {"count": count, "seen": seen}
+
+
+def test_collective_timeout_set_on_a_torch_without_set_timeout():
+    for out in run_on_ranks(2, timeouts_set_without_the_public_api):
+        assert out["count"] >= 2, out
+        assert out["seen"] == [7.0, 7.0], out

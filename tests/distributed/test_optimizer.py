@@ -4,6 +4,7 @@ the FP8 weight-cache flag reset once per plan."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -163,3 +164,130 @@ def first_microbatch_resets() -> int:
 
 def test_fp8_weight_cache_flag_reset_once_per_plan():
     assert run_on_ranks(2, first_microbatch_resets) == [1, 1]
+
+
+class GroupStepAdam(torch.optim.Optimizer):
+    """AdamW that keeps its step count per parameter group, as the optimizer megatron-core uses
+    on a GPU does: TE's and apex's ``FusedAdam`` increment ``group["step"]`` (an int, passed to
+    an int argument of their multi-tensor kernel) and hold only the moments per parameter
+    (``transformer_engine/pytorch/optimizers/fused_adam.py`` and ``apex/optimizers/
+    fused_adam.py``, ``step``). Per-parameter state other than the moments is refused, as TE's
+    ``state_dict`` refuses it (it looks each state name up in its dtype map)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, **kw):
+        # megatron passes adam_w_mode and capturable to FusedAdam; decoupled decay here.
+        super().__init__(
+            params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        )
+        del kw
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if not group["params"]:
+                continue  # FusedAdam counts no step for an empty group
+            step = group.get("step", 0)
+            if not isinstance(step, int):
+                raise TypeError(f"group step {step!r}: FusedAdam's kernel takes an int")
+            group["step"] = step = step + 1
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                if set(state) != {"exp_avg", "exp_avg_sq"}:
+                    raise KeyError(f"per-parameter state {sorted(state)}: FusedAdam has moments")
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                m.lerp_(p.grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                denom = (v / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                p.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1**step))
+
+
+@contextlib.contextmanager
+def fused_adam_stand_in():
+    """megatron-core's optimizer built and checkpointed as when TE imports: ``GroupStepAdam`` in
+    place of TE's ``FusedAdam`` in both modules that name it, with their TE flags set."""
+    import megatron.core.optimizer as mo
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    swaps = [
+        (mo, "Adam", GroupStepAdam),
+        (mo, "USING_PYTORCH_OPTIMIZER", False),
+        (do, "Adam", GroupStepAdam),
+        (do, "HAVE_APEX_OR_TE", True),
+        (do, "USING_TE_OPTIMIZER", True),
+    ]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+    try:
+        for module, name, value in swaps:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def resume_with_group_steps(root: str, distributed: bool) -> dict:
+    """Under ``fused_adam_stand_in``: four steps straight vs two steps, a checkpoint, a fresh
+    runtime (another seed) restored from it, two steps."""
+    from dcp.checkpoint import CheckpointSaver, Layout, apply, open_checkpoint, resolve_checkpoint
+    from dcp.checkpoint.state import runtime_parts
+
+    optim = dataclasses.replace(OPTIM, distributed=distributed)
+    try:
+        with fused_adam_stand_in():
+            straight = Runtime.from_config(ModelConfig(**TINY), optim, seed=SEED)
+            losses = _train(straight, range(4))
+            first = Runtime.from_config(ModelConfig(**TINY), optim, seed=SEED)
+            _train(first, range(2))
+            parts = runtime_parts(
+                first.model.module,
+                first.optimizer,
+                shared={"sampler": None, "scheduler": {"step": 2}, "extra": {}}
+                if dist.get_rank() == 0
+                else None,
+            )
+            layout = Layout(dist.get_world_size(), 1)
+            saver = CheckpointSaver(Path(root), layout=layout, rank=dist.get_rank())
+            saver.save(2, weights_finite=True, asynchronous=False, **parts)
+            dist.barrier()
+            resumed = Runtime.from_config(ModelConfig(**TINY), optim, seed=SEED + 1)
+            ckpt = open_checkpoint(resolve_checkpoint(root))
+            state = ckpt.read(
+                resumed.model.module, resumed.optimizer, rank=dist.get_rank(), layout=layout
+            )
+            apply(state, resumed.model.module, resumed.optimizer)
+            resumed.step = ckpt.step
+            resumed_losses = _train(resumed, range(2, 4))
+            same = all(
+                torch.equal(a, b)
+                for a, b in zip(straight.parameters(), resumed.parameters(), strict=True)
+            )
+            saved_steps = [
+                g["step"] for opt in ckpt.index.optimizer_groups for g in opt["param_groups"]
+            ]
+        return {
+            "losses": losses,
+            "resumed_losses": resumed_losses,
+            "same_weights": same,
+            "saved_steps": saved_steps,
+        }
+    finally:
+        cleanup()
+
+
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "replicated"])
+def test_resume_continues_an_optimizer_that_counts_steps_per_group(tmp_path, distributed):
+    """TE's and apex's FusedAdam keep Adam's step in ``group["step"]``: the checkpoint records
+    the step taken and the resumed run continues the uninterrupted run's losses and weights
+    (bias correction not restarted)."""
+    outs = run_on_ranks(2, resume_with_group_steps, str(tmp_path), distributed, timeout_s=240)
+    for out in outs:
+        assert set(out["saved_steps"]) == {2}, out
+        assert out["resumed_losses"] == out["losses"][2:], out
+        assert out["same_weights"], out

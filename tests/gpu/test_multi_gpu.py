@@ -57,7 +57,7 @@ def grads_for_plans(
     from dcp.plan import Plan
     from dcp.runtime.dispatch import InMemorySource
     from dcp.runtime.runtime import Runtime
-    from dcp.weights.canonical import load_canonical
+    from dcp.weights.canonical import load_canonical, param_names
     from tests.distributed.tiny import cleanup
 
     rng = np.random.default_rng(0)
@@ -70,7 +70,10 @@ def grads_for_plans(
             state = torch.load(load_weights, map_location="cpu")
             runtime.load_model_weights(lambda module: load_canonical(module, state))
         if save_weights:
-            state = runtime.model_state()  # collective over the TP group of rank 0
+            # Whole parameters (a collective over each TP group) under canonical names, which
+            # load_canonical cuts to any TP size.
+            names = param_names(runtime.model.module)
+            state = {names[n]: w for n, w in runtime.weights().items()}
             if torch.distributed.get_rank() == 0:
                 torch.save({k: v.detach().cpu() for k, v in state.items()}, save_weights)
         for plan in plans:
@@ -182,7 +185,14 @@ def test_llama3_8b_recipe_memory_on_8_gpus(record_property):
         for c in memory_budget(load_cost_model(spec), seq_len).cells
         if c.cp_size == 8 and c.recompute == "full"
     )
+    device_bytes = torch.cuda.get_device_properties(0).total_memory
+    if cell.total_bytes_per_gpu > device_bytes:
+        pytest.skip(
+            f"the recipe plans {cell.total_bytes_per_gpu / 1e9:.0f} GB per GPU at CP = 8 (sized "
+            f"for H200s); this GPU has {device_bytes / 1e9:.0f} GB"
+        )
     out = run_on_ranks(8, llama3_8b_peak_memory, seq_len, timeout_s=600)[0]
     record_property("llama3_8b.predicted_bytes_per_gpu", cell.total_bytes_per_gpu)
+    record_property("llama3_8b.device_bytes", device_bytes)
     record_property("llama3_8b.peak_bytes", out["peak_bytes"])
-    assert max(out["peak_bytes"]) < 141e9, out
+    assert max(out["peak_bytes"]) < device_bytes, out

@@ -222,3 +222,39 @@ def test_every_te_attention_layer_shares_one_cp_stream(monkeypatch):
     streams = {id(shared_cp_stream(m)) for m in layers}
     assert len(made) == 1 and streams == {id(made[0])}
     assert MegatronTEAttention.cp_stream is made[0]
+
+
+def test_the_gpu_tests_use_only_what_runtime_has():
+    """``tests/gpu`` cannot run here: every ``runtime.<name>`` it reads must at least exist on
+    ``Runtime`` (a method, a property, or an attribute its methods set), or the first GPU run
+    stops there."""
+    import ast
+    from pathlib import Path
+
+    from dcp.runtime import runtime as runtime_module
+
+    source = Path(runtime_module.__file__).read_text()
+    (cls,) = [
+        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Runtime"
+    ]
+    known = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    known |= {
+        node.attr
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }
+    gpu_tests = Path(__file__).resolve().parents[1] / "gpu"
+    used = {
+        (path.name, node.attr)
+        for path in sorted(gpu_tests.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "runtime"
+    }
+    assert used, "no runtime.<name> found in tests/gpu"
+    missing = sorted((name, attr) for name, attr in used if attr not in known)
+    assert not missing, f"tests/gpu reads what Runtime does not have: {missing}"

@@ -25,6 +25,7 @@ JOB_ID = "4242"
 SRUN = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$STUB_DIR/srun.args"
 echo "$MASTER_ADDR:$MASTER_PORT $GPUS_PER_NODE" > "$STUB_DIR/srun.master"
+echo "${PYTORCH_CUDA_ALLOC_CONF:-unset}" > "$STUB_DIR/srun.alloc"
 log() { echo "$*" >> "$STUB_DIR/log"; }
 stop() { log "srun got $1"; sleep 0.3; log "srun saved"; exit 0; }
 trap 'stop USR1' USR1
@@ -134,6 +135,32 @@ def test_a_step_that_ends_by_itself_is_not_requeued(tmp_path, code):
     out = _finish(proc)
     assert proc.returncode == code, out
     assert _log(tmp_path) == ["scontrol show hostnames node[1-100000]", "srun finished"]
+
+
+@pytest.mark.parametrize("given", [None, "max_split_size_mb:512"])
+def test_the_launchers_give_the_workers_expandable_segments(tmp_path, given):
+    """Micro-step shapes vary, so the CUDA allocator grows its segments (docs/gpu.md) unless
+    the user set PYTORCH_CUDA_ALLOC_CONF themselves."""
+    expected = given or "expandable_segments:True"
+    env = {} if given is None else {"PYTORCH_CUDA_ALLOC_CONF": given}
+    (tmp_path / "slurm").mkdir()
+    proc = _launch(tmp_path / "slurm", STUB_SRUN_EXIT="0", **env)
+    assert proc.wait(timeout=30) == 0, proc.stdout.read()
+    assert (tmp_path / "slurm" / "srun.alloc").read_text() == f"{expected}\n"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(
+        '#!/usr/bin/env bash\necho "$PYTORCH_CUDA_ALLOC_CONF" > "$STUB_DIR/torchrun.alloc"\n'
+    )
+    (bin_dir / "torchrun").chmod(0o755)
+    launcher = SBATCH.parent / "launch_torchrun.sh"
+    subprocess.run(
+        ["bash", str(launcher), "--config", "pretrain/configs/x.yaml"],
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_DIR": str(tmp_path), **env},
+        check=True,
+        timeout=30,
+    )
+    assert (tmp_path / "torchrun.alloc").read_text() == f"{expected}\n"
 
 
 DOCUMENTED = (

@@ -24,6 +24,7 @@ LAYERS = [
     "dcp.files",
     "dcp.schema",
     "dcp.console",
+    "dcp.versions",
     "dcp.costmodel",
     "dcp.planning",
     "dcp.collectives",

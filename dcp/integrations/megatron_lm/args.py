@@ -169,6 +169,14 @@ def overridden_flags(args: argparse.Namespace) -> list[str]:
             "(the plan lines' recompute share); for one level for the whole run use "
             "--dcp-planner static --dcp-static-recompute {none,selective,full}"
         )
+    if args.overlap_grad_reduce:
+        # Under no_sync megatron's bucket groups never see a gradient marked ready, so they
+        # stay in their first-batch mode and finish_grad_sync starts each reduction itself
+        # (param_and_grad_buffer.py: reset, finish_grad_sync).
+        lines.append(
+            "--overlap-grad-reduce: gives no overlap; DCP runs its micro-steps under DDP's "
+            "no_sync and reduces the gradients once after the last micro-step"
+        )
     return lines
 
 
@@ -227,6 +235,13 @@ def check_args(args: argparse.Namespace) -> None:
             "global batches are packed at --global-batch-size from the first step: drop "
             "--rampup-batch-size"
         )
+    if args.tp_comm_overlap:
+        # megatron's initialize._initialize_tp_communicators: TE's userbuffers hold
+        # seq_length * micro_batch_size / context_parallel_size tokens, fixed at start-up.
+        problems.append(
+            "TE's tensor-parallel overlap buffers are sized once to --seq-length tokens and "
+            "DCP's packed micro-batches vary in length: drop --tp-comm-overlap"
+        )
     if args.hybrid_context_parallel:
         problems.append(
             "megatron's --hybrid-context-parallel does not run end to end in megatron-core "
@@ -238,6 +253,14 @@ def check_args(args: argparse.Namespace) -> None:
             problems.append(
                 "DCP divides the loss by the global batch's token count, so gradients must be "
                 "summed, not averaged, over ranks: --calculate-per-token-loss"
+            )
+        if args.fp8 and args.fp8_recipe == "delayed":
+            # Megatron's default recipe: TE reduces amax over the DP x CP x TP group after every
+            # FP8 forward, and DCP's ranks run different numbers of micro-steps.
+            problems.append(
+                "FP8 delayed scaling (Megatron's default recipe) all-reduces amax after every "
+                "FP8 forward and DCP's ranks run different numbers of micro-steps, which would "
+                "hang: --fp8-recipe tensorwise (or blockwise: Hopper, CUDA >= 12.9)"
             )
         if args.context_parallel_size != 1:
             problems.append(

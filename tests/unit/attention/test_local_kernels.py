@@ -130,3 +130,37 @@ def test_the_cpu_runs_the_reference_kernel_and_refuses_flash():
         )
     with pytest.raises(ValueError, match="kernel must be one of"):
         local_attention(q, torch.cat([q, q], -1), layout=layout, rank=0, scale=1.0, kernel="bogus")
+
+
+@pytest.mark.parametrize(("doc_lens", "cp_size"), [((5, 3), 1), ((7, 2, 9), 2)])
+def test_the_packed_inputs_reach_the_device_without_a_blocking_copy(monkeypatch, doc_lens, cp_size):
+    """Each micro-step's row indices and boundaries go through ``dcp.collectives.to_device``
+    (pinned host memory, a non-blocking copy on a GPU: a pageable host-to-device copy is a
+    synchronising cudaMemcpy); on the CPU the values are the layout's, as before."""
+    from dcp.attention import local
+    from dcp.collectives import to_device
+
+    staged = []
+
+    def recording_to_device(values, **kwargs):
+        staged.append((values, kwargs.get("device")))
+        return to_device(values, **kwargs)
+
+    monkeypatch.setattr(local, "to_device", recording_to_device)
+    local._device_inputs.cache_clear()
+    layout = ShardLayout(doc_lens=doc_lens, cp_size=cp_size)
+    for rank in range(cp_size):
+        got = local._device_inputs(layout, rank, torch.device("cpu"))
+        inputs = varlen_inputs(layout, rank)
+        expected = (inputs.kv_rows, inputs.cu_seq_q, inputs.cu_seq_k)
+        for tensor, array in zip(got[1:], expected, strict=True):
+            np.testing.assert_array_equal(tensor.numpy(), array)
+        if got[0] is not None:
+            np.testing.assert_array_equal(got[0].numpy(), inputs.q_rows)
+    present = sum(
+        len([t for t in local._device_inputs(layout, r, torch.device("cpu")) if t is not None])
+        for r in range(cp_size)
+    )
+    assert len(staged) == present, staged
+    assert all(device == torch.device("cpu") for _, device in staged)
+    local._device_inputs.cache_clear()

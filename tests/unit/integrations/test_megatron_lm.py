@@ -287,6 +287,45 @@ def test_megatron_flags_dcp_overrides_are_named_one_line_each():
     assert overridden_flags(megatron_args(*GOOD, "--recompute-granularity", "full")) == []
 
 
+@pytest.mark.parametrize(
+    "recipe", [(), ("--fp8-recipe", "delayed")], ids=["megatron-default", "delayed"]
+)
+def test_delayed_fp8_scaling_is_refused_under_dcp(recipe):
+    """Delayed scaling all-reduces amax after every FP8 forward; DCP's ranks run different
+    micro-step counts, so the reductions would pair up wrongly or hang. Megatron's default
+    recipe is delayed, so ``--fp8-format`` alone asks for it."""
+    args = megatron_args(*GOOD, "--dcp", "--fp8-format", "hybrid", *recipe)
+    with pytest.raises(ValueError) as err:
+        dcp_mlm.check_args(args)
+    (line,) = [x for x in str(err.value).splitlines() if "--fp8-recipe" in x]
+    assert "--fp8-recipe tensorwise" in line, line
+    for ok in ("tensorwise", "blockwise"):
+        dcp_mlm.check_args(
+            megatron_args(*GOOD, "--dcp", "--fp8-format", "e4m3", "--fp8-recipe", ok)
+        )
+    # Megatron's own schedule (no --dcp) runs as many micro-batches on every rank.
+    dcp_mlm.check_args(megatron_args(*GOOD, "--fp8-format", "hybrid", *recipe))
+    dcp_mlm.check_args(megatron_args(*GOOD, "--dcp"))  # no FP8: the default recipe is unused
+
+
+@pytest.mark.parametrize("dcp", [False, True])
+def test_tensor_parallel_comm_overlap_is_refused(dcp):
+    """TE's overlap buffers are sized once to --seq-length tokens; packed micro-batches vary."""
+    args = megatron_args(*GOOD, "--tp-comm-overlap", *(["--dcp"] if dcp else []))
+    with pytest.raises(ValueError) as err:
+        dcp_mlm.check_args(args)
+    (line,) = [x for x in str(err.value).splitlines() if "--tp-comm-overlap" in x]
+    assert "--seq-length" in line and "drop --tp-comm-overlap" in line, line
+
+
+def test_overlap_grad_reduce_is_named_as_giving_no_overlap_under_dcp():
+    args = megatron_args(*GOOD, "--dcp", "--overlap-grad-reduce")
+    dcp_mlm.check_args(args)  # accepted: it runs, without overlap
+    (line,) = [x for x in overridden_flags(args) if x.startswith("--overlap-grad-reduce")]
+    assert "no overlap" in line and "once after the last micro-step" in line, line
+    assert overridden_flags(megatron_args(*GOOD, "--overlap-grad-reduce")) == []
+
+
 def test_microstep_records_are_named_after_the_metrics_file():
     """Two runs writing step records into one directory keep their micro-step records apart."""
     assert microsteps_path("runs/m/dcp.jsonl") == Path("runs/m/dcp.microsteps.jsonl")
