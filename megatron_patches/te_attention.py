@@ -6,7 +6,8 @@ runs micro-steps at CP = 2, 4, ...; and TE ≤ 2.17 misses the padding on the la
 padded THD batch. ``te_core_attention()`` returns ``DCPTEDotProductAttention``, the upstream
 class with the shared CP stream made at construction (``parallel_state.shared_cp_stream``, the
 one the per-micro-step CP switch hands TE) and padded document
-boundaries passed as real (``cu_seqlens_q = cu_seqlens_padded``). Nothing here runs on CPU;
+boundaries passed as real (``cu_seqlens_q = cu_seqlens_padded``, ``pad_between_seqs=False``:
+no host sync to detect padding). Nothing here runs on CPU;
 ``tools/gpu_check.py`` exercises it on a GPU. In detail: docs/design.md, 'Transformer Engine (GPU
 path, not yet run)'.
 """
@@ -21,13 +22,20 @@ from megatron_patches.parallel_state import shared_cp_stream
 
 
 def padded_as_real(params):
-    """``params`` with ``cu_seqlens_q/kv`` replaced by their padded versions (see module doc)."""
+    """``params`` with ``cu_seqlens_q/kv`` replaced by their padded versions (see module doc),
+    and ``pad_between_seqs=False``: with the padded boundaries as the real ones there is no
+    padding between sequences. Said explicitly because TE's ``DotProductAttention.forward``
+    (2.x, ``qkv_format="thd"``) otherwise detects it with ``torch.equal`` on the padded and
+    unpadded ``cu_seqlens`` (device tensors): a host sync per attention call, again in
+    recompute. megatron's ``TEDotProductAttention`` passes the field on with TE >= 2.2
+    (``kept_packed_seq_params``) and drops it before."""
     if params is None or params.cu_seqlens_q_padded is None:
         return params
     return dataclasses.replace(
         params,
         cu_seqlens_q=params.cu_seqlens_q_padded,
         cu_seqlens_kv=params.cu_seqlens_kv_padded,
+        pad_between_seqs=False,
     )
 
 

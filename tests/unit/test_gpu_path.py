@@ -91,7 +91,8 @@ def test_te_spec_without_te_or_gpu_is_a_clear_error():
 
 
 def test_te_attention_sees_padding_as_real_tokens():
-    """TE ≤ 2.17 misses padding on the last document; DCP passes padded boundaries as real."""
+    """TE ≤ 2.17 misses padding on the last document; DCP passes padded boundaries as real, and
+    says there is no padding between sequences."""
     from megatron_patches.te_attention import padded_as_real
 
     layout = ShardLayout(doc_lens=(5, 3), cp_size=2)  # padded to 8 and 4
@@ -100,6 +101,9 @@ def test_te_attention_sees_padding_as_real_tokens():
     assert params.cu_seqlens_kv.tolist() == [0, 8, 12]
     assert params.cu_seqlens_q_padded.tolist() == [0, 8, 12]
     assert params.max_seqlen_q == 8
+    # No padding between sequences is left, and TE is told so: it would otherwise compare the
+    # padded and unpadded boundaries on the device (a host sync per attention call).
+    assert params.pad_between_seqs is False
     assert padded_as_real(None) is None
 
 
