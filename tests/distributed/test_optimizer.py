@@ -235,8 +235,9 @@ def fused_adam_stand_in():
 def resume_with_group_steps(root: str, distributed: bool) -> dict:
     """Under ``fused_adam_stand_in``: four steps straight vs two steps, a checkpoint, a fresh
     runtime (another seed) restored from it, two steps."""
-    from dcp.checkpoint import CheckpointSaver, Layout, apply, open_checkpoint, resolve_checkpoint
+    from dcp.checkpoint import CheckpointSaver, apply, open_checkpoint, resolve_checkpoint
     from dcp.checkpoint.state import runtime_parts
+    from dcp.mesh import Mesh
 
     optim = dataclasses.replace(OPTIM, distributed=distributed)
     try:
@@ -252,14 +253,14 @@ def resume_with_group_steps(root: str, distributed: bool) -> dict:
                 if dist.get_rank() == 0
                 else None,
             )
-            layout = Layout(dist.get_world_size(), 1)
-            saver = CheckpointSaver(Path(root), layout=layout, rank=dist.get_rank())
+            mesh = Mesh(dist.get_world_size())
+            saver = CheckpointSaver(Path(root), mesh=mesh, rank=dist.get_rank())
             saver.save(2, weights_finite=True, asynchronous=False, **parts)
             dist.barrier()
             resumed = Runtime.from_config(ModelConfig(**TINY), optim, seed=SEED + 1)
             ckpt = open_checkpoint(resolve_checkpoint(root))
             state = ckpt.read(
-                resumed.model.module, resumed.optimizer, rank=dist.get_rank(), layout=layout
+                resumed.model.module, resumed.optimizer, rank=dist.get_rank(), mesh=mesh
             )
             apply(state, resumed.model.module, resumed.optimizer)
             resumed.step = ckpt.step
