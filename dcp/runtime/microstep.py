@@ -15,7 +15,8 @@ under the loss mask. ``MicroStepExecutor`` does each of these once, for every ca
   fixed CP group and the executor only prepares and runs.
 
 The model's token alignment (``local_token_multiple``: TE's THD input, FP8 GEMMs, sequence
-parallelism) is read once from the built model, so every path pads alike.
+parallelism) is read once from the built model, so every path pads alike; and its RoPE serves
+every micro-step from one table (``megatron_patches.rope.one_rope_table``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dcp.runtime.dispatch import LocalBatch, SequenceSource, local_batch
 from megatron_patches._util import unwrap
 from megatron_patches.parallel_state import use_cp_group
 from megatron_patches.recompute import use_recompute
+from megatron_patches.rope import one_rope_table
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,9 @@ class MicroStepExecutor:
         self.device = run_device()
         self.token_multiple = math.lcm(token_multiple, local_token_multiple(self.inner))
         self.stage_layers = model_stage_layers(model)
+        # Packed micro-steps of every length and CP group share one RoPE table, where megatron
+        # would cache one per (length, group) on the device.
+        one_rope_table(self.inner)
 
     def begin_step(self) -> None:
         """Call once per optimizer step, before its first micro-step. TE linears cache their FP8

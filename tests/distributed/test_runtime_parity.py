@@ -125,6 +125,14 @@ def test_every_path_pads_to_the_models_alignment():
             np.testing.assert_allclose(aligned, plain, rtol=RTOL, atol=1e-6)
 
 
+def test_packed_micro_steps_share_one_rope_table():
+    """Micro-steps of different lengths and CP groups (training and evaluation) use one RoPE
+    table, the model's longest, where megatron caches one per (length, CP group)."""
+    for out in run_on_ranks(2, rope_tables, DOCS):
+        assert out["upstream_tables_added"] == 0, out
+        assert out["table_rows"] == [TINY["max_seq_len"]], out
+
+
 @pytest.mark.parametrize("distributed", [True, False], ids=["distributed_optimizer", "replicated"])
 def test_weights_after_three_steps_match_reference(distributed):
     ref = run_on_ranks(1, reference_run, DOCS, train_steps=3)[0]
@@ -312,6 +320,28 @@ def aligned_forwards(docs: list[np.ndarray]) -> dict:
             "widths": widths,
             "aligned_logits": [t.numpy().copy() for t in aligned],
             "plain_logits": [t.numpy().copy() for t in plain],
+        }
+    finally:
+        cleanup()
+
+
+def rope_tables(docs: list[np.ndarray]) -> dict:
+    """Run every 2-rank plan (CP 1 and 2, several lengths) and report the RoPE tables made."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    try:
+        runtime = Runtime.from_config(ModelConfig(**TINY, core_attention="dcp"), OPTIM, seed=SEED)
+        source = InMemorySource(docs)
+        before = RotaryEmbedding.forward.cache_info().currsize
+        rotary = runtime.model.module.rotary_pos_emb
+        rows = set()
+        for spec in PLANS_2.values():
+            runtime.forward_backward(Plan.from_dict(spec), source)
+            runtime.forward(Plan.from_dict(spec), source)
+            rows.add(rotary._dcp_rope_table.size(0))
+        return {
+            "upstream_tables_added": RotaryEmbedding.forward.cache_info().currsize - before,
+            "table_rows": sorted(rows),
         }
     finally:
         cleanup()

@@ -127,6 +127,25 @@ def test_rope_frequencies_are_a_plain_attribute_read_by_forward():
     assert "self.inv_freq" in inspect.getsource(rope.RotaryEmbedding.get_freqs_non_repeated)
 
 
+def test_rope_tables_are_cached_per_length_and_cp_group():
+    """``megatron_patches.rope.one_rope_table`` exists because upstream caches a table per
+    (length, CP group) and asks for the packed micro-step's longest sequence."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+    from megatron.core.models.gpt import gpt_model
+
+    assert hasattr(rope.RotaryEmbedding.forward, "cache_info")  # functools.lru_cache
+    params = inspect.signature(rope.RotaryEmbedding.forward).parameters
+    assert list(params) == ["self", "max_seq_len", "offset", "packed_seq", "cp_group"]
+    assert list(inspect.signature(rope.RotaryEmbedding.get_emb).parameters) == [
+        "self",
+        "max_seq_len",
+        "offset",
+    ]
+    src = inspect.getsource(rope.RotaryEmbedding.get_rotary_seq_len)
+    assert "max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)" in src
+    assert "cp_group=packed_seq_params.cp_group" in inspect.getsource(gpt_model.GPTModel)
+
+
 def test_te_attention_makes_its_cp_stream_only_at_cp_above_one():
     """``megatron_patches.te_attention`` exists because upstream creates the CP stream only for a
     model built with CP > 1. Read as text: the module imports Transformer Engine."""
