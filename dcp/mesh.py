@@ -12,7 +12,7 @@ step's tensor-and-context group is the union over every TP rank. At TP = PP = 1 
 itself.
 
 "Mesh" is this arrangement only; a *layout* in DCP is the zig-zag shard layout of a CP group
-(``dcp.attention.layout``) or a checkpoint's directory layout (``dcp.checkpoint.layout``). A
+(``dcp.attention.layout``) or a checkpoint's directory layout (``dcp.checkpoint.directory``). A
 checkpoint's index stores its writers' mesh under the JSON key ``"layout"``
 (``Mesh.to_dict`` / ``Mesh.from_dict``).
 """

@@ -14,7 +14,7 @@ The spec's ``options.tensor_parallel_size`` sets TP: plan ranks are planner rank
 dropped sequences or planner notes) to ``--out`` or stdout; a summary goes to stderr.
 
 ``--measurements FILE``: micro-step records of a run (``runs/<name>/microsteps.jsonl``, see
-``dcp.costmodel.records``); the cost model is refitted on them with ``--spec`` as the prior
+``dcp.costmodel.microsteps``); the cost model is refitted on them with ``--spec`` as the prior
 (``dcp.costmodel.online``) before planning.
 """
 
@@ -28,8 +28,8 @@ from pathlib import Path
 
 from dcp import console
 from dcp.costmodel import available_presets, load_cost_model
+from dcp.costmodel.microsteps import read_records
 from dcp.costmodel.online import fit_records
-from dcp.costmodel.records import read_records
 from dcp.data.lengths import MAX_LENGTH
 from dcp.files import load_json
 from dcp.plan import PLANNERS

@@ -7,7 +7,7 @@
 
 Runs micro-steps of ``--config``'s model on 2 gloo ranks through the real runtime
 (``dcp.bench.measure``: the grid, the memory probes) and fits the cost model to them
-(``dcp.costmodel.calibrate``). With a spec whose ``options.tensor_parallel_size`` is TP > 1
+(``dcp.costmodel.offline``). With a spec whose ``options.tensor_parallel_size`` is TP > 1
 (``--spec cpu-tiny+cpu-tp2``) it runs 2 planner ranks of TP ranks each and also times the TP
 collectives on their own, which the fit keeps as the cost model's TP term. Besides the three
 recompute levels it times a full recompute of only the first ``--partial-layers`` layers (half
@@ -28,8 +28,8 @@ from pathlib import Path
 
 from dcp import console
 from dcp.costmodel import load_spec
-from dcp.costmodel.calibrate import calibrated_spec
 from dcp.costmodel.load import write_preset_calibration
+from dcp.costmodel.offline import calibrated_spec
 from dcp.costmodel.report import format_calibration, format_memory, format_report
 from dcp.files import load_json, reading
 from dcp.plan import RECOMPUTE_LEVELS

@@ -23,8 +23,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dcp.costmodel.calibrate import MemoryPoint, TimePoint, TPCommPoint, shape_label
 from dcp.costmodel.formula import CostModel
+from dcp.costmodel.offline import MemoryPoint, TimePoint, TPCommPoint, shape_label
 from dcp.costmodel.spec import (
     TP_GATHERS_SCATTERS_OUTSIDE_LAYERS,
     TP_GATHERS_SCATTERS_PER_LAYER,

@@ -1,7 +1,7 @@
 """Checkpoints at the scale of the models: every rank writes its own shard in parallel (in the
 background, if asked), and a checkpoint loads at another world size and TP size.
 
-- ``layout``: the directory layout, which step directories count, ``latest``, pruning;
+- ``directory``: the directory layout, which step directories count, ``latest``, pruning;
 - ``tensorfile``: safetensors files written as a stream with digests, read without trusting them;
 - ``index``: the manifest's index (which file holds which slice of which canonical tensor and
   which piece of optimizer state), checked before anything it names is opened;
@@ -12,7 +12,8 @@ background, if asked), and a checkpoint loads at another world size and TP size.
 - ``restore``: what a rank read, put into its model and optimizer;
 - ``legacy``: checkpoints of the earlier ``torch.save`` format;
 - ``hf``: Hugging Face weights in and out, streaming;
-- ``config``, ``policy``: the trainer's ``checkpoint`` section and when it saves.
+- ``config``, ``policy``: the trainer's ``checkpoint`` section and when it saves;
+- ``extras``: the run's own state in a checkpoint, as registered parts.
 
 docs/design.md ('Checkpoints') says why this is not ``torch.distributed.checkpoint`` or
 megatron's ``dist_checkpointing``: nothing read from a checkpoint is ever unpickled.
@@ -24,14 +25,14 @@ import os
 from pathlib import Path
 
 from dcp.checkpoint.config import CheckpointConfig
-from dcp.checkpoint.index import CheckpointIndexError
-from dcp.checkpoint.layout import (
+from dcp.checkpoint.directory import (
     complete_checkpoints,
     find_latest,
     is_complete,
     read_manifest,
     step_dir_name,
 )
+from dcp.checkpoint.index import CheckpointIndexError
 from dcp.checkpoint.load import Checkpoint, open_checkpoint
 from dcp.checkpoint.restore import CorruptCheckpointError, RankState, apply
 from dcp.checkpoint.rng import capture_rng_state, restore_rng_state

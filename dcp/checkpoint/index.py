@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dcp.checkpoint.layout import FORMAT_VERSION, is_count, is_file_name
+from dcp.checkpoint.directory import FORMAT_VERSION, is_count, is_file_name
 from dcp.checkpoint.tensorfile import DTYPES
 from dcp.mesh import Mesh
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from dcp.checkpoint.directory import SHARED, is_complete, read_manifest
 from dcp.checkpoint.index import OPTIMIZER_STATES, Index, ModelEntry, OptimizerEntry
-from dcp.checkpoint.layout import SHARED, is_complete, read_manifest
 from dcp.checkpoint.legacy import LegacyCheckpoint
 from dcp.checkpoint.restore import CorruptCheckpointError, RankState, canonical_params
 from dcp.checkpoint.rng import from_tensors

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dcp.checkpoint.config import CheckpointConfig
-from dcp.checkpoint.layout import find_latest
+from dcp.checkpoint.directory import find_latest
 from dcp.checkpoint.save import CheckpointSaveError, CheckpointSaver
 from dcp.checkpoint.state import runtime_parts
 from dcp.collectives import MAX

@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from dcp.checkpoint.index import OPTIMIZER_STATES, Index
-from dcp.checkpoint.layout import (
+from dcp.checkpoint.directory import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
@@ -49,6 +48,7 @@ from dcp.checkpoint.layout import (
     step_dir_name,
     tmp_dir_name,
 )
+from dcp.checkpoint.index import OPTIMIZER_STATES, Index
 from dcp.checkpoint.rng import rng_tensors
 from dcp.checkpoint.state import LocalTensor, OptimizerPiece, writers
 from dcp.checkpoint.tensorfile import NAMES, TensorFileWriter

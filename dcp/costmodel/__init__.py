@@ -1,9 +1,9 @@
 """The cost model: predicted time and memory of a micro-step, from a spec (pure Python + numpy).
 
 ``load_cost_model`` is the one entry point (preset name, spec JSON path or dict);
-``dcp.costmodel.calibrate`` fits coefficients to a profiling grid, ``dcp.bench.measure`` takes
+``dcp.costmodel.offline`` fits coefficients to a profiling grid, ``dcp.bench.measure`` takes
 it on gloo ranks (imports torch, megatron-core), and ``dcp.costmodel.online`` refits a spec on
-the micro-step records a training run writes (``dcp.costmodel.records``). See docs/design.md,
+the micro-step records a training run writes (``dcp.costmodel.microsteps``). See docs/design.md,
 'The cost model'.
 """
 
@@ -20,8 +20,8 @@ from dcp.costmodel.load import (
     with_model,
     with_runtime_options,
 )
+from dcp.costmodel.microsteps import MicroStepRecord, append_records, read_records
 from dcp.costmodel.online import RecordFit, fit_records
-from dcp.costmodel.records import MicroStepRecord, append_records, read_records
 
 __all__ = [
     "PROFILES_DIR",

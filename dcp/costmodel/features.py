@@ -2,7 +2,7 @@
 
 With the two half-efficiency terms fixed and no overlap (as on the blocking gloo runtime), and the
 TP collectives (``CostModel.tp_time_s``) held fixed, one micro-step's time is ``row ·
-coefficients``: what ``dcp.costmodel.calibrate`` and the online refit fit. A unit test checks
+coefficients``: what ``dcp.costmodel.offline`` and the online refit fit. A unit test checks
 that row · coefficients + tp_time_s equals ``CostModel.step_time_s``, so the two cannot drift
 apart. Pure Python.
 """

@@ -1,6 +1,6 @@
-"""Refit a cost model from the micro-steps a training run measured (``dcp.costmodel.records``).
+"""Refit a cost model from the micro-steps a training run measured (``dcp.costmodel.microsteps``).
 
-Time: the linear form of ``dcp.costmodel.calibrate.fit_time`` with the prior's half-token terms
+Time: the linear form of ``dcp.costmodel.offline.fit_time`` with the prior's half-token terms
 and TP collectives, regularised toward the prior, so that what the records cannot separate (or
 never touch) keeps the prior's values; records with an outlying relative residual are dropped
 and the fit repeated. Memory is never lowered: per-token and static bytes only rise to cover
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dcp.costmodel.calibrate import FREE_LINK_BYTES_PER_S
 from dcp.costmodel.features import TIME_FEATURES, time_features
 from dcp.costmodel.formula import CostModel
 from dcp.costmodel.load import load_spec
-from dcp.costmodel.records import MicroStepRecord
+from dcp.costmodel.microsteps import MicroStepRecord
+from dcp.costmodel.offline import FREE_LINK_BYTES_PER_S
 from dcp.costmodel.shrinkage import shrunk_fit
 from dcp.plan import RECOMPUTE_LEVELS, full_recompute_layers
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dcp.costmodel.calibrate import MemoryFit, ReportRow, error_summary, shape_label
+from dcp.costmodel.offline import MemoryFit, ReportRow, error_summary, shape_label
 from dcp.plan import RECOMPUTE_LEVELS
 
 

@@ -2,7 +2,7 @@
 
 Every step, the time of each micro-step's slowest rank reaches every rank with the step's batched
 reduction (``Runtime.train_step``: a max over ranks of one vector with a slot per plan step) and
-becomes a ``MicroStepRecord`` (``dcp.costmodel.records``), appended
+becomes a ``MicroStepRecord`` (``dcp.costmodel.microsteps``), appended
 by rank 0 to ``runs/<name>/microsteps.jsonl``. With ``planning.calibration=online``, every
 ``refit_interval_steps`` steps each rank refits the run's spec on the same records
 (``dcp.costmodel.online.fit_records``, deterministic, so every rank plans with the same model):

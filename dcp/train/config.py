@@ -169,7 +169,7 @@ def source_model_config(init: Mapping[str, Any]) -> tuple[str, dict[str, Any]] |
         return f"init.from_hf ({hf_dir})", to_dict(read_model_config(hf_dir))
     if init.get("from_checkpoint"):
         from dcp.checkpoint import open_checkpoint, resolve_checkpoint
-        from dcp.checkpoint.layout import SHARED
+        from dcp.checkpoint.directory import SHARED
         from dcp.files import reading
 
         path = resolve_checkpoint(init["from_checkpoint"])

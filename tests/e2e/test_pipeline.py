@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
-from dcp.costmodel.records import read_records
+from dcp.costmodel.microsteps import read_records
 from dcp.observability.metrics import read_metrics
 from dcp.step.calibration import RECORDS_FILENAME
 from tests.e2e.demo_runs import BIN, CONFIG, DEMO, losses

@@ -197,7 +197,7 @@ def _records(tmp: Path):
 
 
 def _read_records(path):
-    from dcp.costmodel.records import read_records
+    from dcp.costmodel.microsteps import read_records
 
     return read_records(path)
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dcp.costmodel import CostModel, load_preset
-from dcp.costmodel.calibrate import TimePoint, calibrated_spec, error_summary, fit_report
+from dcp.costmodel.offline import TimePoint, calibrated_spec, error_summary, fit_report
 from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan
 from dcp.schema import to_dict
 

@@ -39,7 +39,7 @@ from dcp.integrations.megatron_lm.data import (
     document_dataset,
     split_documents,
 )
-from dcp.integrations.megatron_lm.records import LoopRecorder, microsteps_path
+from dcp.integrations.megatron_lm.recorder import LoopRecorder, microsteps_path
 from dcp.integrations.megatron_lm.steps import (
     DCPForwardBackward,
     PackedMicroBatches,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dcp.costmodel import CostModel, load_cost_model, load_preset
+from dcp.costmodel.microsteps import MicroStepRecord, append_records, read_records
 from dcp.costmodel.online import fit_records, record_time_s
 from dcp.costmodel.pipeline import PipelineCosts
-from dcp.costmodel.records import MicroStepRecord, append_records, read_records
 from dcp.plan import RECOMPUTE_LEVELS, MicroStep
 from dcp.planning import THREE_LEVEL_OPTIONS, DCPOptions, lower_bound_s, plan_dcp, simulate
 

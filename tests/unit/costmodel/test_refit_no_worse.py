@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dcp.costmodel import CostModel, load_preset
+from dcp.costmodel.microsteps import MicroStepRecord
 from dcp.costmodel.online import fit_records
-from dcp.costmodel.records import MicroStepRecord
 from dcp.costmodel.shrinkage import confidence, shrunk_fit
 from dcp.planning import plan_dcp, simulate
 from dcp.planning.workloads import make_batch

@@ -16,7 +16,7 @@ from dcp.integrations.megatron_lm.data import (
     parse_split,
     split_documents,
 )
-from dcp.integrations.megatron_lm.records import LoopRecorder, microsteps_path
+from dcp.integrations.megatron_lm.recorder import LoopRecorder, microsteps_path
 from dcp.observability.metrics import read_metrics
 from dcp.observability.record import PLAN_NOTATION
 

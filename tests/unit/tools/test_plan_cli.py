@@ -7,8 +7,8 @@ import json
 import pytest
 
 from dcp.costmodel import load_cost_model, load_preset
+from dcp.costmodel.microsteps import append_records, read_records
 from dcp.costmodel.online import fit_records
-from dcp.costmodel.records import append_records, read_records
 from dcp.plan import Plan
 from dcp.planning import simulate
 from tests.unit.costmodel.test_online_fit import synthetic_records

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from dcp.costmodel import PROFILES_DIR, CostModel, load_cost_model, load_preset
-from dcp.costmodel.calibrate import (
+from dcp.costmodel.load import write_preset_calibration
+from dcp.costmodel.nnls import nnls
+from dcp.costmodel.offline import (
     MemoryPoint,
     TimePoint,
     TPCommPoint,
@@ -24,8 +26,6 @@ from dcp.costmodel.calibrate import (
     fit_tp_comm,
     time_design,
 )
-from dcp.costmodel.load import write_preset_calibration
-from dcp.costmodel.nnls import nnls
 from dcp.costmodel.report import format_report
 from dcp.plan import RECOMPUTE_LEVELS
 from dcp.schema import to_dict
