@@ -589,7 +589,8 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
     weights for the same TP size. Under pipeline parallelism on CPU each stage keeps its part of
     the whole model built the same way (every rank builds it once at start), so the weights do
     not depend on the PP size either; on a GPU, same seed, same weights for the same TP and PP
-    sizes.
+    sizes, each stage drawing from its own seed (``stage_seed``, as Megatron-LM), so no stage's
+    layers repeat another's.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -600,22 +601,14 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
     check_tensor_parallel(cfg, tp)
     stages = pg_collection.pp.size() if getattr(pg_collection, "pp", None) is not None else 1
     if stages > 1:
-        model = _build(
-            cfg,
-            pg_collection,
-            seed,
-            stage=pg_collection.pp.rank(),
-            stages=stages,
-            pipeline_model_parallel_size=stages,
-            pipeline_model_parallel_layout=pipeline_layout(cfg.num_layers, stages),
-            **tf_overrides,
-        )
+        model = build_stage(cfg, pg_collection, seed=seed, **tf_overrides)
         if not torch.cuda.is_available():
             # CPU initialisation draws every weight whole from one stream, in construction
             # order, so a stage built alone would draw its layers' weights where the model's
             # first layers draw theirs. Take them from the whole model instead: the same seed
             # gives the same model at every PP size (and TP size), as megatron's CPU path does
-            # for TP. On a GPU every stage and TP rank draws its own (megatron's RNG tracker).
+            # for TP. On a GPU every stage and TP rank draws its own (megatron's RNG tracker),
+            # each stage from its own seed (``stage_seed``).
             whole = _build(cfg, pg_collection, seed, stage=0, stages=1, **tf_overrides)
             _copy_stage_from(model, whole)
     else:
@@ -623,6 +616,23 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def build_stage(cfg: ModelConfig, pg_collection, *, seed: int = 1234, **tf_overrides):
+    """This rank's pipeline stage of ``cfg`` (``pg_collection.pp``), its weights drawn from the
+    stage's own seed (``stage_seed``): what ``build_gpt_model`` builds on a GPU. On CPU
+    ``build_gpt_model`` then replaces them with the whole model's."""
+    stages = pg_collection.pp.size()
+    return _build(
+        cfg,
+        pg_collection,
+        seed,
+        stage=pg_collection.pp.rank(),
+        stages=stages,
+        pipeline_model_parallel_size=stages,
+        pipeline_model_parallel_layout=pipeline_layout(cfg.num_layers, stages),
+        **tf_overrides,
+    )
 
 
 _LAYERS = "decoder.layers."
@@ -663,8 +673,22 @@ def _copy_stage_from(stage_model: torch.nn.Module, whole: torch.nn.Module) -> No
             tensor.copy_(source[key])
 
 
+STAGE_SEED_STRIDE = 100
+"""Megatron-LM's offset between pipeline stages' seeds (``megatron.training.initialize.
+_set_random_seed``: ``seed + 100 * pipeline rank``)."""
+
+
+def stage_seed(seed: int, stage: int) -> int:
+    """The seed a pipeline stage built on its own initialises with. megatron-core's
+    ``model_parallel_cuda_manual_seed`` offsets the seed by the TP rank only, so stages seeded
+    alike would draw the same weights for their first layers (stage 1's layer L/2 a copy of
+    layer 0); Megatron-LM offsets each stage by 100, and so does DCP."""
+    return seed + STAGE_SEED_STRIDE * stage
+
+
 def _build(cfg: ModelConfig, pg_collection, seed: int, *, stage: int, stages: int, **tf_overrides):
-    """``GPTModel`` of pipeline stage ``stage`` of ``stages`` (1: the whole model), seeded."""
+    """``GPTModel`` of pipeline stage ``stage`` of ``stages`` (1: the whole model), seeded with
+    the stage's seed (``stage_seed``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -672,8 +696,8 @@ def _build(cfg: ModelConfig, pg_collection, seed: int, *, stage: int, stages: in
 
     tp = pg_collection.tp.size()
     layers = stage_layer_counts(cfg.num_layers, stages)[stage]
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(stage_seed(seed, stage))
+    model_parallel_cuda_manual_seed(stage_seed(seed, stage))
     with cpu_tensors_stay():  # tied embeddings under PP copy the embedding with .cuda()
         model = GPTModel(
             config=transformer_config(cfg, tensor_parallel_size=tp, **tf_overrides),

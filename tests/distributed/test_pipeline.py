@@ -118,6 +118,19 @@ def test_pp4_parity_one_planner_rank():
     assert_parity(ref, got, what="PP 4")
 
 
+def test_stages_built_alone_draw_their_own_weights():
+    """On a GPU each stage draws its weights itself (``build_stage``). Seeded alike, the two
+    middle stages of PP 4 (one layer each, no embedding, no output layer) would hold the same
+    layer; each stage's own seed (``stage_seed``, as Megatron-LM) makes every layer differ."""
+    layers = run_on_ranks(4, stage_layer_weights, timeout_s=300)
+    flat = [np.concatenate([w.ravel() for w in stage.values()]) for stage in layers]
+    assert layers[1].keys() == layers[2].keys()
+    for a in range(4):
+        for b in range(a + 1, 4):
+            if flat[a].shape == flat[b].shape:
+                assert not np.allclose(flat[a], flat[b]), (a, b)
+
+
 def test_pp2_parity_tied_embeddings():
     """The last stage's copy of a tied embedding: its gradient is summed with the first
     stage's (megatron's embedding group), and both copies stay equal."""
@@ -159,6 +172,28 @@ def test_pp2_tp2_parity():
         timeout_s=600,
     )[0]
     assert_parity(ref, got, what="PP 2 x TP 2")
+
+
+def stage_layer_weights() -> dict[str, np.ndarray]:
+    """This rank's PP 4 stage built on its own (the GPU path): its transformer layer's weights."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dcp.model import build_stage
+
+    try:
+        init_megatron_parallel(pipeline_parallel_size=4)
+        model = build_stage(
+            ModelConfig(**{**TINY, **FOUR_LAYERS}, core_attention="dcp"),
+            ProcessGroupCollection.use_mpu_process_groups(),
+            seed=SEED,
+        )
+        return {
+            name.split("layers.0.", 1)[1]: t.detach().double().numpy().copy()
+            for name, t in model.named_parameters()
+            if "layers.0." in name
+        }
+    finally:
+        cleanup()
 
 
 def pp_run(
