@@ -468,17 +468,43 @@ def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup) -> None:
     set_timeout(timeout, group)
 
 
-def set_collective_timeout(timeout_s: float, *, extra_groups: Iterable[object] = ()) -> int:
-    """Set ``timeout_s`` on the default group, on every group megatron's parallel_state created
-    and on ``extra_groups`` (those this rank belongs to). Returns how many groups were set."""
+def run_groups(extra_groups: Iterable[object] = ()) -> list[dist.ProcessGroup]:
+    """Every group this rank belongs to, each once, in the order every rank created them: the
+    default group, megatron's parallel state's, then ``extra_groups`` (DCP's, in the registry's
+    order)."""
     from megatron_patches.process_groups import megatron_groups
 
-    timeout = timedelta(seconds=timeout_s)
     groups = [dist.group.WORLD, *_member_groups(megatron_groups()), *_member_groups(extra_groups)]
     seen: set[int] = set()
+    out = []
     for group in groups:
-        if id(group) in seen:
-            continue
-        seen.add(id(group))
+        if id(group) not in seen:
+            seen.add(id(group))
+            out.append(group)
+    return out
+
+
+def set_collective_timeout(timeout_s: float, *, extra_groups: Iterable[object] = ()) -> int:
+    """Set ``timeout_s`` on every group this rank belongs to (``run_groups``). Returns how many
+    groups were set."""
+    timeout = timedelta(seconds=timeout_s)
+    groups = run_groups(extra_groups)
+    for group in groups:
         set_group_timeout(timeout, group)
-    return len(seen)
+    return len(groups)
+
+
+@_names_errors
+def warm_up_groups(extra_groups: Iterable[object] = ()) -> int:
+    """One one-element all-reduce on every group this rank belongs to (``run_groups``), in the
+    order every rank created them (so each rank's collectives follow one global order and none
+    waits on another). Without ``device_id`` in ``init_process_group``, NCCL makes a group's
+    communicator at the group's first collective (``ProcessGroupNCCL::getNCCLComm``): called at
+    start-up, before the model is built, that happens now, and not inside the first micro-step
+    that uses a CP group, hundreds of steps in, when the caching allocator holds the planner's
+    budget. gloo connects a group when it is made, so on CPU this only checks every group
+    answers. Returns how many groups."""
+    groups = run_groups(extra_groups)
+    for group in groups:
+        all_reduce(to_device([0.0]), group=group)
+    return len(groups)

@@ -52,9 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     startup = (cfg.distributed if cfg else DistributedConfig()).startup_timeout_s
+    # On a GPU the default group is bound to this rank's device (``device_id``): torch then
+    # initialises NCCL's communicator now, not at the first collective, and splits subgroups
+    # from it (``ncclCommSplit``) as they are made (torch.distributed's init_process_group).
+    cuda = torch.cuda.is_available()
     dist.init_process_group(
-        backend="nccl" if torch.cuda.is_available() else "gloo",
+        backend="nccl" if cuda else "gloo",
         timeout=timedelta(seconds=startup),
+        device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None,
     )
     try:
         # Before anything else uses torch; agreed, so a node with another image is named too.

@@ -1,5 +1,5 @@
-"""The one memory probe: a step's peak bytes (CUDA peak stats on GPU, the resident-set
-high-water mark on Linux CPU), and its maximum over ranks."""
+"""The one memory probe: a step's peak bytes (the CUDA caching allocator's peak reserved bytes
+on GPU, the resident-set high-water mark on Linux CPU), and its maximum over ranks."""
 
 from __future__ import annotations
 
@@ -28,10 +28,12 @@ def reset_peak_memory() -> None:
 
 
 def peak_memory_bytes() -> int:
-    """Peak GPU memory allocated (CUDA) or peak resident set size of this process (CPU) since
-    the last ``reset_peak_memory``."""
+    """Peak GPU memory reserved by the caching allocator (CUDA) or peak resident set size of
+    this process (CPU) since the last ``reset_peak_memory``. Reserved, not allocated: with
+    shapes that change every micro-step the allocator holds blocks it cannot reuse, and what it
+    holds is what runs out (``torch.cuda.max_memory_reserved``)."""
     if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+        return int(torch.cuda.max_memory_reserved())
     try:
         for line in _PROC_STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):

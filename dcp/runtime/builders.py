@@ -75,7 +75,9 @@ def build_optimizer(ddp_model, model_cfg: ModelConfig, cfg: OptimConfig):
         use_distributed_optimizer=cfg.distributed,
     )
     with cuda_on_cpu():
-        optimizer = get_megatron_optimizer(config, [ddp_model])
+        # DCP never uses megatron's gloo groups (they serve megatron's dp-zero checkpoint
+        # formats): none are made (dcp.runtime.setup), and the optimizer is told so.
+        optimizer = get_megatron_optimizer(config, [ddp_model], use_gloo_process_groups=False)
     # megatron's groups carry wd_mult/lr_mult that its OptimizerParamScheduler applies on every
     # step (``optimizer_param_scheduler.py``: weight_decay * wd_mult); DCP sets the learning rate
     # itself (``dcp.optim.set_lr`` honours lr_mult), so apply the decay multiplier here once.

@@ -31,12 +31,16 @@ How they are made, at 1,024 ranks (torch 2.11-2.14, ``distributed_c10d``):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from dcp.collectives import warm_up_groups
 from dcp.mesh import Mesh
+
+logger = logging.getLogger(__name__)
 
 
 def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
@@ -86,6 +90,8 @@ class GroupRegistry:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupRegistry needs torch.distributed to be initialised first")
+        self.num_run_groups: int | None = None
+        """How many groups this rank is in, all counted, once ``start_groups`` warmed them."""
         if mesh.world_size != dist.get_world_size():
             raise ValueError(
                 f"the mesh has world_size={mesh.world_size} but the job has "
@@ -194,3 +200,20 @@ class GroupRegistry:
     def missing(self, shapes: Iterable[Sequence[int]]) -> list[tuple[int, ...]]:
         """Shapes from ``shapes`` that were not created (a plan using them cannot run)."""
         return sorted({tuple(s) for s in shapes if tuple(s) not in self._cp})
+
+
+def start_groups(mesh: Mesh) -> GroupRegistry:
+    """The run's ``GroupRegistry``, with every group this rank belongs to (megatron's and DCP's)
+    warmed up by one small collective each (``dcp.collectives.warm_up_groups``: on NCCL each
+    communicator, with its own device memory, is made now and not in the first micro-step that
+    uses it), and their number said once. Call it at start-up, before the model is built."""
+    registry = GroupRegistry(mesh)
+    registry.num_run_groups = warm_up_groups(registry.member_groups())
+    if dist.get_rank() == 0:
+        logger.info(
+            "process groups: rank 0 is in %d, each warmed up at start-up (%d of them DCP's CP "
+            "and TP x CP groups, the rest megatron's and the default group)",
+            registry.num_run_groups,
+            len(registry.member_groups()),
+        )
+    return registry

@@ -101,6 +101,9 @@ def init_megatron_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=1,
+        # A gloo twin of every data-parallel group serves only megatron's dp-zero checkpoint
+        # formats, which DCP does not use: at 1,024 ranks each is start-up time and sockets.
+        create_gloo_process_groups=False,
         **extra,
     )
     # dcp.mesh numbers planner ranks by TP groups of consecutive ranks and stages by blocks of

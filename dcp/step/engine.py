@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dcp.costmodel import CostModel, load_spec
 from dcp.plan import Plan
 from dcp.runtime.dispatch import InMemorySource
+from dcp.runtime.groups import start_groups
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.runtime.setup import model_mesh
 from dcp.step.batches import BatchPlanner, PlannedBatch
@@ -76,7 +77,12 @@ class DCPEngine:
             )
         self.mesh = model_mesh(model)
         self.runtime = Runtime(
-            model, optimizer, mesh=self.mesh, clip_grad=clip_grad, lr_schedule=lr_schedule
+            model,
+            optimizer,
+            mesh=self.mesh,
+            clip_grad=clip_grad,
+            lr_schedule=lr_schedule,
+            registry=start_groups(self.mesh),  # every communicator made before the first step
         )
         spec_dict = load_spec(spec)
         planning = PlanningConfig(

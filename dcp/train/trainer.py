@@ -47,6 +47,7 @@ from dcp.model import check_model_fits
 from dcp.observability.metrics import METRICS_FILENAME, MetricsLogger
 from dcp.observability.record import PLAN_NOTATION, StepRecord
 from dcp.observability.run_info import write_run_config
+from dcp.runtime.groups import start_groups
 from dcp.runtime.runtime import Runtime
 from dcp.schema import to_dict
 from dcp.step.batches import (
@@ -130,8 +131,11 @@ class Trainer:
         (``dcp.train.agree``), so no rank is left waiting in a collective."""
         agree("sizing the model and opening the data", self._open_data)
         cfg = self.cfg  # with planner=static's configuration fixed
+        # Every group a plan may use, and each one's communicator, before the model and the
+        # optimizer take their memory (dcp.runtime.groups.start_groups).
+        registry = start_groups(self.mesh)
         self.runtime = Runtime.from_config(
-            cfg.model, cfg.optim, mesh=self.mesh, seed=cfg.train.seed
+            cfg.model, cfg.optim, mesh=self.mesh, seed=cfg.train.seed, registry=registry
         )
         # The run's own state in its checkpoints (dcp.checkpoint.extras): the config and the
         # data's fingerprint are checked before a checkpoint's tensors are read; calibration

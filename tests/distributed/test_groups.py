@@ -86,3 +86,35 @@ def test_collective_timeout_set_on_a_torch_without_set_timeout():
     for out in run_on_ranks(2, timeouts_set_without_the_public_api):
         assert out["count"] >= 2, out
         assert out["seen"] == [7.0, 7.0], out
+
+
+def started_groups(tensor_parallel_size: int) -> dict:
+    """``dcp.init`` and ``start_groups`` at a TP size: every group this rank is in, counted and
+    answered once, and whether megatron made gloo twins of its data-parallel groups."""
+    from megatron.core import parallel_state as ps
+
+    import dcp
+    from dcp.mesh import Mesh
+    from dcp.runtime.groups import start_groups
+
+    try:
+        dcp.init(tensor_parallel_size=tensor_parallel_size)
+        registry = start_groups(
+            Mesh(dist.get_world_size(), tensor_parallel_size=tensor_parallel_size)
+        )
+        return {
+            "run_groups": registry.num_run_groups,
+            "dcp_groups": len(registry.member_groups()),
+            "gloo_twins": ps._DATA_PARALLEL_GROUP_GLOO is not None,
+        }
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_start_up_warms_every_group_of_a_rank(tp):
+    """Every rank walks its groups in the order all ranks made them (a hang would time out),
+    counts megatron's and the default group beside DCP's, and megatron makes no gloo groups."""
+    for out in run_on_ranks(4, started_groups, tp, timeout_s=120):
+        assert out["run_groups"] > out["dcp_groups"] + 1, out
+        assert not out["gloo_twins"], out

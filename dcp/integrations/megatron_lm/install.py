@@ -208,7 +208,7 @@ class MegatronLMRun:
         from megatron.training import get_args
 
         from dcp.costmodel.spec import runtime_options
-        from dcp.runtime.groups import GroupRegistry
+        from dcp.runtime.groups import start_groups
         from dcp.step.batches import BatchPlanner
         from dcp.step.planned import PlannedSteps
 
@@ -239,7 +239,9 @@ class MegatronLMRun:
         steps = PlannedSteps.start(planner, records_path=self.records_path if online else None)
         return DCPForwardBackward(
             steps,
-            registry=GroupRegistry(mesh),
+            # Megatron has built the model by now; the groups' communicators are still made
+            # before the first micro-step needs one (start_groups).
+            registry=start_groups(mesh),
             dataset=self.dataset,
             observers=[self.recorder],
             first_step=args.iteration + 1,

@@ -235,3 +235,16 @@ def test_peak_memory_is_per_window():
     del big
     reset_peak_memory()
     assert peak_memory_bytes() < big_peak - 32 * 2**20
+
+
+def test_gpu_peak_is_what_the_allocator_reserved(monkeypatch):
+    """On a GPU the step's peak is the caching allocator's reserved bytes (what runs out), not
+    the bytes its tensors held (CUDA calls stubbed: no GPU here)."""
+    import torch
+
+    from dcp.observability import memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 5 * 2**30)
+    assert memory.peak_memory_bytes() == 5 * 2**30
