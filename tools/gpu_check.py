@@ -14,7 +14,11 @@ What each check needs:
   FP8 support; TE attention on packed THD input (documents of 1, 7, 130, 1000, 4093 tokens,
   padded) against DCP's torch attention, forward and backward; ten DCP training steps of a
   small bf16 model through the runtime with recompute none / selective / full, TE spec against
-  the torch attention on the same weights; a cost-model fit to the GPU's own micro-step times.
+  the torch attention on the same weights; a cost-model fit to the GPU's own micro-step times;
+  what the first GPU run needed (``tests/gpu/test_first_run.py``): the communicators made at
+  start-up (count and device memory), every host sync of a training step on the TE path (torch's
+  sync debug mode; none from TE's padding check), and a resume under megatron's fused Adam
+  continuing the uninterrupted losses.
 - Hopper or newer (sm90): FP8 training steps with ``tensorwise`` (and ``blockwise`` where
   CUDA >= 12.9) current scaling, the FP8 weight cache rebuilt once per step
   (``is_first_microbatch``), and the MFU of two Llama-3-8B layers at 16K tokens in bf16 and FP8.
@@ -49,6 +53,7 @@ SINGLE = [
     "tests/gpu/test_te_path.py",
     "tests/gpu/test_gpu_measurements.py",
     "tests/gpu/test_megatron_lm_gpu.py",
+    "tests/gpu/test_first_run.py",
 ]
 MULTI = ["tests/gpu/test_multi_gpu.py"]
 
