@@ -75,6 +75,23 @@ def _device_bound_default_group() -> bool:
     return getattr(default, "bound_device_id", None) is not None
 
 
+def _names_agree_across_ranks() -> bool:
+    """Whether this torch names a members-only group the same on every member. torch 2.14's
+    ``_hash_ranks_to_str`` salts a group's name with ``_world.group_count``, which every rank
+    that calls ``new_group`` advances; torch 2.11 salts it with ``len(_world.pg_names)``, the
+    groups this rank is a member of, which differs between ranks once megatron's groups exist,
+    so members compute different names and gloo's connectFullMesh waits on a store key its
+    peers never write (seen at torch 2.11: "Connection refused" at the second registry). Where
+    the salt is not the group count, every group is made world-wide (correct, more calls)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(dist.distributed_c10d._hash_ranks_to_str)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return "group_count" in source
+
+
 class GroupRegistry:
     """Process groups by planner-rank block, all created at construction: each by its members
     alone where that is safe (``members_only``, the default), else by every rank. ``mesh``
@@ -105,7 +122,7 @@ class GroupRegistry:
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         local_sizes = (
             members_only_sizes(self.mesh.num_planner_ranks)
-            if members_only and not _device_bound_default_group()
+            if members_only and not _device_bound_default_group() and _names_agree_across_ranks()
             else set()
         )
         self.members_only = bool(local_sizes)
