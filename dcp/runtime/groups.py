@@ -9,7 +9,7 @@ blocks ``[i*k, (i+1)*k)`` for k = 1, 2, 4, ... up to the largest power of two â‰
 them when P is not a power of two: 2P - 1 blocks for a power of two, each with a CP group per TP
 rank and a tensor-and-context group, on every pipeline stage.
 
-How they are made, at 1,024 ranks (torch 2.11-2.14, ``distributed_c10d``):
+How they are made, at 1,024 ranks (torch 2.14, ``distributed_c10d``; older releases below):
 
 - By default ``new_group`` must be called by every rank of the world for every group, members or
   not, in one order: (2P - 1)Â·(TP + 1) calls on each rank, almost all for groups it is not in.
@@ -21,10 +21,12 @@ How they are made, at 1,024 ranks (torch 2.11-2.14, ``distributed_c10d``):
   Blocks of one size partition the planner ranks, so every rank makes exactly one CP group and
   one tensor-and-context group per size, in the same order; a size whose blocks do not cover
   every rank (P not a power of two) and the world block are made world-wide instead, which
-  advances every rank's count alike. (2) When the default group is bound to a device (NCCL
-  initialised eagerly with ``device_id``), torch makes subgroups with ``ncclCommSplit`` on the
-  parent communicator, which every parent rank must call (``perform_nocolor_split`` on
-  non-members): then every group is made world-wide.
+  advances every rank's count alike. torch 2.11 salts the name with the groups the caller is a
+  member of instead, which megatron's groups make differ between ranks: there (any torch whose
+  salt is not the group count) every group is made world-wide. (2) When the default group is
+  bound to a device (NCCL initialised eagerly with ``device_id``), torch makes subgroups with
+  ``ncclCommSplit`` on the parent communicator, which every parent rank must call
+  (``perform_nocolor_split`` on non-members): then every group is made world-wide.
 - NCCL creates a group's communicator lazily, at its first collective, among its members only;
   gloo connects a group's members when it is made. Neither involves non-members.
 """
