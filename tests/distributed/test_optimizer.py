@@ -48,6 +48,19 @@ def _runtime(dtype: str = "fp32", *, distributed: bool = True) -> Runtime:
     return Runtime.from_config(ModelConfig(**TINY, dtype=dtype), optim, seed=SEED)
 
 
+def _checkpoint_parts(runtime, *, step: int) -> dict:
+    """What ``CheckpointSaver.save`` takes from ``runtime`` after ``step`` steps (rank 0 adds
+    the shared state)."""
+    from dcp.checkpoint.state import runtime_parts
+
+    shared = {"sampler": None, "scheduler": {"step": step}, "extra": {}}
+    return runtime_parts(
+        runtime.model.module,
+        runtime.optimizer,
+        shared=shared if dist.get_rank() == 0 else None,
+    )
+
+
 def _train(runtime: Runtime, steps: range) -> list[float]:
     source = InMemorySource(DOCS)
     return [runtime.train_step(Plan.from_dict(PLANS[i % 2]), source).loss for i in steps]
@@ -79,7 +92,6 @@ def resume_exactly(root: str) -> dict:
     """Three steps straight vs two steps, a sharded checkpoint, a fresh runtime (another seed)
     restored from it, one step."""
     from dcp.checkpoint import CheckpointSaver, apply, open_checkpoint, resolve_checkpoint
-    from dcp.checkpoint.state import runtime_parts
     from dcp.mesh import Mesh
 
     try:
@@ -87,13 +99,7 @@ def resume_exactly(root: str) -> dict:
         losses = _train(straight, range(3))
         first = _runtime()
         _train(first, range(2))
-        parts = runtime_parts(
-            first.model.module,
-            first.optimizer,
-            shared={"sampler": None, "scheduler": {"step": 2}, "extra": {}}
-            if dist.get_rank() == 0
-            else None,
-        )
+        parts = _checkpoint_parts(first, step=2)
         shard_bytes = sum(
             t.numel() * t.element_size()
             for piece in parts["pieces"]
@@ -236,7 +242,6 @@ def resume_with_group_steps(root: str, distributed: bool) -> dict:
     """Under ``fused_adam_stand_in``: four steps straight vs two steps, a checkpoint, a fresh
     runtime (another seed) restored from it, two steps."""
     from dcp.checkpoint import CheckpointSaver, apply, open_checkpoint, resolve_checkpoint
-    from dcp.checkpoint.state import runtime_parts
     from dcp.mesh import Mesh
 
     optim = dataclasses.replace(OPTIM, distributed=distributed)
@@ -246,13 +251,7 @@ def resume_with_group_steps(root: str, distributed: bool) -> dict:
             losses = _train(straight, range(4))
             first = Runtime.from_config(ModelConfig(**TINY), optim, seed=SEED)
             _train(first, range(2))
-            parts = runtime_parts(
-                first.model.module,
-                first.optimizer,
-                shared={"sampler": None, "scheduler": {"step": 2}, "extra": {}}
-                if dist.get_rank() == 0
-                else None,
-            )
+            parts = _checkpoint_parts(first, step=2)
             mesh = Mesh(dist.get_world_size())
             saver = CheckpointSaver(Path(root), mesh=mesh, rank=dist.get_rank())
             saver.save(2, weights_finite=True, asynchronous=False, **parts)
