@@ -111,19 +111,16 @@ class MasterWeights:
                 "DCP the optimizer before its first step (DCP keeps fp32 master weights for it)"
             )
         self.pairs = [(p, p.detach().float().requires_grad_(p.requires_grad)) for p in low]
-        masters = {id(p): m for p, m in self.pairs}
+        self._masters = {id(p): m for p, m in self.pairs}
         for group in optimizer.param_groups:
-            group["params"] = [masters.get(id(p), p) for p in group["params"]]
+            group["params"] = [self._masters.get(id(p), p) for p in group["params"]]
 
     def __bool__(self) -> bool:
         return bool(self.pairs)
 
     def master(self, param: torch.nn.Parameter) -> torch.nn.Parameter | torch.Tensor:
         """The tensor the optimizer updates for ``param`` (its fp32 copy, or itself)."""
-        for p, m in self.pairs:
-            if p is param:
-                return m
-        return param
+        return self._masters.get(id(param), param)
 
     @torch.no_grad()
     def write_back(self) -> None:

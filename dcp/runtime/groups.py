@@ -33,6 +33,7 @@ How they are made, at 1,024 ranks (torch 2.14, ``distributed_c10d``; older relea
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -77,6 +78,7 @@ def _device_bound_default_group() -> bool:
     return getattr(default, "bound_device_id", None) is not None
 
 
+@functools.cache
 def _names_agree_across_ranks() -> bool:
     """Whether this torch names a members-only group the same on every member. torch 2.14's
     ``_hash_ranks_to_str`` salts a group's name with ``_world.group_count``, which every rank

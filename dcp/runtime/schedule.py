@@ -120,8 +120,9 @@ def start_plan(plan: Plan, source: SequenceSource, registry: GroupRegistry) -> S
     """What every schedule does first: the step's result with its global loss-token count, and
     the checks that the plan's groups exist and that every rank holds the same plan (a
     collective)."""
-    lengths = {i: source.seq_len(i) for s in plan.steps for i in s.seq_ids}
-    result = ScheduleResult(global_loss_tokens=sum(lengths.values()))
+    result = ScheduleResult(
+        global_loss_tokens=sum(source.seq_len(i) for s in plan.steps for i in s.seq_ids)
+    )
     check_groups(plan, registry)
     with phase("the plan agreement check before the first micro-step"):
         verify_plan_agreement(plan, result.global_loss_tokens)
