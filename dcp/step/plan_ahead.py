@@ -9,11 +9,11 @@ timing; a batch planned again keeps the exploration announced for it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
 from dcp.step.batches import BatchPlanner, PlannedBatch, seq_lengths
-from dcp.step.calibration import OnlineCalibrator
 
 _DECIDE = object()
 """``_submit``'s default: let online calibration decide the batch's exploration."""
@@ -27,15 +27,17 @@ class PlanAhead:
         self,
         sampler: GlobalBatchSampler,
         planner: BatchPlanner,
-        calibrator: OnlineCalibrator,
+        exploration: Callable[[int, list[int]], dict[int, tuple] | None],
         *,
         first_step: int,
         last_step: int,
         background: bool,
     ) -> None:
+        """``exploration(step, lengths)``: online calibration's pin for a batch, if any
+        (``PlannedSteps.exploration``)."""
         self.sampler = sampler
         self.planner = planner
-        self.calibrator = calibrator
+        self.exploration = exploration
         self.last_step = last_step
         self._pool = ThreadPoolExecutor(max_workers=1) if background else None
         self._next_step = first_step
@@ -49,7 +51,7 @@ class PlanAhead:
 
     def _submit(self, batch: GlobalBatch, step: int, pinned=_DECIDE) -> Future | tuple:
         if pinned is _DECIDE:
-            pinned = self.calibrator.exploration(step, seq_lengths(batch), self.planner.cost_model)
+            pinned = self.exploration(step, seq_lengths(batch))
         if self._pool:
             return self._pool.submit(self._plan, batch, pinned)
         return self._plan(batch, pinned)

@@ -60,10 +60,14 @@ class PlannedSteps:
         )
         return cls(planner, calibrator)
 
+    def exploration(self, step: int, lengths: list[int]) -> dict[int, tuple] | None:
+        """The pin online calibration asks for on (1-based) ``step``'s batch of ``lengths``,
+        if any (``OnlineCalibrator.exploration``), under the planner's current cost model."""
+        return self.calibrator.exploration(step, lengths, self.planner.cost_model)
+
     def plan(self, lengths: list[int], *, step: int) -> PlannedBatch:
         """Plan the (1-based) ``step``'s global batch of training ``lengths``."""
-        pinned = self.calibrator.exploration(step, lengths, self.planner.cost_model)
-        return self.planner.plan_lengths(lengths, pinned=pinned)
+        return self.planner.plan_lengths(lengths, pinned=self.exploration(step, lengths))
 
     def plan_batch(self, batch: GlobalBatch, *, step: int) -> PlannedBatch:
         """``plan`` for a sampled ``GlobalBatch``."""
@@ -77,7 +81,7 @@ class PlannedSteps:
         self._ahead = PlanAhead(
             sampler,
             self.planner,
-            self.calibrator,
+            self.exploration,
             first_step=first_step,
             last_step=last_step,
             background=background,
