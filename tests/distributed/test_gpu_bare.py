@@ -123,7 +123,7 @@ def test_calibrated_spec_is_written_and_loads(bare_run):
     assert model.coefficients.linear_s_per_token == spec["calibration"]["linear_s_per_token"]
     for key in ("linear_s_per_token", "attention_s_per_token2", "recompute_linear_frac"):
         assert key in spec["calibration"], key
-    assert cal["points"] == 15 and cal["median_rel_err"] <= cal["prior_median_rel_err"]
+    assert cal["points"] == 15 and cal["rms_rel_err"] <= cal["prior_rms_rel_err"]
 
 
 def test_cp2_on_two_processes_of_one_device(bare_run):

@@ -164,7 +164,7 @@ def _verdicts(results: dict, peak_tflops: float | None) -> list[str]:
     ):
         failed.append("mfu")
     cal = results["calibration"]
-    if "error" in cal or not cal["median_rel_err"] <= cal["prior_median_rel_err"]:
+    if "error" in cal or not cal["rms_rel_err"] <= cal["prior_rms_rel_err"]:
         failed.append("calibration")
     cp2 = results["cp2"]
     if "error" in cp2 or (cp2["backend"] and not cp2["ok"]):
