@@ -3,7 +3,7 @@
 # The container's own torch/TE/apex are used as shipped; requirements-container.txt adds only
 # megatron-core (no deps, so pip never replaces the container's torch) and DCP's pure-Python deps.
 # 26.09: torch 2.14.0a0 (NVIDIA's build of the 2.14 branch), Transformer Engine 2.19.0, CUDA 13.4,
-# Python 3.12 (docs/gpu.md, 'The container image'); DCP supports torch 2.11 to 2.14.
+# Python 3.12 (docs/gpu.md, 'The container image'); DCP supports torch 2.11 to 2.15.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.09-py3
 FROM ${BASE_IMAGE}
 

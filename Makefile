@@ -12,7 +12,7 @@ PYTHON312   := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/pyth
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo demo-tp demo-pp data test unit test-compat lint format bench compare simulate extend-context \
+.PHONY: setup demo demo-tp demo-pp data test unit test-compat compat-axis lint format bench compare simulate extend-context \
         clean
 
 setup: $(STAMP)
@@ -80,13 +80,18 @@ test: setup lint
 unit: setup
 	$(VENV)/bin/pytest -q tests/unit
 
-# The oldest supported torch (requirements-compat.txt) with every other pin, in its own venv:
-# the unit tests, the distributed parity tests, and one short run of each entry point under
-# torchrun, DCP's trainer and Megatron-LM's loop with --dcp (docs/testing.md, "Supported
-# versions").
-COMPAT_VENV := .venv-compat
+# Both ends of the supported ranges (pyproject.toml), each with every other pin in a venv of its
+# own: `oldest` (requirements-compat.txt: the oldest torch and megatron-core, .venv-compat) and
+# `newest` (requirements-newest.txt: the newest torch, .venv-newest; requirements.txt already has
+# the newest megatron-core). Each runs the unit tests, the distributed parity tests, and one short
+# run of each entry point under torchrun, DCP's trainer and Megatron-LM's loop with --dcp
+# (docs/testing.md, "Supported versions"). `make test-compat COMPAT=newest` runs one end.
+COMPAT      ?= oldest newest
+AXIS        ?= oldest
+AXIS_PINS   := $(if $(filter newest,$(AXIS)),requirements-newest.txt,requirements-compat.txt)
+COMPAT_VENV := $(if $(filter newest,$(AXIS)),.venv-newest,.venv-compat)
 COMPAT_PY   := $(COMPAT_VENV)/bin/python
-COMPAT_REQS := requirements-compat.txt $(REQS)
+COMPAT_REQS := $(AXIS_PINS) $(REQS)
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(shell cat $(COMPAT_REQS) | cksum | cut -d' ' -f1)
 COMPAT_TESTS ?= tests/unit tests/distributed/test_attention.py \
                 tests/distributed/test_runtime_parity.py tests/distributed/test_tensor_parallel.py \
@@ -99,14 +104,19 @@ $(COMPAT_STAMP): $(COMPAT_REQS)
 	  echo "error: Python 3.12 not found (megatron-core 0.19 requires it)." >&2; exit 1; fi
 	@test -x $(COMPAT_PY) || $(PYTHON312) -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install -q --upgrade pip
-	sed '/^torch==/d' requirements.txt > $(COMPAT_VENV)/requirements-rest.txt
-	$(COMPAT_PY) -m pip install -q -r requirements-compat.txt \
+	names=$$(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' $(AXIS_PINS) | paste -sd'|'); \
+	  grep -v -E "^($$names)==" requirements.txt > $(COMPAT_VENV)/requirements-rest.txt
+	$(COMPAT_PY) -m pip install -q -r $(AXIS_PINS) \
 	  -r $(COMPAT_VENV)/requirements-rest.txt -r requirements-dev.txt
 	@rm -f $(COMPAT_VENV)/.installed-*
 	@touch $@
 
-test-compat: $(COMPAT_STAMP)
-	$(COMPAT_PY) -c 'import torch; print("torch", torch.__version__)'
+test-compat:
+	@for axis in $(COMPAT); do $(MAKE) --no-print-directory compat-axis AXIS=$$axis || exit 1; done
+
+compat-axis: $(COMPAT_STAMP)
+	$(COMPAT_PY) -c 'import importlib.metadata as m; \
+	  print("$(AXIS): torch", m.version("torch"), "megatron-core", m.version("megatron-core"))'
 	$(COMPAT_VENV)/bin/pytest -q $(COMPAT_TESTS)
 
 simulate: setup

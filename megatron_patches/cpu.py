@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 _APPLIED = False
 
@@ -86,7 +86,7 @@ def apply() -> bool:
         return False
     if _APPLIED:
         return True
-    require_pinned_megatron("cpu")
+    require_supported_megatron("cpu")
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as mcore_utils

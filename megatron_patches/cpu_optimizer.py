@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 _TYPE = torch.Tensor.type
 _CUDA = torch.Tensor.cuda
@@ -49,6 +49,6 @@ def cuda_on_cpu() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    require_pinned_megatron("cpu_optimizer")
+    require_supported_megatron("cpu_optimizer")
     with _CudaOnCpu():
         yield

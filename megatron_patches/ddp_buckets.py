@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 
 def gather_reduced_grads(ddp_model) -> dict[torch.nn.Parameter, torch.Tensor]:
     """Whole reduced gradient of every parameter of ``ddp_model`` (megatron-core DDP with
     ``use_distributed_optimizer``), keyed by parameter. A collective over each buffer's
     data-parallel group; the model's own buffers are not changed."""
-    require_pinned_megatron("ddp_buckets")
+    require_supported_megatron("ddp_buckets")
     grads: dict[torch.nn.Parameter, torch.Tensor] = {}
     # megatron-core 0.19.2 distributed/param_and_grad_buffer.py: a buffer's buckets are
     # contiguous ranges [offset, offset + grad_data.numel()) of buffer.grad_data, each padded to

@@ -9,12 +9,12 @@ TE spec) is built. Transformer Engine being importable says nothing about apex.
 
 from __future__ import annotations
 
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 
 def wgrad_fusion_available() -> bool:
     """Whether megatron found apex's fused weight-gradient-accumulation kernel."""
-    require_pinned_megatron("fusions")
+    require_supported_megatron("fusions")
     from megatron.core.tensor_parallel import layers
 
     return bool(layers._grad_accum_fusion_available)

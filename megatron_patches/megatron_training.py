@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import torch
 
 from megatron_patches import cpu
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 from megatron_patches.cpu_optimizer import _CudaOnCpu
 
 
@@ -88,7 +88,7 @@ def arguments_on_cpu() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    require_pinned_megatron("megatron_training")
+    require_supported_megatron("megatron_training")
     from megatron.training import arguments
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -112,7 +112,7 @@ def training_on_cpu() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    require_pinned_megatron("megatron_training")
+    require_supported_megatron("megatron_training")
     if not cpu.apply():
         raise RuntimeError("megatron_patches.cpu could not be applied")
     initialize, training = _targets()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 
 def inner_optimizers(optimizer) -> list:
@@ -46,7 +46,7 @@ def save_distributed(optimizer) -> dict:
     """This rank's shard of a distributed optimizer: megatron's param-group state plus, per inner
     optimizer, its bucket-space parameter state (fp32 main params and Adam moments), cloned so
     the result holds the shard, not the whole buffer its views point into."""
-    require_pinned_megatron("optimizer_state")
+    require_supported_megatron("optimizer_state")
     param_state = [
         _clone_tensors(opt.get_parameter_state_dp_reshardable())
         for opt in inner_optimizers(optimizer)
@@ -57,7 +57,7 @@ def save_distributed(optimizer) -> dict:
 def load_distributed(optimizer, state: dict) -> None:
     """Restore a shard written by ``save_distributed`` into this rank's distributed optimizer
     (call ``adopt_current_hyperparameters`` on ``state["optimizer"]`` first)."""
-    require_pinned_megatron("optimizer_state")
+    require_supported_megatron("optimizer_state")
     if not isinstance(state, dict) or set(state) != {"optimizer", "param_state"}:
         raise ValueError(
             "the checkpoint's optimizer state is not a distributed-optimizer shard; "
@@ -150,7 +150,7 @@ def param_pieces(optimizer):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    require_pinned_megatron("optimizer_state")
+    require_supported_megatron("optimizer_state")
     for opt in inner_optimizers(optimizer):
         if isinstance(opt, DistributedOptimizer):
             for gbuf_range_maps in opt.gbuf_ranges:
@@ -270,7 +270,7 @@ def allocate_state(optimizer, saved_groups: list[dict]) -> None:
     ``param_pieces`` yields every moment to copy saved values into."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    require_pinned_megatron("optimizer_state")
+    require_supported_megatron("optimizer_state")
     inner = inner_optimizers(optimizer)
     if len(inner) != len(saved_groups):
         raise ValueError(

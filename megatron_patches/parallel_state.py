@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch.distributed as dist
 
 from megatron_patches._util import unwrap
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 _GLOBALS = (
     "_CONTEXT_PARALLEL_GROUP",
@@ -59,7 +59,7 @@ def use_cp_group(
     """Within the block, ``model`` runs context-parallel over ``group`` (global ``ranks``);
     ``tp_cp_group`` is the union of the CP groups of every TP rank (``group`` itself when
     omitted, which is right at TP = 1)."""
-    require_pinned_megatron("parallel_state")
+    require_supported_megatron("parallel_state")
     from megatron.core import parallel_state as ps
 
     inner = unwrap(model)

@@ -8,13 +8,13 @@ default group); DCP reads that list to lower every group's timeout once training
 
 from __future__ import annotations
 
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 
 def megatron_groups() -> list:
     """Every group megatron's parallel state created on this rank (may hold ``None`` for the
     default group and non-member placeholders); empty before it is initialised."""
-    require_pinned_megatron("process_groups")
+    require_supported_megatron("process_groups")
     from megatron.core import parallel_state as ps
 
     return list(ps._global_process_group_list or [])

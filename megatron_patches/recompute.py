@@ -26,7 +26,7 @@ import contextlib
 from collections.abc import Iterator
 
 from megatron_patches._util import unwrap
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 GRANULARITIES = (None, "selective", "full")
 SELECTIVE_MODULES = ("core_attn", "mlp")
@@ -62,7 +62,7 @@ def use_recompute(model, granularity: str | None, num_layers: int | None = None)
         raise ValueError(
             f"recompute granularity must be one of {GRANULARITIES}, got {granularity!r}"
         )
-    require_pinned_megatron("recompute")
+    require_supported_megatron("recompute")
     inner = unwrap(model)
     config = inner.config
     if num_layers is not None:

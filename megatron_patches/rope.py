@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 
 from megatron_patches._util import unwrap
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 
 def set_rope_frequencies(model, inv_freq: torch.Tensor) -> None:
     """Make ``model``'s rotary embedding use ``inv_freq`` (fp32 [head_dim / 2]); call before the
     first forward."""
-    require_pinned_megatron("rope")
+    require_supported_megatron("rope")
     rotary = unwrap(model).rotary_pos_emb
     if rotary.inv_freq.shape != inv_freq.shape:
         raise ValueError(
@@ -43,7 +43,7 @@ def set_rope_frequencies(model, inv_freq: torch.Tensor) -> None:
 def one_rope_table(model) -> None:
     """Make ``model``'s rotary embedding serve packed micro-steps from one table (module
     docstring; idempotent). Non-packed calls, and models without RoPE, are left to upstream."""
-    require_pinned_megatron("rope")
+    require_supported_megatron("rope")
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     inner = unwrap(model)

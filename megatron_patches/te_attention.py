@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from functools import cache
 
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 from megatron_patches.parallel_state import shared_cp_stream
 
 
@@ -28,21 +28,23 @@ def padded_as_real(params):
     (2.x, ``qkv_format="thd"``) otherwise detects it with ``torch.equal`` on the padded and
     unpadded ``cu_seqlens`` (device tensors): a host sync per attention call, again in
     recompute. megatron's ``TEDotProductAttention`` passes the field on with TE >= 2.2
-    (``kept_packed_seq_params``) and drops it before."""
+    (``kept_packed_seq_params``) and drops it before. megatron-core 0.18's ``PackedSeqParams``
+    has no such field (0.19 added it), so under 0.18 TE still makes that check."""
     if params is None or params.cu_seqlens_q_padded is None:
         return params
-    return dataclasses.replace(
-        params,
-        cu_seqlens_q=params.cu_seqlens_q_padded,
-        cu_seqlens_kv=params.cu_seqlens_kv_padded,
-        pad_between_seqs=False,
-    )
+    padded = {
+        "cu_seqlens_q": params.cu_seqlens_q_padded,
+        "cu_seqlens_kv": params.cu_seqlens_kv_padded,
+    }
+    if hasattr(params, "pad_between_seqs"):
+        padded["pad_between_seqs"] = False
+    return dataclasses.replace(params, **padded)
 
 
 @cache
 def te_core_attention() -> type:
     """The ``core_attention`` class of DCP's TE layer spec (needs TE and CUDA)."""
-    require_pinned_megatron("te_attention")
+    require_supported_megatron("te_attention")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     class DCPTEDotProductAttention(TEDotProductAttention):

@@ -80,11 +80,12 @@ def train() -> None:
         warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)
     with dcp_mlm.install(args) as dcp_run:  # DCP
+        # By keyword: megatron-core 0.18 takes model_provider third, 0.19 fifth.
         pretrain(
             cfg,
-            dcp_run.datasets_provider,  # DCP
-            ModelType.encoder_or_decoder,
-            dcp_run.forward_step,  # DCP
+            train_valid_test_dataset_provider=dcp_run.datasets_provider,  # DCP
+            model_type=ModelType.encoder_or_decoder,
+            forward_step_func=dcp_run.forward_step,  # DCP
             model_provider=model_provider,
         )
 

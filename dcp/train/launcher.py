@@ -1,6 +1,6 @@
 """Workers die with their launcher.
 
-torchrun (torch 2.11 to 2.14) starts each command worker with ``Popen(...,
+torchrun (torch 2.11 to 2.15) starts each command worker with ``Popen(...,
 start_new_session=True)`` (``torch/distributed/elastic/multiprocessing/subprocess_handler``) and
 gives it no parent-death signal: only ``torch.multiprocessing.spawn``'s function workers get
 ``prctl(PR_SET_PDEATHSIG, SIGINT)`` (``torch/multiprocessing/spawn.py``). A torchrun killed with

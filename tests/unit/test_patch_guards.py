@@ -13,14 +13,29 @@ import pytest
 from megatron_patches import _version
 
 
-def test_pinned_version_is_installed():
-    assert _version.megatron_core_version() == _version.PINNED_MEGATRON_CORE
+def test_the_installed_megatron_core_is_supported():
+    assert _version.megatron_core_supported(), _version.megatron_core_version()
 
 
-def test_other_versions_are_refused(monkeypatch):
-    monkeypatch.setattr(_version, "megatron_core_version", lambda: "0.20.0")
-    with pytest.raises(RuntimeError, match="targets megatron-core 0.19.2, found 0.20.0"):
-        _version.require_pinned_megatron("cpu")
+@pytest.mark.parametrize("found", ["0.17.1", "0.20.0", "1.0.0"])
+def test_other_versions_are_refused(monkeypatch, found):
+    monkeypatch.setattr(_version, "megatron_core_version", lambda: found)
+    with pytest.raises(RuntimeError, match=f"megatron-core>=0.18.0,<0.20, found {found}"):
+        _version.require_supported_megatron("cpu")
+
+
+@pytest.mark.parametrize("found", ["0.18.0", "0.18.2", "0.19.0", "0.19.2"])
+def test_both_supported_series_pass(found):
+    assert _version.megatron_core_supported(found)
+
+
+def test_the_range_is_pyprojects():
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    assert _version.MEGATRON_CORE_REQUIREMENT in dependencies
 
 
 def test_parallel_state_globals_exist():
@@ -177,8 +192,11 @@ def test_megatron_training_cpu_targets_are_what_the_patch_says():
     from megatron_patches.megatron_training import training_on_cpu
 
     assert "allow_no_cuda" not in inspect.getsource(training.pretrain)
-    assert "if device_count > 0 and not skip_model_parallel_init:" in inspect.getsource(
-        initialize._initialize_distributed
+    init_src = inspect.getsource(initialize._initialize_distributed)
+    # 0.19 added the skip flag; 0.18 gates on the device count alone.
+    assert (
+        "if device_count > 0 and not skip_model_parallel_init:" in init_src
+        or "if device_count > 0:" in init_src
     )
     assert "if torch.cuda.device_count() > 0:" in inspect.getsource(initialize._set_random_seed)
     assert "compile_helpers()" in inspect.getsource(initialize._compile_dependencies)

@@ -38,9 +38,25 @@ def test_the_default_pins_lie_in_the_supported_range():
         assert ranges[name].specifier.contains(version), f"{name}=={version} outside {ranges[name]}"
 
 
-def test_the_compat_pin_is_the_lower_end_of_the_torch_range():
-    (torch_range,) = (s for s in _ranges()["torch"].specifier if s.operator == ">=")
+def _bound(name: str, operator: str) -> Version:
+    (spec,) = (s for s in _ranges()[name].specifier if s.operator == operator)
+    return Version(spec.version)
+
+
+def test_the_compat_pins_are_the_lower_ends_of_the_ranges():
     compat = _pins("requirements-compat.txt")
-    assert set(compat) == {"torch"}
-    assert compat["torch"].release[:2] == Version(torch_range.version).release[:2]
+    assert set(compat) == {"torch", "megatron-core"}
+    assert compat["torch"].release[:2] == _bound("torch", ">=").release[:2]
+    assert compat["megatron-core"] == _bound("megatron-core", ">=")
     assert re.search(r"^test-compat:", (REPO / "Makefile").read_text(), re.M)
+
+
+def test_the_newest_pin_is_the_top_of_the_torch_range():
+    newest = _pins("requirements-newest.txt")
+    assert set(newest) == {"torch"}
+    assert _ranges()["torch"].specifier.contains(newest["torch"])
+    top = _bound("torch", "<").release  # (2, 16): the newest supported release is 2.15.x
+    assert newest["torch"].release[:2] == (top[0], top[1] - 1)
+    # requirements.txt's megatron-core is the newest series of its range.
+    top = _bound("megatron-core", "<").release
+    assert _pins("requirements.txt")["megatron-core"].release[:2] == (top[0], top[1] - 1)

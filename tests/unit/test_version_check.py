@@ -22,23 +22,43 @@ def test_the_range_is_pyprojects():
 
 @pytest.mark.parametrize(
     "found",
-    ["2.11.0", "2.14.1+cu130", "2.14.0a0+b2c75dd062.nv26.09", "2.12.0a0+8145d630e8.nv26.05"],
+    [
+        "2.11.0",
+        "2.14.1+cu130",
+        "2.15.0",
+        "2.14.0a0+b2c75dd062.nv26.09",
+        "2.12.0a0+8145d630e8.nv26.05",
+    ],
 )
 def test_a_supported_torch_passes(found):
     assert versions.version_problem(torch_version=found, te_version=None) is None
 
 
 @pytest.mark.parametrize(
-    "found", ["2.10.0a0+b4e4ee81d3", "2.10.1", "2.11.0a0+eb65b36914", "2.15.0", "2.15.0a0+git1"]
+    "found", ["2.10.0a0+b4e4ee81d3", "2.10.1", "2.11.0a0+eb65b36914", "2.16.0", "2.16.0a0+git1"]
 )
 def test_a_torch_outside_the_range_is_named_with_the_range(found):
     problem = versions.version_problem(torch_version=found, te_version="2.10.0+abc")
     assert problem is not None and "\n" not in problem
     assert f"torch {found}" in problem
     assert "Transformer Engine 2.10.0+abc" in problem
-    assert "torch>=2.11,<2.15" in problem
+    assert "torch>=2.11,<2.16" in problem
     no_te = versions.version_problem(torch_version=found, te_version=None)
     assert "Transformer Engine" not in no_te
+
+
+@pytest.mark.parametrize("found", ["0.17.1", "0.20.0", "0.18.0rc1"])
+def test_a_megatron_core_outside_the_range_is_named_with_the_range(found):
+    problem = versions.version_problem(torch_version="2.14.1", megatron_version=found)
+    assert problem == (
+        f"megatron-core {found} is outside the range DCP supports, megatron-core>=0.18.0,<0.20: "
+        "use a 0.18 or 0.19 release (requirements.txt pins 0.19.2)"
+    )
+
+
+@pytest.mark.parametrize("found", ["0.18.0", "0.18.2", "0.19.2"])
+def test_a_supported_megatron_core_passes(found):
+    assert versions.version_problem(torch_version="2.14.1", megatron_version=found) is None
 
 
 def test_the_installed_torch_is_supported():
@@ -89,4 +109,4 @@ def test_the_trainer_entry_exits_2_with_one_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     (line,) = [x for x in out.stderr.splitlines() if "error:" in x]
     assert line.startswith("[rank0] error: torch 2.10.0 is outside the range"), line
-    assert "torch>=2.11,<2.15" in line and "while checking the torch version" in line, line
+    assert "torch>=2.11,<2.16" in line and "while checking the torch version" in line, line

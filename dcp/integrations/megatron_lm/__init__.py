@@ -6,7 +6,8 @@ its layer spec DCP's attention, and takes DCP's dataset provider and forward ste
     args = dcp_mlm.parse_args()     # megatron's parse_and_validate_args + --dcp arguments
     spec = dcp_mlm.with_dcp_attention(spec)                  # in the model provider
     with dcp_mlm.install(args) as dcp_run:
-        pretrain(cfg, dcp_run.datasets_provider, model_type, dcp_run.forward_step, ...)
+        pretrain(cfg, train_valid_test_dataset_provider=dcp_run.datasets_provider,
+                 model_type=..., forward_step_func=dcp_run.forward_step, model_provider=...)
 
 ``--dcp`` then runs every global batch as a DCP plan; without it the same documents run through
 Megatron's own schedule (the static baseline). ``pretrain/pretrain_gpt_megatron.py`` is the

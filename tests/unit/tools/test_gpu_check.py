@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import pytest
@@ -71,4 +72,4 @@ def test_without_a_gpu_it_checks_nothing_and_says_so(capsys):
     assert "needs a CUDA GPU" in captured.err
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["ok"] is False and summary["checks"] == {}
-    assert summary["versions"]["megatron_core"] == "0.19.2"
+    assert summary["versions"]["megatron_core"] == importlib.metadata.version("megatron-core")
