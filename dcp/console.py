@@ -37,10 +37,11 @@ class Noise:
 
 
 KNOWN_NOISE: tuple[Noise, ...] = (
-    # megatron-core (optimizer, clip_grads, megatron_fsdp) on importing, without TE and apex: it
-    # falls back to torch's optimizers and its own multi-tensor helpers, as DCP expects on CPU.
+    # megatron-core (optimizer, clip_grads, megatron_fsdp, megatron.training's utilities) on
+    # importing, without TE and apex: it falls back to torch's optimizers and its own
+    # multi-tensor helpers, as DCP expects on CPU.
     Noise(
-        module=r"megatron\.core\.",
+        module=r"megatron\.",
         message="Transformer Engine and Apex are not installed",
         category=UserWarning,
     ),
@@ -88,6 +89,33 @@ KNOWN_NOISE: tuple[Noise, ...] = (
     # torch.utils.cpp_extension on importing (megatron-core imports it), on a machine with a
     # CUDA toolkit but no GPU.
     Noise(module="torch.utils.cpp_extension", message="No CUDA runtime is found"),
+    # megatron.core.extensions.transformer_engine_spec_provider on importing, without TE (its
+    # version reads 0.0.0): megatron's local linear layers, as DCP expects on CPU.
+    Noise(
+        module=r"megatron\.core\.extensions\.transformer_engine_spec_provider",
+        message="Only transformer-engine>=1.7.0 supports MoE experts",
+        category=UserWarning,
+    ),
+    # torch 2.14 on every call megatron-core 0.19.2's distributed optimizer and DDP make: the
+    # *_single collectives it recommends are not used by that megatron-core yet.
+    *(
+        Noise(
+            module=r"torch\.distributed\.",
+            message=f"`torch.distributed.{name}` is deprecated",
+            category=FutureWarning,
+        )
+        for name in ("all_gather_into_tensor", "reduce_scatter_tensor")
+    ),
+    # megatron-core's rerun state machine, WARNING on rank 0, around every evaluation of
+    # Megatron-LM's loop: it switches result validation off and back on for the forward passes.
+    Noise(module="megatron.core.rerun_state_machine", message="Setting RerunStateMachine mode"),
+    # torch.compile of megatron's fused bias-dropout-add on CPU: the CPU shim's TorchFunctionMode
+    # (megatron_patches.cpu_optimizer) changes a guard each call, so after 8 recompiles the
+    # function runs eagerly, as it does on CPU anyway. No shim, no recompiles on a GPU.
+    Noise(
+        module="torch._dynamo.convert_frame",
+        message="torch._dynamo hit config.recompile_limit",
+    ),
     # megatron-core's GPTModel constructor, WARNING on rank 0: megatron steers new code to
     # HybridModel; DCP builds GPTModel on purpose.
     Noise(module="megatron.core.models.gpt.gpt_model", message="GPTModel IS DEPRECATED"),

@@ -8,6 +8,10 @@ usual, plus ``--dcp`` and ``--dcp-*`` (``python -m pretrain.pretrain_gpt_megatro
 
 Without ``--dcp`` the same documents run through Megatron's own schedule at the fixed
 ``--context-parallel-size``: the static baseline. README, "From Megatron-LM".
+
+megatron-core warns as its modules load (no Apex, no Transformer Engine, ...): ``main`` sets up
+DCP's console (``dcp.console``: those known notices filtered) before anything imports it, so
+megatron is imported inside the functions below rather than at the top.
 """
 
 from __future__ import annotations
@@ -16,27 +20,25 @@ import os
 import sys
 import warnings
 
-from megatron.core.enums import ModelType
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
-from megatron.training import get_args, pretrain
-from megatron.training.argument_utils import (
-    core_transformer_config_from_args,
-    pretrain_cfg_container_from_args,
-)
-
-from dcp.integrations import megatron_lm as dcp_mlm  # DCP
+from dcp import console  # DCP
 from dcp.train.launcher import die_with_launcher  # DCP
 from dcp.versions import require_supported_versions  # DCP
 
 
 def model_provider(
     pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None
-) -> GPTModel:
+):
     """Megatron's GPT from its arguments, with DCP's attention."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.training import get_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from dcp.integrations import megatron_lm as dcp_mlm  # DCP
+
     args = get_args()
     config = config or core_transformer_config_from_args(args)
     if args.transformer_impl == "transformer_engine":
@@ -61,6 +63,7 @@ def model_provider(
 
 
 def main() -> int:
+    console.setup()  # DCP: first, so megatron's known import-time notices are filtered
     die_with_launcher()  # DCP: a launcher killed with -9 takes its workers along
     try:
         require_supported_versions()  # DCP: a torch outside DCP's range, in one line
@@ -73,6 +76,12 @@ def main() -> int:
 
 
 def train() -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from dcp.integrations import megatron_lm as dcp_mlm  # DCP
+
     args = dcp_mlm.parse_args()  # DCP: megatron's parse_and_validate_args + --dcp arguments
     with warnings.catch_warnings():
         # megatron recommends a ModelConfig over a model provider; this script is the

@@ -3,15 +3,18 @@
     python -m tools.plan --lengths L.json --spec S.json --planner dcp --out P.json
     python -m tools.plan --lengths L.json --spec h200x32+llama3-8b --planner static
 
-``--lengths``: a JSON list of positive ints (at most 100,000). ``--spec``: a cost-model spec
-JSON file or a preset name (``cpu-tiny``, ``<cluster>+<model>``; see ``dcp/costmodel/profiles``).
+``--lengths``: a JSON list of positive ints (at most 100,000). ``--spec``: a spec string,
+presets, spec JSON files and ``key=value`` overrides joined by ``+``, later parts winning
+(``h200x256+llama3-70b+pipeline_parallel_size=4``, ``h200x128+llama3-70b+my.json``;
+``dcp.costmodel.load``).
 The spec's ``options.tensor_parallel_size`` sets TP: plan ranks are planner ranks, one per TP group
 (``cluster.num_gpus / TP`` of them; ``h200x256+llama3-70b`` plans 32 at TP = 8).
 ``--option key=value`` sets a field of the planner's options class (``dcp.planning``:
 ``DCPOptions``, ``StaticOptions``, ``MegatronOptions``; e.g. ``on_oversize=drop``,
 ``max_cp_size=8``, ``recompute=full``); values are parsed as JSON when they can be. Writes
 ``{"planner", "predicted_step_time_s", "steps"}`` (plus ``meta`` when the plan has barriers,
-dropped sequences or planner notes) to ``--out`` or stdout; a summary goes to stderr.
+dropped sequences or planner notes) to ``--out`` or stdout; a summary goes to stderr, with the
+predicted model TFLOP/s per GPU and MFU (``dcp.costmodel.flops``).
 
 ``--measurements FILE``: micro-step records of a run (``runs/<name>/microsteps.jsonl``, see
 ``dcp.costmodel.microsteps``); the cost model is refitted on them with ``--spec`` as the prior
@@ -28,6 +31,12 @@ from pathlib import Path
 
 from dcp import console
 from dcp.costmodel import available_presets, load_cost_model
+from dcp.costmodel.flops import (
+    FLOP_CONVENTION,
+    batch_flops,
+    cluster_throughput,
+    describe_throughput,
+)
 from dcp.costmodel.microsteps import read_records
 from dcp.costmodel.online import fit_records
 from dcp.data.lengths import MAX_LENGTH
@@ -78,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", required=True, help="JSON list of sequence lengths")
     parser.add_argument(
-        "--spec", required=True, help=f"spec JSON or preset ({', '.join(available_presets())})"
+        "--spec",
+        required=True,
+        help="presets, spec JSON files and key=value overrides joined by + "
+        f"(presets: {', '.join(available_presets())})",
     )
     parser.add_argument("--planner", default="dcp", choices=PLANNERS)
     parser.add_argument("--out", default=None, help="output path (default: stdout)")
@@ -115,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text)
     dropped = set(plan.dropped)
-    bound = lower_bound_s([x for i, x in enumerate(lengths) if i not in dropped], cost_model)
+    trained = [x for i, x in enumerate(lengths) if i not in dropped]
+    bound = lower_bound_s(trained, cost_model)
     tp, pp = cost_model.tensor_parallel_size, cost_model.pipeline_parallel_size
     mesh = f"TP {tp}" if pp == 1 else f"TP {tp} x PP {pp}"
     print(
@@ -125,6 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         f"(lower bound {bound:.4f} s), planned in {plan_ms:.1f} ms",
         file=sys.stderr,
     )
+    if cost_model.model is not None and cost_model.cluster is not None:
+        speed = cluster_throughput(
+            batch_flops(trained, cost_model.model),
+            plan.predicted_step_time_s,
+            cost_model.cluster,
+        )
+        print(
+            f"predicted {describe_throughput(speed)} ({FLOP_CONVENTION})",
+            file=sys.stderr,
+        )
     return 0
 
 

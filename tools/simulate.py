@@ -4,6 +4,7 @@
                              [--workloads lognormal,...] [--batches 2] [--out-dir runs/simulate]
     python -m tools.simulate --quick      # 8 and 32 GPUs, one small batch each: seconds
     python -m tools.simulate --model llama3-70b --clusters 64,256,1024   # TP = 8 (the preset's)
+    python -m tools.simulate --model llama3-70b+pipeline_parallel_size=4 --clusters 256
     python -m tools.simulate --data data/stdlib --spec h200x8+llama3-8b --batch-tokens 65536
                              [--max-seq-len L] [--batches 8]   # your own corpus
 
@@ -13,10 +14,16 @@ document lengths) by the training sampler, and planned on ``--spec``'s cost mode
 longer than ``--max-seq-len`` + 1 tokens are split as the trainer splits them. It prints a
 per-batch table and writes ``data_results.json``.
 
+``--model`` is the spec string laid over each ``h200x<N>`` preset: a model preset, with spec
+files and ``key=value`` overrides joined by ``+`` (``dcp.costmodel.load``), as ``--spec`` is.
 All numbers are *simulated* on the cost model (no GPU runs); ``dcp.planning.sweep`` says what is
-compared. The output's second line says which published training rows the cost model's GPU
-preset was checked against and how closely (``dcp.costmodel.throughput.preset_check``; also
-``cost_model_check`` in the JSON). The model preset's ``options.tensor_parallel_size`` applies
+compared. Each table gives DCP's model TFLOP/s per GPU and MFU (``dcp.costmodel.flops``: the
+FLOP convention and the peaks are named under the title; every planner's are in the JSON). A
+line under the title says which published training rows the cost model's GPU preset was checked
+against and how closely (``dcp.costmodel.throughput.preset_check``; also ``cost_model_check`` in
+the JSON), or that the check no longer applies because a spec file, an override or a
+calibration changed the preset's datasheet or checked coefficients (``cost_model_check_void``).
+The model preset's ``options.tensor_parallel_size`` applies
 (``llama3-70b``: TP = 8, one planner rank per node); clusters too small for the model's weights
 are listed as skipped.
 Writes ``results.json``, ``table.txt`` and ``speedups.png`` under ``--out-dir``; progress goes to
@@ -32,14 +39,15 @@ import sys
 from pathlib import Path
 
 from dcp import console
+from dcp.costmodel import load_spec
 from dcp.costmodel.load import PROFILES_DIR
-from dcp.costmodel.throughput import preset_check
 from dcp.planning.sweep import PIPELINE_PLANNERS, PIPELINE_RECIPES, SWEEP_PLANNERS, run_sweep
 from dcp.planning.sweep_report import (
     cost_model_notes,
     format_data_table,
     format_pipeline_table,
     format_table,
+    published_check,
     write_sweep,
 )
 from dcp.planning.workloads import WORKLOADS
@@ -97,7 +105,7 @@ def simulate_data(args: argparse.Namespace) -> int:
     """``--data``: the planners on global batches drawn from the user's corpus."""
     from tqdm import tqdm
 
-    from dcp.costmodel import load_cost_model, load_spec
+    from dcp.costmodel import load_cost_model
     from dcp.data.lengths import corpus_doc_lengths
     from dcp.data.sampler import sample_batches
     from dcp.planning.sweep import simulate_batches
@@ -176,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.data:
         return simulate_data(args)
+    if args.spec or args.batch_tokens or args.max_seq_len:
+        print(
+            "error: --spec, --batch-tokens and --max-seq-len plan your corpus (--data); the "
+            "sweep takes --model (a model preset, with + overrides) and --clusters",
+            file=sys.stderr,
+        )
+        return 2
     if args.pipeline:
         return simulate_pipelines(args)
     cases = [(32, 512)] if args.quick else [(32, 512), (1024, 8192)]
@@ -189,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # The sweep's clusters are the h200 preset's (dcp.planning.sweep).
-    results["cost_model_check"] = preset_check("h200")
+    # The sweep's clusters are the h200 preset's (dcp.planning.sweep), the model's options laid
+    # over them: the published check holds unless those change the preset's.
+    spec_name = f"h200x{args.clusters.split(',')[0]}+{args.model}"
+    results.update(published_check(load_spec(spec_name), spec_name=spec_name))
     piped = results.get("pipeline_parallel_size", 1) > 1
     table = format_pipeline_table(results) if piped else format_table(results)
     print(table)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dcp.collectives import barrier
 from dcp.costmodel import load_cost_model
+from dcp.costmodel.flops import FLOP_CONVENTION
 from dcp.observability.host import RunLoad, load_warnings
 from dcp.observability.record import StepRecord
 from dcp.planning import THREE_LEVEL_OPTIONS, static_configs
@@ -110,9 +111,19 @@ def summarize(name: str, rounds: list[list[StepRecord]], warmup: int) -> dict:
     seconds = sum(r.step_time_s for r in measured)
     errors = [r.prediction_error for r in measured if r.compute_time_s > 0]
     loads = [r.host.load_1m for r in measured if r.host and r.host.load_1m is not None]
+
+    def pooled(key: str) -> float | None:
+        """A per-step rate pooled by step time (all measured steps' model FLOPs / their time)."""
+        values = [getattr(r, key) for r in measured]
+        if seconds <= 0 or any(v is None for v in values):
+            return None
+        return sum(v * r.step_time_s for v, r in zip(values, measured, strict=True)) / seconds
+
     return {
         "planner": name,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "tflops_per_gpu": pooled("tflops_per_gpu"),
+        "mfu": pooled("mfu"),
         "step_time_s": seconds / len(measured),
         "compute_time_s": statistics.fmean(r.compute_time_s for r in measured),
         "predicted_step_time_s": statistics.fmean(r.predicted_step_time_s for r in measured),
@@ -204,6 +215,12 @@ def bench_summary(results: dict[str, dict], *, steps: int, warmup: int, rounds: 
         "speedup_vs_static": ratio(dcp, static),
         "speedup_vs_megatron": ratio(dcp, results.get("megatron")),
         "speedup_vs_dcp_3level": ratio(dcp, results.get(THREE_LEVEL)),
+        # Model TFLOP/s per GPU and MFU of the bf16 peak (dcp.costmodel.flops.FLOP_CONVENTION).
+        "dcp_tflops_per_gpu": dcp.get("tflops_per_gpu") if dcp else None,
+        "dcp_mfu": dcp.get("mfu") if dcp else None,
+        "static_tflops_per_gpu": static.get("tflops_per_gpu") if static else None,
+        "static_mfu": static.get("mfu") if static else None,
+        "flop_convention": FLOP_CONVENTION,
         "max_abs_loss_diff": loss_diff,
         "step_time_prediction_error": dcp.get("prediction_error") if dcp else None,
         "step_time_prediction_error_last10": dcp.get("prediction_error_last10") if dcp else None,

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dcp.costmodel.spec import (
+    ClusterSpec,
     Coefficients,
     ModelSpec,
     Options,
@@ -62,6 +63,8 @@ class CostModel:
     name: str = "custom"
     model: ModelSpec | None = None
     options: Options | None = None
+    cluster: ClusterSpec | None = None
+    """The spec's whole cluster (every GPU of every stage: its peaks, its node size)."""
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
@@ -109,6 +112,7 @@ class CostModel:
             name=str(spec.get("name", "custom")),
             model=model,
             options=options,
+            cluster=cluster,
         )
 
     # -- recompute settings ----------------------------------------------------------------
@@ -382,12 +386,47 @@ class CostModel:
         tokens = float(sum(lengths)) / cp_size
         return self.coefficients.tp_latency_s + self._rates(recompute, recompute_layers).tp * tokens
 
-    def describe(self) -> str:
-        caps = ", ".join(f"{lv}={self.max_tokens_per_rank(lv)}" for lv in RECOMPUTE_LEVELS)
+    def nodes_per_planner_rank(self) -> int | None:
+        """Nodes the GPUs of one planner rank occupy: its TP group in every pipeline stage,
+        stages being megatron's outermost rank axis (None without the spec's cluster)."""
+        if self.cluster is None:
+            return None
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        stage_gpus = self.cluster.num_gpus // pp
+        gpus = [s * stage_gpus + t for s in range(pp) for t in range(tp)]
+        return len({g // self.cluster.gpus_per_node for g in gpus})
+
+    def topology(self) -> str:
+        """What a planner rank is: ``8 planner ranks per stage, each TP 8 x PP 4 = 32 GPUs on 4
+        nodes (256 GPUs, 8 per node)``."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        ranks = f"{self.num_ranks} planner ranks" + (" per stage" if pp > 1 else "")
+        shape = f"TP {tp}" + (f" x PP {pp}" if pp > 1 else "")
+        gpus = tp * pp
+        each = f"each {shape} = {gpus} GPUs" if gpus > 1 else "each 1 GPU"
+        nodes = self.nodes_per_planner_rank()
+        if nodes is None:
+            return f"{ranks}, {each}"
         return (
-            f"{self.name}: {self.num_ranks} ranks ({self.ranks_per_node}/node), budget "
-            f"{self.mem_budget_bytes / 1e9:.1f} GB/rank, static {self.static_mem_bytes / 1e9:.1f} "
-            f"GB, max tokens/rank {caps}"
+            f"{ranks}, {each} on {nodes} node{'s' if nodes > 1 else ''} "
+            f"({self.cluster.num_gpus} GPUs, {self.cluster.gpus_per_node} per node)"
+        )
+
+    def describe(self) -> str:
+        """Topology and memory in per-GPU units: under pipeline parallelism the static memory
+        and token caps of the pipeline view (``dcp.costmodel.pipeline.planning_view``: the
+        fullest stage, with its 1F1B micro-steps in flight), not the whole model's."""
+        view, note = self, ""
+        if self.pipeline_parallel_size > 1 and self.model is not None:
+            # Imported here: dcp.costmodel.pipeline builds on this module.
+            from dcp.costmodel.pipeline import planning_view
+
+            view, note = planning_view(self), " (the fullest stage, micro-steps in flight)"
+        caps = ", ".join(f"{lv}={view.max_tokens_per_rank(lv)}" for lv in RECOMPUTE_LEVELS)
+        return (
+            f"{self.name}: {self.topology()}; per GPU{note}: budget "
+            f"{view.mem_budget_bytes / 1e9:.1f} GB, static {view.static_mem_bytes / 1e9:.1f} GB; "
+            f"max tokens per planner rank {caps}"
         )
 
 

@@ -1,11 +1,15 @@
-"""The one way to get a cost model: a preset name, a spec JSON path or a spec dict.
+"""The one way to get a cost model: a spec string, a spec JSON path or a spec dict.
 
-Presets are the JSON files in ``dcp/costmodel/profiles``; ``a+b`` merges several left to right
-(``h200x32+llama3-8b``: a cluster and a model). A GPU preset (``h100``, ``h200``, ``b200``: a
-datasheet without a GPU count, and the coefficients ``tools.costmodel_check`` chose for that
-GPU) is named with its count, ``<gpu>x<N>``. A name ending in ``.json`` or naming an existing
-file is a path. With a ``mesh`` (``dcp.mesh.Mesh``: the job's ranks, TP and PP sizes), the spec must
-describe that job; without one (a tool planning a spec's own cluster) it is taken as it is.
+A spec string joins parts with ``+``, merged left to right, later parts winning key by key
+inside each block (``parse_spec_string``): a preset (a JSON file of ``dcp/costmodel/profiles``:
+``h200x32+llama3-8b`` is a cluster and a model), a spec JSON file (a part ending in ``.json`` or
+naming an existing file) and ``key=value`` overrides (``pipeline_parallel_size=4``: a field of
+the spec's ``options``, ``cluster`` or ``model`` block by its name, or ``block.key=value``;
+values read as in ``key.sub=value`` config overrides). A GPU preset (``h100``, ``h200``,
+``b200``: a datasheet without a GPU count, and the coefficients ``tools.costmodel_check`` chose
+for that GPU) is named with its count, ``<gpu>x<N>``. With a ``mesh`` (``dcp.mesh.Mesh``: the
+job's ranks, TP and PP sizes), the spec must describe that job; without one (a tool planning a
+spec's own cluster) it is taken as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 from dcp.costmodel.formula import CostModel
 from dcp.costmodel.spec import (
+    ClusterSpec,
     ModelSpec,
     Options,
     _build,
@@ -27,6 +32,7 @@ from dcp.costmodel.spec import (
 from dcp.files import load_json, reading
 from dcp.mesh import Mesh
 from dcp.plan import RECOMPUTE_LEVELS
+from dcp.schema import apply_overrides
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 # ``h200x32``: the GPU preset ``h200`` with 32 GPUs.
@@ -51,9 +57,28 @@ def gpu_presets() -> list[str]:
 
 
 def gpu_preset_of(name: str) -> str | None:
-    """The GPU preset a preset name starts with (``h200x8+llama3-8b``: ``h200``), else None."""
-    match = _GPU_COUNT.fullmatch(name.split("+")[0].strip())
-    return match["gpu"] if match and match["gpu"] in gpu_presets() else None
+    """The GPU preset a spec string names with its count (``h200x8+llama3-8b``: ``h200``), in
+    any of its parts, else None."""
+    for part in name.split("+"):
+        match = _GPU_COUNT.fullmatch(part.strip())
+        if match and match["gpu"] in gpu_presets():
+            return match["gpu"]
+    return None
+
+
+def departures_from_gpu_preset(spec: dict, gpu: str) -> list[str]:
+    """The keys of the GPU preset ``gpu`` (its datasheet in ``cluster``, its checked
+    ``options``) that ``spec`` holds at another value, as ``block.key``, and ``calibration``
+    when the spec has one (measured terms replace the checked ones). The GPU count and node
+    size are the cluster's, not the GPU's: they may differ."""
+    preset = load_json(PROFILES_DIR / f"{gpu}.json", what="cost-model preset")
+    changed = [
+        f"{block}.{key}"
+        for block in ("cluster", "options")
+        for key, value in preset.get(block, {}).items()
+        if key not in ("num_gpus", "gpus_per_node") and spec.get(block, {}).get(key) != value
+    ]
+    return changed + (["calibration"] if spec.get("calibration") else [])
 
 
 def _preset_part(part: str, name: str) -> dict:
@@ -72,42 +97,113 @@ def _preset_part(part: str, name: str) -> dict:
     )
 
 
-def load_preset(name: str) -> dict:
-    """The spec dict of a preset: ``"cpu-tiny"``, ``"<cluster>+<model>"`` or
-    ``"<gpu>x<N>+<model>"``.
+_BLOCKS = {"options": Options, "cluster": ClusterSpec, "model": ModelSpec}
+"""The spec blocks a bare ``key=value`` override may name a field of (``calibration.<key>``
+is named with its block)."""
 
-    Parts are merged left to right (``options`` and ``calibration`` merge key by key, later parts
-    win).
-    """
-    spec: dict = {}
-    for part in name.split("+"):
-        for key, value in _preset_part(part.strip(), name).items():
-            if isinstance(value, dict) and isinstance(spec.get(key), dict):
-                spec[key] = {**spec[key], **value}
-            else:
-                spec[key] = value
-    spec.setdefault("name", name)
+
+def _override_key(key: str, text: str) -> tuple[str, str]:
+    """(block, field) of an override's key: ``block.field``, or a field name of one block."""
+    block, dot, name = key.partition(".")
+    if dot:
+        if block not in (*_BLOCKS, "calibration") or not name or "." in name:
+            raise ValueError(
+                f"override {key!r} in {text!r}: write block.key with block one of "
+                f"{[*_BLOCKS, 'calibration']}, or a field name of the options, cluster or model "
+                "block"
+            )
+        return block, name
+    owners = [b for b, cls in _BLOCKS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+    if len(owners) != 1:
+        known = sorted(f.name for f in dataclasses.fields(Options))
+        raise ValueError(
+            f"override {key!r} in {text!r} is not a field of the spec's options, cluster or "
+            f"model block (options: {', '.join(known)}); spell other keys as block.key=value"
+        )
+    return owners[0], key
+
+
+def _merge(spec: dict, part: dict) -> dict:
+    """``part`` laid over ``spec``: blocks (dicts) merge key by key, other keys are replaced."""
+    out = dict(spec)
+    for key, value in part.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def _spec_file(path: Path) -> dict:
+    """The JSON object of a spec file (``dcp.files``' rules: a problem is one line naming it)."""
+    if not path.is_file():
+        raise ValueError(f"no such cost-model spec file: {path}")
+    spec = load_json(path, what="cost-model spec")
+    if not isinstance(spec, dict):
+        raise ValueError(f"cost-model spec {path} must hold a JSON object")
     return spec
 
 
+def _is_path(part: str) -> bool:
+    return part.endswith(".json") or Path(part).is_file()
+
+
+def parse_spec_string(text: str) -> dict:
+    """The spec dict of a spec string (module docstring): presets, spec files and overrides in
+    any order, merged left to right. A ``tensor_parallel_size`` override that changes the TP
+    size drops the calibration's TP-collective terms (``with_runtime_options``). The spec's
+    name is the string (a single spec file keeps its own ``name``, else its stem)."""
+    parts = [part.strip() for part in str(text).split("+")]
+    if not all(parts):
+        raise ValueError(f"empty part in cost-model spec {text!r}")
+    spec: dict = {}
+    for part in parts:
+        if "=" in part and not Path(part).is_file():
+            key, _, raw = part.partition("=")
+            block, name = _override_key(key.strip(), text)
+            value = apply_overrides({}, [f"value={raw}"])["value"]
+            if block == "options":
+                spec, _ = with_runtime_options(spec, {name: value})
+            else:
+                spec = _merge(spec, {block: {name: value}})
+        elif _is_path(part):
+            spec = _merge(spec, _spec_file(Path(part)))
+        else:
+            spec = _merge(spec, _preset_part(part, text))
+    if len(parts) == 1 and _is_path(parts[0]):
+        spec.setdefault("name", Path(parts[0]).stem)
+    else:
+        spec["name"] = str(text)
+    return spec
+
+
+def load_preset(name: str) -> dict:
+    """The spec dict of presets only: ``"cpu-tiny"``, ``"<cluster>+<model>"`` or
+    ``"<gpu>x<N>+<model>"`` (``parse_spec_string``, refusing files and overrides)."""
+    for part in name.split("+"):
+        if "=" in part or _is_path(part.strip()):
+            raise ValueError(f"{part.strip()!r} in {name!r} is not a preset name")
+    return parse_spec_string(name)
+
+
 def load_spec(source: str | Path | dict) -> dict:
-    """A spec dict from a preset name, a spec JSON path (read and checked under
-    ``dcp.files``' rules: any problem is one line naming the file), or a dict (a copy)."""
+    """A spec dict from a spec string (``parse_spec_string``: presets, spec files, overrides) or
+    a dict (a copy). A string with a spec file is checked whole here, so that what is built from
+    it later never meets a wrong type: a single file's problems are one line naming the file,
+    a combination's one line naming the string."""
     if isinstance(source, dict):
         return dict(source)
-    path = Path(source)
-    if path.suffix == ".json" or path.is_file():
-        if not path.is_file():
-            raise ValueError(f"no such cost-model spec file: {path}")
-        spec = load_json(path, what="cost-model spec")
-        if not isinstance(spec, dict):
-            raise ValueError(f"cost-model spec {path} must hold a JSON object")
-        spec.setdefault("name", path.stem)
-        # Checked whole here, so what is built from it later never meets a wrong type.
-        with reading(path, "cost-model spec"):
+    text = str(source)
+    spec = parse_spec_string(text)
+    if _is_path(text):
+        with reading(text, "cost-model spec"):
             CostModel.from_spec(spec)
-        return spec
-    return load_preset(str(source))
+    elif any(_is_path(part.strip()) for part in text.split("+")):
+        try:
+            CostModel.from_spec(spec)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"cost-model spec {text!r}: {exc}") from None
+    return spec
 
 
 # Calibrated terms that hold only at the TP size they were measured at.

@@ -9,12 +9,10 @@ the end-of-batch gradient reduction and optimizer step are not in it). Rows with
 parallelism need a pipeline cost model; until one is passed as ``pipeline=`` they are reported
 as not modelled. Pure Python, no torch.
 
-Model TFLOP/s are counted as each source counts them (``attention_flops``): Megatron's formula
-(``megatron.training.training.num_floating_point_operations``) charges 6 FLOPs per parameter
-and token for every linear layer and the LM head, and 6·s·q·L per token for causal attention
-(``causal``); NeMo's formula before its August 2025 change charged the whole s×s score matrix,
-12·s·q·L (``full``). The check compares tokens per second, converting a published TFLOP/s
-figure with the source's count; rows publishing both must agree with the count.
+Model TFLOP/s are counted as each source counts them (``attention_flops``, the two counts of
+``dcp.costmodel.flops``: Megatron's ``causal``, NeMo's earlier ``full``). The check compares
+tokens per second, converting a published TFLOP/s figure with the source's count; rows
+publishing both must agree with the count.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dcp.costmodel.flops import ATTENTION_FLOPS, flops_per_token
 from dcp.costmodel.formula import CostModel
 from dcp.costmodel.load import gpu_presets, load_preset
 from dcp.costmodel.spec import ModelSpec, runtime_options
@@ -32,7 +31,6 @@ from dcp.plan import RECOMPUTE_LEVELS, Recompute
 from dcp.schema import check_range, from_dict
 
 PRECISIONS = ("bf16", "fp8")
-ATTENTION_FLOPS = ("causal", "full")
 PUBLISHED_DIR = Path(__file__).parent / "published"
 # A table is a few hundred lines at most; refuse anything far larger before reading it.
 MAX_TABLE_BYTES = 4_000_000
@@ -152,18 +150,6 @@ def model_spec(model: str | ModelSpec) -> ModelSpec:
     return from_dict(ModelSpec, block, prefix=f"preset {model}.model")
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int, *, attention: str = "causal") -> float:
-    """Training FLOPs per token as Megatron counts them (``attention="causal"``): 6 per parameter
-    of the transformer layers' linear layers and the LM head, plus 6·s·q·L for causal attention
-    (QKᵀ and PV, halved by the mask, times 3 for forward and backward); ``"full"`` counts the
-    whole score matrix, 12·s·q·L (NeMo's formula before August 2025)."""
-    if attention not in ATTENTION_FLOPS:
-        raise ValueError(f"attention must be one of {list(ATTENTION_FLOPS)}, got {attention!r}")
-    linear = model.param_counts().linear + model.hidden_size * model.vocab_size
-    per_seq = 6.0 if attention == "causal" else 12.0
-    return 6.0 * linear + per_seq * seq_len * model.q_hidden_size * model.num_layers
-
-
 def read_published(path: str | Path) -> list[PublishedRow]:
     """The rows of a JSONL table (one JSON object per line; blank lines skipped). Raises
     ``ValueError`` naming the file and line of the first bad row."""
@@ -254,11 +240,11 @@ def predict_row(
     (default ``row_cost_model(row)``)."""
     model = model_spec(row.model)
     published_tokens = row.tokens_per_s_per_gpu
-    flops_per_token = None
+    row_flops = None
     if row.attention_flops is not None:
-        flops_per_token = model_flops_per_token(model, row.seq_len, attention=row.attention_flops)
+        row_flops = flops_per_token(model, row.seq_len, attention=row.attention_flops)
         if published_tokens is None:
-            published_tokens = row.tflops_per_gpu * 1e12 / flops_per_token
+            published_tokens = row.tflops_per_gpu * 1e12 / row_flops
     out: dict = {
         "row": row.label,
         "source": row.source,
@@ -281,9 +267,7 @@ def predict_row(
         modelled=True,
         predicted_step_s=step_s,
         predicted_tokens_per_s_per_gpu=tokens,
-        predicted_tflops_per_gpu=(
-            None if flops_per_token is None else tokens * flops_per_token / 1e12
-        ),
+        predicted_tflops_per_gpu=(None if row_flops is None else tokens * row_flops / 1e12),
         rel_error=tokens / published_tokens - 1.0,
         recompute=level if layers is None else f"{level}/{layers}",
         recompute_published=row.recompute is not None,

@@ -15,14 +15,7 @@ from dcp.observability.host import HostStats
 from dcp.plan import Plan
 
 if TYPE_CHECKING:
-    from dcp.model import ModelConfig
-
-
-def model_flops(lengths: list[int], cfg: ModelConfig) -> float:
-    """Training FLOPs of one batch: 6·N per token + causal attention (12·layers·h·L²/2)."""
-    tokens = sum(lengths)
-    attn = sum(12 * cfg.num_layers * cfg.hidden_size * n * n / 2 for n in lengths)
-    return 6.0 * cfg.num_params() * tokens + attn
+    pass
 
 
 PLAN_NOTATION = (
@@ -111,9 +104,13 @@ class StepRecord:
     step's reduction to this one's, so the previous optimizer update counts."""
     planner: str
     plan: PlanStats
+    tflops_per_gpu: float | None = None
+    """Model TFLOP/s per GPU: the trained sequences' model FLOPs (``dcp.costmodel.flops``,
+    Megatron's count) over the step time and every rank of the job."""
     mfu: float | None = None
-    """Model FLOPs utilisation against the spec's peak (absent when the spec has none). On CPU
-    the presets' ``peak_tflops`` is a nominal figure, so the reports leave CPU runs' MFU out."""
+    """``tflops_per_gpu`` over the spec's dense bf16 ``peak_tflops`` (absent when the spec has
+    none). On CPU the presets' ``peak_tflops`` is a nominal figure, so the reports leave CPU
+    runs' MFU out."""
     optimizer_state_bytes: list[int] | None = None
     """Optimizer state bytes held by each rank, by rank (``Runtime.optimizer_state_bytes``)."""
     exploration: str | None = None
@@ -134,7 +131,14 @@ class StepRecord:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        for key in ("mfu", "optimizer_state_bytes", "exploration", "mem_budget_bytes", "host"):
+        for key in (
+            "tflops_per_gpu",
+            "mfu",
+            "optimizer_state_bytes",
+            "exploration",
+            "mem_budget_bytes",
+            "host",
+        ):
             if out[key] is None:
                 del out[key]
         return out

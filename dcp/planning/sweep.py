@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from dcp.costmodel import CostModel, load_cost_model, load_spec
+from dcp.costmodel.flops import batch_flops, cluster_throughput, peaks
 from dcp.costmodel.pipeline import PipelineCosts, planning_view
 from dcp.plan import PLANNERS, RECOMPUTE_LEVELS, STATIC_PER_BATCH, Plan
 from dcp.planning.bounds import lower_bound_s
@@ -211,7 +212,23 @@ def evaluate(
             row["megatron"]["bubble_fraction"] = bubbles.get(config, [])
             row["megatron"]["split_micro_batches"] = split.get(config, 0)
     _summarise(row, planners)
+    _add_throughput(row, batches, cost_model)
     return row
+
+
+def _add_throughput(row: dict, batches: list[list[int]], cost_model: CostModel) -> None:
+    """Each planner's model TFLOP/s per GPU and MFU over the batches (``dcp.costmodel.flops``:
+    the batches' model FLOPs over their summed simulated step times on every GPU), where the
+    cost model knows its model and cluster."""
+    if cost_model.model is None or cost_model.cluster is None:
+        return
+    flops = [batch_flops(b, cost_model.model) for b in batches]
+    row["batch_flops"] = flops
+    for entry in row.values():
+        if isinstance(entry, dict) and len(entry.get("step_time_s", ())) == len(flops):
+            entry.update(
+                cluster_throughput(sum(flops), sum(entry["step_time_s"]), cost_model.cluster)
+            )
 
 
 def _longest_first(plans: list[Plan], batches: list[list[int]], cost_model: CostModel) -> dict:
@@ -284,6 +301,7 @@ def simulate_batches(
         "num_planner_ranks": cost_model.num_ranks,
         "tensor_parallel_size": cost_model.tensor_parallel_size,
         "pipeline_parallel_size": cost_model.pipeline_parallel_size,
+        **(peaks(cost_model.cluster) if cost_model.cluster is not None else {}),
         "planners": planners,
         "batch_lengths": [len(b) for b in batches],
         "batch_tokens": [sum(b) for b in batches],
@@ -421,8 +439,9 @@ def run_sweep(
             done += len(workloads)
             continue
         results["tensor_parallel_size"] = cost_model.tensor_parallel_size
+        results.update(peaks(cost_model.cluster))
         results["pipeline_parallel_size"] = cost_model.pipeline_parallel_size
-        log(planning_view(cost_model).describe())
+        log(cost_model.describe())
         static = planning_view(cost_model).static_mem_bytes
         if static >= cost_model.mem_budget_bytes:
             # Weights, grads and an optimizer shard over too few ranks fill the GPU already.

@@ -15,12 +15,25 @@ from pathlib import Path
 import numpy as np
 
 from dcp.costmodel import CostModel
-from dcp.costmodel.load import gpu_preset_of
+from dcp.costmodel.flops import describe_peaks, describe_throughput
+from dcp.costmodel.load import departures_from_gpu_preset, gpu_preset_of
 from dcp.costmodel.throughput import describe_check, preset_check
 from dcp.planning.sweep import BASELINES, LONGEST_FIRST
 
 _SHORT = {"dcp": "dcp", LONGEST_FIRST: "lngst1st", "static": "static", "megatron": "megatr"}
 """Planner names short enough for a column head of the pipeline table."""
+
+
+def _throughput_cells(entry: dict) -> str:
+    """A planner's ``TF/s`` and ``MFU`` cells (``dcp.costmodel.flops``), blank without them."""
+    if entry.get("mfu") is None:
+        return f" {'':>8} {'':>5}"
+    return f" {entry['tflops_per_gpu']:8.0f} {entry['mfu']:5.1%}"
+
+
+def _throughput_note(results: dict) -> list[str]:
+    """The line naming the FLOP convention and the peaks, when the table shows TF/s."""
+    return [describe_peaks(results)] if "peak_tflops" in results else []
 
 
 def format_table(results: dict) -> str:
@@ -30,15 +43,16 @@ def format_table(results: dict) -> str:
     head = (
         f"{'cluster':>9} {'workload':>10} {'seqs':>6} {'dcp s':>7} {'static s':>8} "
         f"{'(config)':>14} {'oracle s':>8} {'megatr s':>8} {'(rc)':>9} {'x stat':>6} "
-        f"{'x orcl':>6} {'x meg':>6} {'x 3lv':>6} {'dcp/LB':>6} {'plan ms':>7}"
+        f"{'x orcl':>6} {'x meg':>6} {'x 3lv':>6} {'dcp/LB':>6} {'plan ms':>7} "
+        f"{'dcp TF/s':>8} {'MFU':>5}"
     )
     tp = results.get("tensor_parallel_size", 1)
     title = f"SIMULATED step times (dcp cost model, not measured on GPUs), {results['model']}"
     if tp > 1:
         title += f", TP {tp}: a planner rank is {tp} GPUs, h200xN has N/{tp} of them"
     lines = [title]
-    if "cost_model_check" in results:
-        lines.append(describe_check(results["cost_model_check"]))
+    lines += check_lines(results)
+    lines += _throughput_note(results)
     lines += [head, "-" * len(head)]
     for skipped in results.get("skipped_clusters", []):
         lines.append(f"{skipped['preset']:>9} skipped: {skipped['reason']}")
@@ -61,6 +75,7 @@ def format_table(results: dict) -> str:
                 f"{row.get('speedup_vs_dcp-3level', nan):6.2f} "
                 f"{row.get('dcp_over_lower_bound', nan):6.3f} "
                 f"{max(row['dcp']['plan_ms']) if 'dcp' in row else nan:7.1f}"
+                f"{_throughput_cells(row.get('dcp', {}))}"
             )
         g = cluster["summary"]
         lines.append(
@@ -104,10 +119,13 @@ def format_pipeline_table(results: dict) -> str:
     head += f" {'(static)':>14} {'(meg rc)':>9}" + "".join(
         f" {'x ' + _SHORT[p]:>8}" for p in names[1:]
     )
-    head += f" {'dcp/LB':>6}"
+    head += f" {'dcp/LB':>6} {'dcp TF/s':>8} {'MFU':>5}"
     lines = [
         f"SIMULATED step times (dcp cost model, not measured on GPUs), {results['model']}, "
-        f"TP {tp} x PP {pp}: h200xN has N/{tp * pp} planner ranks per stage; non-interleaved 1F1B",
+        f"TP {tp} x PP {pp}: a planner rank is {tp * pp} GPUs (its TP group in each stage), "
+        f"h200xN has N/{tp * pp} of them; non-interleaved 1F1B",
+        *([describe_check(results["cost_model_check"])] if "cost_model_check" in results else []),
+        *_throughput_note(results),
         head,
         "-" * len(head),
     ]
@@ -133,6 +151,7 @@ def format_pipeline_table(results: dict) -> str:
             lines.append(
                 f"{cluster['preset']:>10} {row['workload']:>10} {row['num_sequences']:6.0f}"
                 f"{cells} {row.get('dcp_over_lower_bound', nan):6.3f}"
+                f"{_throughput_cells(row.get('dcp', {}))}"
             )
         g = cluster["summary"]
         pad = " " * (11 * len(names) + 6 * len(names) + 26)
@@ -180,19 +199,40 @@ def write_chart(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def published_check(spec: dict, *, spec_name: str) -> dict:
+    """Whether the published-throughput check of the spec's GPU preset still speaks for
+    ``spec``: ``{"cost_model_check": ...}`` (``preset_check``) when the spec keeps the preset's
+    datasheet and checked coefficients, ``{"cost_model_check_void": why}`` when a spec file,
+    an override or a calibration changed them, ``{}`` without a GPU preset."""
+    gpu = gpu_preset_of(spec_name)
+    if gpu is None:
+        return {}
+    changed = departures_from_gpu_preset(spec, gpu)
+    if changed:
+        return {
+            "cost_model_check_void": f"the {gpu} preset's published-throughput check no longer "
+            f"applies: {', '.join(changed)} differ from the preset's"
+        }
+    return {"cost_model_check": preset_check(gpu)}
+
+
+def check_lines(results: dict, *, precision: str = "bf16") -> list[str]:
+    """The line a table prints on the published check (``published_check``), if any."""
+    if "cost_model_check_void" in results:
+        return [f"cost model: {results['cost_model_check_void']}"]
+    if "cost_model_check" in results:
+        return [describe_check(results["cost_model_check"], precision=precision)]
+    return []
+
+
 def cost_model_notes(spec: dict, cost_model: CostModel, *, spec_name: str) -> dict:
     """What the table of a user's corpus says of the cost model it simulated on: ``calibrated``,
-    ``precision`` and, for a GPU preset's uncalibrated coefficients, which published training
-    rows checked them (``cost_model_check``)."""
+    ``precision`` and the published check (``published_check``)."""
     notes = {
         "calibrated": bool(spec.get("calibration")),
         "precision": "fp8" if cost_model.options.fp8 else "bf16",
     }
-    gpu = gpu_preset_of(spec_name)
-    if gpu is not None and not notes["calibrated"]:
-        # A measured calibration replaces the checked coefficients; say nothing for it.
-        notes["cost_model_check"] = preset_check(gpu)
-    return notes
+    return {**notes, **published_check(spec, spec_name=spec_name)}
 
 
 def format_data_table(results: dict) -> str:
@@ -203,11 +243,7 @@ def format_data_table(results: dict) -> str:
         f"SIMULATED on the {kind} cost model of {results['spec']} (no GPU ran), "
         f"{results['num_planner_ranks']} planner ranks x TP {results['tensor_parallel_size']}, "
         f"data {results['data']}",
-        *(
-            [describe_check(results["cost_model_check"], precision=results["precision"])]
-            if "cost_model_check" in results
-            else []
-        ),
+        *check_lines(results, precision=results["precision"]),
         f"{'batch':>5} {'seqs':>6} {'tokens':>10} "
         + " ".join(f"{p + ' s':>16}" for p in planners)
         + f" {'lower bd s':>10}",
@@ -226,6 +262,10 @@ def format_data_table(results: dict) -> str:
             )
     if "dcp_over_lower_bound" in results:
         lines.append(f"DCP / lower bound: {results['dcp_over_lower_bound']:.3f}")
+    for p in planners:
+        if results[p].get("mfu") is not None:
+            lines.append(f"{p}: {describe_throughput(results[p])} (all batches)")
+    lines += _throughput_note(results)
     if "dcp" in results:
         total = sum(results["dcp"]["mix"].values())
         mix = ", ".join(f"{k} {v / total:.0%}" for k, v in results["dcp"]["mix"].items())

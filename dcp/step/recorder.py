@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from dcp.collectives import all_gather_ints
+from dcp.costmodel.flops import batch_flops, throughput
 from dcp.model import ModelConfig
 from dcp.observability.host import HostStats
-from dcp.observability.record import PlanStats, StepRecord, model_flops
+from dcp.observability.record import PlanStats, StepRecord
 from dcp.runtime.dispatch import compute_device
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.step.batches import BatchPlanner, PlannedBatch
@@ -57,11 +58,14 @@ class StepRecorder:
         """The record of ``step`` (``stats`` carries the values already reduced over ranks; a
         collective only once, for the optimizer state bytes after the first optimizer step)."""
         tokens = stats.loss_tokens
-        peak_tflops = self.planner.peak_tflops_per_gpu
-        mfu = None
-        if peak_tflops:
-            flops = model_flops(planned.lengths, self.model)
-            mfu = flops / (stats.step_time_s * self.world_size * peak_tflops * 1e12)
+        dropped = set(planned.dropped)
+        trained = [n for i, n in enumerate(planned.lengths) if i not in dropped]
+        speed = throughput(
+            batch_flops(trained, self.model.shape),
+            stats.step_time_s,
+            num_gpus=self.world_size,
+            peak_tflops=self.planner.peak_tflops_per_gpu,
+        )
         return StepRecord(
             step=step,
             loss=stats.loss,
@@ -76,7 +80,8 @@ class StepRecorder:
             optimizer_state_bytes=self._optimizer_state_bytes(),
             padding_tokens=stats.padding_tokens,
             plan_wait_s=plan_wait_s,
-            mfu=mfu,
+            tflops_per_gpu=speed["tflops_per_gpu"] if stats.step_time_s > 0 else None,
+            mfu=speed["mfu"] if stats.step_time_s > 0 else None,
             host=HostStats.now(device=compute_device().type),
             **plan_fields(
                 planned,

@@ -37,8 +37,8 @@ def _timed_forward_backward(runtime, plan, source, *, warmup: int, iters: int) -
 
 def mfu_two_layers(fp8_recipes: list[str]) -> dict:
     """Forward+backward seconds and MFU of one 16K-token document, bf16 then each FP8 recipe."""
+    from dcp.costmodel.flops import batch_flops
     from dcp.model import ModelConfig
-    from dcp.observability.record import model_flops
     from dcp.optim import OptimConfig
     from dcp.plan import Plan
     from dcp.runtime.dispatch import InMemorySource
@@ -64,7 +64,7 @@ def mfu_two_layers(fp8_recipes: list[str]) -> dict:
             )  # fmt: skip
             runtime = Runtime.from_config(cfg, OptimConfig(), seed=1)
             seconds = _timed_forward_backward(runtime, plan, source, warmup=2, iters=5)
-            tflops = model_flops([MFU_TOKENS], cfg) / seconds / 1e12
+            tflops = batch_flops([MFU_TOKENS], cfg.shape) / seconds / 1e12
             out[recipe or "bf16"] = {
                 "seconds": seconds,
                 "tflops": tflops,

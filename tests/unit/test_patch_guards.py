@@ -216,3 +216,22 @@ def test_megatron_training_cpu_targets_are_what_the_patch_says():
         training.initialize_megatron,
         training.set_jit_fusion_options,
     ) == originals
+
+
+def test_megatrons_argument_list_prints_only_when_asked(capsys):
+    """``argument_dump_if`` swaps the function ``validate_args`` calls last; the list of every
+    argument prints only under the flag, and megatron's own function is back after the block."""
+    import argparse
+
+    from megatron.training import arguments
+
+    from megatron_patches.argument_dump import argument_dump_if
+
+    assert '_print_args("arguments", args)' in inspect.getsource(arguments.validate_args)
+    original = arguments._print_args
+    with argument_dump_if("dcp_print_args"):
+        arguments._print_args("arguments", argparse.Namespace(dcp_print_args=False, lr=0.1))
+        assert capsys.readouterr().out == ""
+        arguments._print_args("arguments", argparse.Namespace(dcp_print_args=True, lr=0.1))
+        assert "  lr ...." in capsys.readouterr().out
+    assert arguments._print_args is original

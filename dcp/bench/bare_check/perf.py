@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dcp.costmodel import CostModel, load_preset
+from dcp.costmodel.flops import batch_flops, throughput
 from dcp.costmodel.offline import TimePoint, calibrated_spec, error_summary, fit_report
 from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan
 from dcp.schema import to_dict
@@ -63,13 +64,10 @@ def mixed_lengths(total_tokens: int, *, shortest: int) -> list[int]:
 
 
 def mfu(flops: float, seconds: float, peak_tflops: float | None) -> dict:
-    """Achieved TFLOP/s of ``flops`` in ``seconds`` and its share of ``peak_tflops``."""
-    tflops = flops / seconds / 1e12
-    return {
-        "seconds": seconds,
-        "tflops": tflops,
-        "mfu": None if peak_tflops is None else tflops / peak_tflops,
-    }
+    """Achieved TFLOP/s of ``flops`` in ``seconds`` on one GPU and its share of
+    ``peak_tflops`` (``dcp.costmodel.flops.throughput``)."""
+    speed = throughput(flops, seconds, num_gpus=1, peak_tflops=peak_tflops)
+    return {"seconds": seconds, "tflops": speed["tflops_per_gpu"], "mfu": speed["mfu"]}
 
 
 def _plan(shapes_levels: list[tuple[int, str]]) -> Plan:
@@ -106,7 +104,6 @@ def measure_mfu(
     """Forward+backward time of one micro-step of packed mixed-length documents per token count
     (bf16, no recompute, one model per count) and its MFU; an out-of-memory is reported."""
     from dcp.model import ModelConfig
-    from dcp.observability.record import model_flops
     from dcp.optim import OptimConfig
     from dcp.runtime.dispatch import InMemorySource
     from dcp.runtime.runtime import Runtime
@@ -130,7 +127,7 @@ def measure_mfu(
                 runtime.forward_backward(plan, source).step_times_s[0][1]
                 for _ in range(warmup + iters)
             ][warmup:]
-            row.update(mfu(model_flops(lengths, cfg), statistics.median(times), peak_tflops))
+            row.update(mfu(batch_flops(lengths, cfg.shape), statistics.median(times), peak_tflops))
             if device == "cuda":
                 row["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         except torch.OutOfMemoryError as exc:

@@ -11,24 +11,31 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dcp import console
 from dcp.integrations.megatron_lm.data import parse_split
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS
 from dcp.step.config import CALIBRATION_MODES, PlanningConfig
+from megatron_patches.argument_dump import argument_dump_if
 from megatron_patches.megatron_training import arguments_on_cpu
 
 
 def parse_args(extra_args_provider=None, **kwargs) -> argparse.Namespace:
     """megatron's ``parse_and_validate_args`` (``kwargs`` passed on) with DCP's arguments and
     ``extra_args_provider``'s, runnable on a machine without a GPU; sets megatron's global
-    args as megatron's own call does."""
+    args as megatron's own call does. Sets up the console first (``dcp.console.setup``: rank-
+    aware logging, the known third-party notices filtered) and lists megatron's arguments only
+    under ``--dcp-print-args``."""
     from megatron.training.arguments import parse_and_validate_args
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser = add_dcp_args(parser)
         return extra_args_provider(parser) if extra_args_provider else parser
 
-    with arguments_on_cpu():
+    console.setup()  # the known third-party notices, filtered once (a no-op when done)
+    with arguments_on_cpu(), argument_dump_if("dcp_print_args"):
         args = parse_and_validate_args(extra_args_provider=provider, **kwargs)
+    if not args.dcp_print_args and args.rank == 0:
+        print("megatron's argument list not printed (--dcp-print-args prints it)", flush=True)
     if args.pipeline_model_parallel_size > 1:
         # Megatron's validation sets it False ("set it if the dataloader supports generation of
         # variable sequence lengths"): DCP's packed micro-batches and plans vary in length, so
@@ -56,8 +63,9 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--dcp-spec",
         default=defaults.spec,
-        help="Cost-model spec: a preset of dcp/costmodel/profiles (cpu-tiny, h200x8+llama3-8b, "
-        "...) or a spec JSON path. Its model is replaced by this run's.",
+        help="Cost-model spec: presets of dcp/costmodel/profiles, spec JSON paths and key=value "
+        "overrides joined by + (cpu-tiny, h200x8+llama3-8b, h200x8+llama3-8b+my.json). Its "
+        "model is replaced by this run's.",
     )
     group.add_argument(
         "--dcp-planner",
@@ -104,6 +112,12 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--dcp-metrics",
         default=None,
         help="Write one JSON line per training step here (loss, tokens, step time, plan).",
+    )
+    group.add_argument(
+        "--dcp-print-args",
+        action="store_true",
+        help="List every Megatron argument at start, as Megatron does by default (some 830 "
+        "lines on rank 0); without it one line says how to see them.",
     )
     return parser
 

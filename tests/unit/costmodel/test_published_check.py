@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dcp.costmodel import load_preset, throughput_fit
+from dcp.costmodel.flops import flops_per_token
 from dcp.costmodel.load import gpu_presets
 from dcp.costmodel.spec import ModelSpec, Options
 from dcp.costmodel.throughput import (
@@ -20,7 +21,6 @@ from dcp.costmodel.throughput import (
     PUBLISHED_DIR,
     PublishedRow,
     check_published,
-    model_flops_per_token,
     model_spec,
     predict_row,
     read_published,
@@ -62,11 +62,11 @@ def test_llama3_8b_flops_per_token_are_megatrons():
     # Megatron's num_floating_point_operations for Llama-3-8B at 8K, per token: 6 x (6,979,321,856
     # layer weights + 525,336,576 LM head) + 6 x 8192 x 4096 x 32 for causal attention.
     model = model_spec("llama3-8b")
-    assert model_flops_per_token(model, 8192) == 6 * (6_979_321_856 + 525_336_576) + (
+    assert flops_per_token(model, 8192) == 6 * (6_979_321_856 + 525_336_576) + (
         6 * 8192 * 4096 * 32
     )
-    full = model_flops_per_token(model, 8192, attention="full")
-    assert full - model_flops_per_token(model, 8192) == 6 * 8192 * 4096 * 32
+    full = flops_per_token(model, 8192, attention="full")
+    assert full - flops_per_token(model, 8192) == 6 * 8192 * 4096 * 32
 
 
 def test_each_source_counts_tflops_the_way_its_row_says(rows):
@@ -77,7 +77,7 @@ def test_each_source_counts_tflops_the_way_its_row_says(rows):
     for row in both:
         model = model_spec(row.model)
         for count in ("causal", "full"):
-            flops = model_flops_per_token(model, row.seq_len, attention=count)
+            flops = flops_per_token(model, row.seq_len, attention=count)
             ratio = row.tokens_per_s_per_gpu * flops / 1e12 / row.tflops_per_gpu
             if count == row.attention_flops:
                 assert ratio == pytest.approx(1.0, abs=1e-3), row.label
