@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from megatron_patches._version import require_pinned_megatron
+from megatron_patches._version import require_supported_megatron
 
 
 @contextlib.contextmanager
 def argument_dump_if(flag: str) -> Iterator[None]:
     """Inside the block, megatron lists its arguments only when ``args.<flag>`` is true."""
-    require_pinned_megatron("argument_dump")
+    require_supported_megatron("argument_dump")
     from megatron.training import arguments
 
     original = arguments._print_args
