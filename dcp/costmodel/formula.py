@@ -412,23 +412,6 @@ class CostModel:
             f"({self.cluster.num_gpus} GPUs, {self.cluster.gpus_per_node} per node)"
         )
 
-    def describe(self) -> str:
-        """Topology and memory in per-GPU units: under pipeline parallelism the static memory
-        and token caps of the pipeline view (``dcp.costmodel.pipeline.planning_view``: the
-        fullest stage, with its 1F1B micro-steps in flight), not the whole model's."""
-        view, note = self, ""
-        if self.pipeline_parallel_size > 1 and self.model is not None:
-            # Imported here: dcp.costmodel.pipeline builds on this module.
-            from dcp.costmodel.pipeline import planning_view
-
-            view, note = planning_view(self), " (the fullest stage, micro-steps in flight)"
-        caps = ", ".join(f"{lv}={view.max_tokens_per_rank(lv)}" for lv in RECOMPUTE_LEVELS)
-        return (
-            f"{self.name}: {self.topology()}; per GPU{note}: budget "
-            f"{view.mem_budget_bytes / 1e9:.1f} GB, static {view.static_mem_bytes / 1e9:.1f} GB; "
-            f"max tokens per planner rank {caps}"
-        )
-
 
 def _apply_calibration(coeffs: Coefficients, calibration: dict) -> Coefficients:
     """Override analytic coefficients with measured ones; per-level dicts merge level by level."""

@@ -214,6 +214,21 @@ def planning_view(cost_model: CostModel) -> CostModel:
     return PipelineCosts.of(cost_model).planning_model()
 
 
+def describe(cost_model: CostModel) -> str:
+    """Topology and memory in per-GPU units: under pipeline parallelism the static memory and
+    token caps of ``planning_view`` (the fullest stage, with its 1F1B micro-steps in flight), not
+    the whole model's."""
+    view, note = cost_model, ""
+    if cost_model.pipeline_parallel_size > 1 and cost_model.model is not None:
+        view, note = planning_view(cost_model), " (the fullest stage, micro-steps in flight)"
+    caps = ", ".join(f"{lv}={view.max_tokens_per_rank(lv)}" for lv in RECOMPUTE_LEVELS)
+    return (
+        f"{cost_model.name}: {cost_model.topology()}; per GPU{note}: budget "
+        f"{view.mem_budget_bytes / 1e9:.1f} GB, static {view.static_mem_bytes / 1e9:.1f} GB; "
+        f"max tokens per planner rank {caps}"
+    )
+
+
 def _stage_coefficients(cost_model: CostModel, counts: tuple[int, ...], stage: int) -> Coefficients:
     """Stage ``stage``'s coefficients (module docstring)."""
     c = cost_model.coefficients

@@ -20,7 +20,7 @@ import numpy as np
 
 from dcp.costmodel import CostModel, load_cost_model, load_spec
 from dcp.costmodel.flops import batch_flops, cluster_throughput, peaks
-from dcp.costmodel.pipeline import PipelineCosts, planning_view
+from dcp.costmodel.pipeline import PipelineCosts, describe, planning_view
 from dcp.plan import PLANNERS, RECOMPUTE_LEVELS, STATIC_PER_BATCH, Plan
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
@@ -289,7 +289,7 @@ def simulate_batches(
     if not batches:
         raise ValueError("no global batches to simulate")
     log(
-        f"{cost_model.describe()}: simulating {len(batches)} global batches "
+        f"{describe(cost_model)}: simulating {len(batches)} global batches "
         f"({sum(map(len, batches))} sequences) with {', '.join(planners)}"
     )
     started = time.perf_counter()
@@ -441,7 +441,7 @@ def run_sweep(
         results["tensor_parallel_size"] = cost_model.tensor_parallel_size
         results.update(peaks(cost_model.cluster))
         results["pipeline_parallel_size"] = cost_model.pipeline_parallel_size
-        log(cost_model.describe())
+        log(describe(cost_model))
         static = planning_view(cost_model).static_mem_bytes
         if static >= cost_model.mem_budget_bytes:
             # Weights, grads and an optimizer shard over too few ranks fill the GPU already.

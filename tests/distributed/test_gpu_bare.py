@@ -5,6 +5,7 @@ two processes of one device (gloo on CPU)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -83,7 +84,7 @@ def test_prints_one_json_line_and_passes(bare_run):
     summary = json.loads(lines[0])
     assert proc.returncode == 0 and summary["ok"], (summary["failed"], proc.stderr[-4000:])
     assert json.loads((out_dir / "summary.json").read_text()) == summary
-    assert summary["versions"]["megatron_core"] == "0.19.2"
+    assert summary["versions"]["megatron_core"] == importlib.metadata.version("megatron-core")
 
 
 def test_parity_against_fp64_covers_both_dtypes_and_every_recompute_level(bare_run):

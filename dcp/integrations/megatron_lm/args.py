@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dcp import console
+from dcp.console import setup as setup_console
 from dcp.integrations.megatron_lm.data import parse_split
 from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS
 from dcp.step.config import CALIBRATION_MODES, PlanningConfig
@@ -31,7 +31,7 @@ def parse_args(extra_args_provider=None, **kwargs) -> argparse.Namespace:
         parser = add_dcp_args(parser)
         return extra_args_provider(parser) if extra_args_provider else parser
 
-    console.setup()  # the known third-party notices, filtered once (a no-op when done)
+    setup_console()  # the known third-party notices, filtered once (a no-op when done)
     with arguments_on_cpu(), argument_dump_if("dcp_print_args"):
         args = parse_and_validate_args(extra_args_provider=provider, **kwargs)
     if not args.dcp_print_args and args.rank == 0:

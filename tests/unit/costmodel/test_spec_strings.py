@@ -9,7 +9,7 @@ import pytest
 
 from dcp.costmodel import load_cost_model, load_spec
 from dcp.costmodel.flops import batch_flops, flops_per_token, throughput
-from dcp.costmodel.pipeline import planning_view
+from dcp.costmodel.pipeline import describe, planning_view
 from dcp.planning.sweep import evaluate
 from dcp.planning.sweep_report import check_lines, published_check
 
@@ -94,19 +94,17 @@ def test_the_published_check_holds_until_the_gpus_coefficients_change(tmp_path):
 
 def test_topology_says_what_a_planner_rank_is_and_memory_is_per_gpu():
     model = load_cost_model(TP8_PP4)
-    line = model.describe()
+    line = describe(model)
     assert "8 planner ranks per stage, each TP 8 x PP 4 = 32 GPUs on 4 nodes" in line
     # Static memory per GPU is the fullest stage's, not the whole model's on one TP group.
     stage = planning_view(model).static_mem_bytes
     assert f"static {stage / 1e9:.1f} GB" in line
     assert f"static {model.static_mem_bytes / 1e9:.1f} GB" not in line
-    assert (
-        "each TP 4 x PP 8 = 32 GPUs on 8 nodes"
-        in load_cost_model("h200x256+llama3-70b-tp4pp8").describe()
+    assert "each TP 4 x PP 8 = 32 GPUs on 8 nodes" in describe(
+        load_cost_model("h200x256+llama3-70b-tp4pp8")
     )
-    assert (
-        "each 1 GPU on 1 node (8 GPUs, 8 per node)"
-        in load_cost_model("h200x8+llama3-8b").describe()
+    assert "each 1 GPU on 1 node (8 GPUs, 8 per node)" in describe(
+        load_cost_model("h200x8+llama3-8b")
     )
 
 
