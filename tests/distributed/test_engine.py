@@ -102,3 +102,23 @@ def test_engine_refits_its_cost_model_online(tmp_path):
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     assert len(lines) == sum(got["micro_steps"]), (len(lines), got["micro_steps"])
     assert sorted({line["step"] for line in lines}) == list(range(1, STEPS + 1))
+
+
+def rl_example_run() -> list[tuple[float, float]]:
+    """``pretrain/example_rl.py``'s loop (its ten lines) on this rank."""
+    from pretrain.example_rl import run
+
+    try:
+        return run(num_steps=3)
+    finally:
+        cleanup()
+
+
+def test_rl_example_moves_the_policy_toward_rewarded_rollouts():
+    """The RL-style example: forward-only log-probs, then a PPO-clipped step on the response
+    tokens. Every step raises the advantage-weighted log-probs of the tokens it trained on, and
+    every rank sees the same losses and log-probs."""
+    out = run_on_ranks(2, rl_example_run, timeout_s=300)
+    assert out[0] == out[1], out
+    for loss, gain in out[0]:
+        assert np.isfinite(loss) and gain > 0, out[0]
