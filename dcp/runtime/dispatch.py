@@ -161,6 +161,11 @@ class InMemorySource:
             return self.seq_len(seq_id)
         return int(self._masks[seq_id].sum())
 
+    @property
+    def value_names(self) -> tuple[str, ...]:
+        """The names of the per-label values every document carries."""
+        return tuple(self._values)
+
 
 @dataclass(frozen=True)
 class LocalBatch:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dcp.collectives import all_gather, all_reduce, to_device
+from dcp.collectives import all_gather, all_reduce, comm_device, to_device
 from dcp.plan import Plan
 from dcp.runtime.dispatch import InMemorySource
 from dcp.runtime.groups import GroupRegistry
@@ -87,11 +87,12 @@ class TokenLogprobs:
     writes (the other TP ranks hold the same values), so the sum is that one value, exact.
     """
 
-    def __init__(self, lengths: Sequence[int], *, tp_rank: int, device: torch.device) -> None:
+    def __init__(self, lengths: Sequence[int], *, tp_rank: int) -> None:
         """``lengths``: the batch's sequence lengths (labels per document)."""
         self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self._writes = tp_rank == 0
-        self._flat = torch.zeros(int(self._offsets[-1]), dtype=torch.float32, device=device)
+        # Where the all-reduce takes it (the CPU under gloo, even on a GPU).
+        self._flat = torch.zeros(int(self._offsets[-1]), dtype=torch.float32, device=comm_device())
 
     def record(self, micro: MicroStepInput, token_loss: torch.Tensor) -> None:
         """Place ``micro``'s log-probabilities (``-token_loss``, ``[1, t_local]``) in the batch."""
@@ -104,9 +105,10 @@ class TokenLogprobs:
         doc = np.searchsorted(layout.cu_seqlens, real, side="right") - 1
         seq_ids = np.asarray(micro.seq_ids, dtype=np.int64)
         where = self._offsets[seq_ids[doc]] + real - layout.cu_seqlens[doc]
-        device = self._flat.device
-        rows = to_device(torch.as_tensor(local), device=device)
-        self._flat[to_device(torch.as_tensor(where), device=device)] = -token_loss[0, rows].float()
+        rows = to_device(torch.as_tensor(local), device=token_loss.device)
+        logprobs = (-token_loss[0, rows].float()).to(self._flat.device)
+        where = to_device(torch.as_tensor(where), device=self._flat.device)
+        self._flat[where] = logprobs
 
     def gather(self, *, device: torch.device) -> list[torch.Tensor]:
         """Every document's log-probabilities ``[len(doc) - 1]`` fp32 on ``device``, in batch
@@ -121,9 +123,7 @@ def batch_logprobs(
     """Each document's per-token log-probabilities (``TokenLogprobs.gather``) from ``runtime``
     (a ``dcp.runtime.runtime.Runtime``) running ``plan`` forward only (``Runtime.forward``:
     ``Plan.forward_only``, the model in eval mode, no gradient touched). A collective."""
-    gathered = TokenLogprobs(
-        source.lengths(), tp_rank=runtime.registry.tp_rank, device=runtime.executor.device
-    )
+    gathered = TokenLogprobs(source.lengths(), tp_rank=runtime.registry.tp_rank)
     with runtime.executor.using(on_token_loss=gathered.record):
         runtime.forward(plan, source)
     return gathered.gather(device=device)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +76,28 @@ every token on its own (no sum or mean over tokens: the schedule sums the counte
 divides by the global batch's count, which is what keeps the loss equal under every plan)."""
 
 
+def _token_losses(
+    loss_fn: TokenLoss, logprobs: torch.Tensor, values: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``loss_fn(logprobs, values)`` in fp32, refused unless it is one loss per token."""
+    losses = loss_fn(logprobs, values)
+    if not isinstance(losses, torch.Tensor) or losses.shape != logprobs.shape:
+        got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(
+            f"the custom loss returned {got}; it must return one loss per token, shaped like "
+            f"its log-probabilities {tuple(logprobs.shape)} (no sum or mean over tokens)"
+        )
+    return losses.float()
+
+
+def check_token_loss(loss_fn: TokenLoss, value_names: Iterable[str]) -> None:
+    """Run ``loss_fn`` once on a 2-token probe (zero log-probs and values ``value_names``): a
+    loss that does not return one value per token, or reads a value the batch lacks, fails
+    here on every rank alike, before the step's first collective."""
+    probe = torch.zeros(1, 2)
+    _token_losses(loss_fn, probe, {name: torch.zeros(1, 2) for name in value_names})
+
+
 def masked_loss(
     token_loss: torch.Tensor, batch: LocalBatch, loss_fn: TokenLoss | None = None
 ) -> torch.Tensor:
@@ -85,14 +107,7 @@ def masked_loss(
     batch has one, or replaced by ``loss_fn(log p, values)`` when given."""
     token_loss = token_loss.float()
     if loss_fn is not None:
-        losses = loss_fn(-token_loss, batch.values)
-        if not isinstance(losses, torch.Tensor) or losses.shape != token_loss.shape:
-            got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses)
-            raise ValueError(
-                f"the custom loss returned {got}; it must return one loss per token, shaped "
-                f"like its log-probabilities {tuple(token_loss.shape)}"
-            )
-        token_loss = losses.float()
+        token_loss = _token_losses(loss_fn, -token_loss, batch.values)
     elif WEIGHTS in batch.values:
         token_loss = token_loss * batch.values[WEIGHTS]
     # ``where``, not a product: a custom loss may be inf or NaN on padding and masked labels.

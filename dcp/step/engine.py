@@ -30,7 +30,7 @@ from dcp.plan import Plan
 from dcp.runtime.dispatch import Array, InMemorySource
 from dcp.runtime.evaluate import batch_logprobs
 from dcp.runtime.groups import start_groups
-from dcp.runtime.microstep import TokenLoss
+from dcp.runtime.microstep import TokenLoss, check_token_loss
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.runtime.setup import model_mesh
 from dcp.step.batches import BatchPlanner, PlannedBatch
@@ -146,6 +146,8 @@ class DCPEngine:
         (``dcp.runtime.microstep.TokenLoss``). The step's loss is the sum of the counted
         tokens' losses over the number of counted labels in the batch, whatever the plan."""
         source = InMemorySource(documents, loss_masks=loss_masks, token_values=token_values)
+        if loss_fn is not None:
+            check_token_loss(loss_fn, source.value_names)
         step = self.runtime.step + 1
         planned = self.steps.plan(source.lengths(), step=step)
         with self.runtime.executor.using(loss_fn=loss_fn):

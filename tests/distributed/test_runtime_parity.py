@@ -217,10 +217,12 @@ def test_weights_after_three_steps_match_reference(distributed):
 
 
 def test_mismatched_plan_raises_on_every_rank():
+    """Also: a batch whose loss masks count no label is refused by every rank."""
     a = plan(step([0, 1], list(range(8))))
     b = plan(step([0], [0, 1, 2, 3]), step([1], [4, 5, 6, 7]))
     messages = run_on_ranks(2, mismatched_plans, DOCS, [a, b], timeout_s=120)
-    assert all("disagree on the plan" in m for m in messages), messages
+    assert all("disagree on the plan" in m for m, _ in messages), messages
+    assert all("no label of the batch's 8 sequences counts" in m for _, m in messages), messages
 
 
 def test_nonfinite_loss_skip_or_stop():
@@ -472,16 +474,24 @@ def rope_tables(docs: list[np.ndarray]) -> dict:
         cleanup()
 
 
-def mismatched_plans(docs: list[np.ndarray], plans: list[dict]) -> str:
-    """Each rank executes ``plans[rank]``; returns the error message it raised."""
+def mismatched_plans(docs: list[np.ndarray], plans: list[dict]) -> tuple[str, str]:
+    """Each rank executes ``plans[rank]``, then ``plans[0]`` on ``docs`` with every label
+    masked; returns the error message each raised."""
     try:
         runtime = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED)
-        plan = Plan.from_dict(plans[dist.get_rank()])
-        try:
-            runtime.forward_backward(plan, InMemorySource(docs))
-        except RuntimeError as exc:
-            return str(exc)
-        raise AssertionError("a mismatched plan did not raise")
+        messages = []
+        masked = InMemorySource(docs, loss_masks=[np.zeros(len(d) - 1) for d in docs])
+        for index, source, error in (
+            (dist.get_rank(), InMemorySource(docs), RuntimeError),
+            (0, masked, ValueError),
+        ):
+            try:
+                runtime.forward_backward(Plan.from_dict(plans[index]), source)
+            except error as exc:
+                messages.append(str(exc))
+                continue
+            raise AssertionError(f"plan {index} did not raise")
+        return tuple(messages)
     finally:
         cleanup()
 

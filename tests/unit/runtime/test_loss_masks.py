@@ -9,7 +9,7 @@ import torch
 
 from dcp.attention.layout import ShardLayout
 from dcp.runtime.dispatch import WEIGHTS, InMemorySource, counted_labels, local_batch
-from dcp.runtime.microstep import masked_loss
+from dcp.runtime.microstep import check_token_loss, masked_loss
 
 LENGTHS = [1, 3, 17, 64, 5]
 
@@ -102,6 +102,22 @@ def test_a_custom_loss_must_return_one_loss_per_token():
     batch, token_loss = _one_shard()
     with pytest.raises(ValueError, match="one loss per token"):
         masked_loss(token_loss, batch, lambda logprobs, values: logprobs.sum())
+
+
+def test_a_custom_loss_is_probed_before_the_step():
+    """The probe every rank runs before the step's first collective catches a loss that sums
+    over tokens, or that reads a value the batch does not carry."""
+
+    def per_token(logprobs, values):
+        return -logprobs * values["advantages"]
+
+    check_token_loss(per_token, ["advantages"])
+    with pytest.raises(ValueError, match=r"returned \(\); it must return one loss per token"):
+        check_token_loss(
+            lambda logprobs, values: per_token(logprobs, values).mean(), ["advantages"]
+        )
+    with pytest.raises(KeyError, match="advantages"):
+        check_token_loss(per_token, [WEIGHTS])
 
 
 @pytest.mark.parametrize(
