@@ -12,7 +12,7 @@ PYTHON312   := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/pyth
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo demo-tp demo-pp data test unit test-compat compat-axis lint format bench compare simulate extend-context \
+.PHONY: setup demo demo-tp demo-pp demo-sft data test unit test-compat compat-axis lint format bench compare simulate extend-context \
         clean
 
 setup: $(STAMP)
@@ -46,6 +46,12 @@ demo-tp: data
 demo-pp: data
 	$(VENV)/bin/torchrun --nproc-per-node 4 -m pretrain.pretrain_gpt \
 	  --config pretrain/configs/tiny_cpu.yaml name=demo-pp2 parallel.pipeline_parallel_size=2 $(ARGS)
+
+# Supervised fine-tuning on CPU through DCPEngine (pretrain/example_sft.py): chat conversations
+# (a generated demo corpus, or ARGS="--data your.jsonl"), byte-level tokens, loss on the
+# assistant's tokens only.
+demo-sft: $(STAMP)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) -m pretrain.example_sft $(ARGS)
 
 # Context extension on CPU (pretrain/configs/extend_context_cpu.yaml): a 512-token base model,
 # exported to Hugging Face format, imported and continued at 2K then 4K tokens.

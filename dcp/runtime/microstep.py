@@ -14,6 +14,12 @@ under the loss mask. ``MicroStepExecutor`` does each of these once, for every ca
   (``dcp.integrations.megatron_lm.steps.packed_forward_step``), where megatron has set the
   fixed CP group and the executor only prepares and runs.
 
+The loss of a micro-step is ``masked_loss``: the sum over this rank's counted labels (the loss
+mask) of each token's loss, where a token's loss is ``-log p`` times its ``weights`` value (1
+without) or a caller's ``TokenLoss`` of its log-probability and per-label values. Every schedule
+divides that sum by the global batch's counted labels, so the loss is the same under any plan
+(docs/design.md, 'Losses').
+
 The model's token alignment (``local_token_multiple``: TE's THD input, FP8 GEMMs, sequence
 parallelism) is read once from the built model, so every path pads alike; and its RoPE serves
 every micro-step from one table (``megatron_patches.rope.one_rope_table``).
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +38,7 @@ from dcp.attention.layout import ShardLayout
 from dcp.collectives import phase, run_device
 from dcp.plan import MicroStep, Recompute
 from dcp.runtime.builders import local_token_multiple
-from dcp.runtime.dispatch import LocalBatch, SequenceSource, local_batch
+from dcp.runtime.dispatch import WEIGHTS, LocalBatch, SequenceSource, local_batch
 from megatron_patches._util import unwrap
 from megatron_patches.parallel_state import use_cp_group
 from megatron_patches.recompute import use_recompute
@@ -51,17 +57,61 @@ class MicroStepInput:
     """megatron's ``PackedSeqParams`` of the local THD batch (with the CP group)."""
     group: object
     """The CP group (``None`` where megatron's own fixed group applies)."""
+    seq_ids: tuple[int, ...] = ()
+    """The micro-step's sequences, in packing order."""
+    cp_rank: int = 0
+    """This rank's place in the CP group (which of ``layout``'s shards it holds)."""
 
     @property
     def padding_tokens(self) -> int:
-        """This rank's tokens that carry no loss (layout and alignment padding)."""
-        return self.layout.local_num_tokens - self.batch.num_loss_tokens
+        """This rank's tokens that hold no document (layout and alignment padding)."""
+        return self.layout.local_num_tokens - self.batch.real_tokens
 
 
-def masked_loss(token_loss: torch.Tensor, batch: LocalBatch) -> torch.Tensor:
-    """The fp32 sum of ``batch``'s token losses, padding masked out: what every path divides by
-    the global batch's loss tokens."""
-    return (token_loss.float() * batch.loss_mask).sum()
+TokenLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+"""A caller's per-token loss: ``loss(logprobs, values)`` with this rank's log-probabilities of
+its labels (``[1, t]`` fp32, differentiable) and the source's per-label values (each ``[1, t]``)
+returns each token's loss ``[1, t]``. It sees one micro-step's shard at a time and must treat
+every token on its own (no sum or mean over tokens: the schedule sums the counted ones and
+divides by the global batch's count, which is what keeps the loss equal under every plan)."""
+
+
+def _token_losses(
+    loss_fn: TokenLoss, logprobs: torch.Tensor, values: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``loss_fn(logprobs, values)`` in fp32, refused unless it is one loss per token."""
+    losses = loss_fn(logprobs, values)
+    if not isinstance(losses, torch.Tensor) or losses.shape != logprobs.shape:
+        got = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(
+            f"the custom loss returned {got}; it must return one loss per token, shaped like "
+            f"its log-probabilities {tuple(logprobs.shape)} (no sum or mean over tokens)"
+        )
+    return losses.float()
+
+
+def check_token_loss(loss_fn: TokenLoss, value_names: Iterable[str]) -> None:
+    """Run ``loss_fn`` once on a 2-token probe (zero log-probs and values ``value_names``): a
+    loss that does not return one value per token, or reads a value the batch lacks, fails
+    here on every rank alike, before the step's first collective."""
+    probe = torch.zeros(1, 2)
+    _token_losses(loss_fn, probe, {name: torch.zeros(1, 2) for name in value_names})
+
+
+def masked_loss(
+    token_loss: torch.Tensor, batch: LocalBatch, loss_fn: TokenLoss | None = None
+) -> torch.Tensor:
+    """The fp32 sum of ``batch``'s counted token losses (padding and masked labels out): what
+    every path divides by the global batch's counted labels. ``token_loss`` is the model's
+    cross-entropy ``-log p`` per token; each is multiplied by its ``weights`` value where the
+    batch has one, or replaced by ``loss_fn(log p, values)`` when given."""
+    token_loss = token_loss.float()
+    if loss_fn is not None:
+        token_loss = _token_losses(loss_fn, -token_loss, batch.values)
+    elif WEIGHTS in batch.values:
+        token_loss = token_loss * batch.values[WEIGHTS]
+    # ``where``, not a product: a custom loss may be inf or NaN on padding and masked labels.
+    return torch.where(batch.loss_mask > 0, token_loss, 0.0).sum()
 
 
 def model_stage_layers(model) -> int:
@@ -87,6 +137,9 @@ class MicroStepExecutor:
         self.device = run_device()
         self.token_multiple = math.lcm(token_multiple, local_token_multiple(self.inner))
         self.stage_layers = model_stage_layers(model)
+        self.loss_fn: TokenLoss | None = None
+        """The caller's per-token loss (``using``); ``None``: DCP's weighted cross-entropy."""
+        self._on_token_loss: Callable[[MicroStepInput, torch.Tensor], None] | None = None
         # Packed micro-steps of every length and CP group share one RoPE table, where megatron
         # would cache one per (length, group) on the device.
         one_rope_table(self.inner)
@@ -117,7 +170,14 @@ class MicroStepExecutor:
         )
         batch = local_batch(source, seq_ids, layout=layout, cp_rank=cp_rank, device=self.device)
         params = layout.packed_seq_params(device=self.device, cp_group=group)
-        return MicroStepInput(layout=layout, batch=batch, params=params, group=group)
+        return MicroStepInput(
+            layout=layout,
+            batch=batch,
+            params=params,
+            group=group,
+            seq_ids=tuple(seq_ids),
+            cp_rank=cp_rank,
+        )
 
     def prepare_step(self, source: SequenceSource, step: MicroStep) -> MicroStepInput:
         """``prepare`` for plan step ``step`` on this planner rank, in its CP group."""
@@ -129,6 +189,30 @@ class MicroStepExecutor:
             cp_rank=step.ranks.index(me),
             group=self.registry.get(step.ranks),
         )
+
+    @contextlib.contextmanager
+    def using(
+        self,
+        *,
+        loss_fn: TokenLoss | None = None,
+        on_token_loss: Callable[[MicroStepInput, torch.Tensor], None] | None = None,
+    ) -> Iterator[None]:
+        """Within the block ``loss`` takes the caller's per-token ``loss_fn`` and hands each
+        micro-step's token losses (``[1, t]``, detached) to ``on_token_loss`` before masking
+        them (forward-only log-probabilities gather them)."""
+        saved = self.loss_fn, self._on_token_loss
+        self.loss_fn, self._on_token_loss = loss_fn, on_token_loss
+        try:
+            yield
+        finally:
+            self.loss_fn, self._on_token_loss = saved
+
+    def loss(self, token_loss: torch.Tensor, micro: MicroStepInput) -> torch.Tensor:
+        """``masked_loss`` of the model's token losses on ``micro`` with this executor's loss
+        function: what every schedule sums (on the last pipeline stage)."""
+        if self._on_token_loss is not None:
+            self._on_token_loss(micro, token_loss.detach())
+        return masked_loss(token_loss, micro.batch, self.loss_fn)
 
     @contextlib.contextmanager
     def switched(

@@ -25,11 +25,13 @@ its output (the autograd graph); stage s has at most P - s steps in flight (the 
 planner's memory check counts). ``recompute_layers`` counts the layers of this stage
 (``MicroStep.stage_recompute_layers``: megatron's ``recompute_num_layers`` is per pipeline stage).
 
-The loss, loss tokens and padding are counted on the last stage only (the others hold no loss),
-so the step's reduction over every rank adds each once; the divisor is the batch's loss tokens,
-as without pipelines. After the last event megatron's ``finalize_model_grads`` reduces the
-gradients once: over each stage's DP×CP group, the TP sums, and the tied embedding's gradient
-over the first and last stage (``_allreduce_embedding_grads``).
+The loss, counted labels and padding are counted on the last stage only (the others hold no
+loss), so the step's reduction over every rank adds each once; the divisor is the batch's counted
+labels, as without pipelines. Loss masks and per-label values are read with the tokens on every
+stage (``prepare_step``) and used on the last. After the last event megatron's
+``finalize_model_grads`` reduces the gradients once: over each stage's DP×CP group, the TP
+sums, and the tied embedding's gradient over the first and last stage
+(``_allreduce_embedding_grads``).
 
 A forward-only pass (evaluation, ``forward_only=True``) runs the forwards and activation
 messages of the same order alone, without autograd, and reduces no gradient.
@@ -59,7 +61,7 @@ from dcp.planning.pipeline import (
     rank_events,
 )
 from dcp.runtime.dispatch import SequenceSource
-from dcp.runtime.microstep import MicroStepExecutor, MicroStepInput, masked_loss
+from dcp.runtime.microstep import MicroStepExecutor, MicroStepInput
 from dcp.runtime.schedule import (
     ScheduleResult,
     around_steps,
@@ -192,7 +194,7 @@ def run_pipelined_plan(
                 with switched(index, "forward"):
                     out = executor.forward(micro, labels=last, input_tensor=flight.input)
                     if last:
-                        out = masked_loss(out, micro.batch)
+                        out = executor.loss(out, micro)
                 flight.output = out
                 timer.end(index)
                 if last:

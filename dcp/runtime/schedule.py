@@ -10,9 +10,9 @@ backward runs under DDP's ``no_sync``. After the last step, megatron's ``finaliz
 runs once: one gradient reduction over DDP's fixed DP×CP group, then, under tensor parallelism,
 the sum over the TP group of the gradients every TP rank holds only part of (sequence-parallel
 norms, QK-norms).
-The loss is the sum of token losses divided by the *global* number of
-loss tokens of the whole batch — never by a micro-step count — so uneven micro-step counts per
-rank give exactly the gradient of the full-batch mean loss.
+The loss is the sum of counted token losses divided by the *global* number of
+counted labels of the whole batch (``dcp.runtime.microstep.masked_loss``) — never by a micro-step
+count — so uneven micro-step counts per rank give exactly the gradient of the full-batch loss.
 
 Plans name *planner ranks* (one per TP group, ``dcp.runtime.groups``): every rank of a TP group
 runs its planner rank's steps together, on the same tokens, each in its own TP rank's CP group.
@@ -36,9 +36,9 @@ import torch
 
 from dcp.collectives import MAX, all_reduce, barrier, phase, to_device, to_host
 from dcp.plan import Plan
-from dcp.runtime.dispatch import SequenceSource
+from dcp.runtime.dispatch import SequenceSource, counted_labels
 from dcp.runtime.groups import GroupRegistry
-from dcp.runtime.microstep import MicroStepExecutor, MicroStepInput, masked_loss
+from dcp.runtime.microstep import MicroStepExecutor, MicroStepInput
 from dcp.runtime.timing import MicroStepTimer
 
 
@@ -50,9 +50,9 @@ class ScheduleResult:
     """Sum of this rank's token losses (unnormalised): a float64 tensor on the run's device,
     read on the host only by the step's batched reduction."""
     loss_tokens: int = 0
-    """Loss tokens this rank computed (its shards)."""
+    """Counted labels this rank computed (its shards, under the loss mask)."""
     global_loss_tokens: int = 0
-    """Loss tokens of the whole batch (the divisor)."""
+    """Counted labels of the whole batch (the divisor)."""
     step_times_s: list[tuple[int, float]] = field(default_factory=list)
     """(plan step index, seconds of forward+backward) for each of this rank's steps."""
     tokens_read: int = 0
@@ -117,15 +117,21 @@ def around_steps(model, forward_only: bool):
 
 
 def start_plan(plan: Plan, source: SequenceSource, registry: GroupRegistry) -> ScheduleResult:
-    """What every schedule does first: the step's result with its global loss-token count, and
-    the checks that the plan's groups exist and that every rank holds the same plan (a
-    collective)."""
+    """What every schedule does first: the step's result with its global count of counted labels
+    (``ValueError`` on every rank when it is 0), and the checks that the plan's groups exist and
+    that every rank holds the same plan (a collective)."""
     result = ScheduleResult(
-        global_loss_tokens=sum(source.seq_len(i) for s in plan.steps for i in s.seq_ids)
+        global_loss_tokens=sum(counted_labels(source, i) for s in plan.steps for i in s.seq_ids)
     )
     check_groups(plan, registry)
     with phase("the plan agreement check before the first micro-step"):
         verify_plan_agreement(plan, result.global_loss_tokens)
+    if result.global_loss_tokens == 0:
+        # After the agreement: every rank holds this batch, so every rank raises here together.
+        raise ValueError(
+            f"no label of the batch's {len(plan.seq_ids())} sequences counts in the loss (every "
+            "loss mask is 0): there is nothing to divide by"
+        )
     return result
 
 
@@ -163,7 +169,7 @@ def run_plan(
             timer.begin(index)
             micro = executor.prepare_step(source, step)
             with executor.step_switched(step, what=f"plan step {index}"):
-                step_loss = masked_loss(executor.forward(micro), micro.batch)
+                step_loss = executor.loss(executor.forward(micro), micro)
                 if not forward_only:
                     (step_loss / result.global_loss_tokens).backward()
             timer.end(index)

@@ -10,6 +10,10 @@ global batch planned from its sequence lengths (DCP's planner by default, or the
 and recompute levels, one gradient reduction, the clipped optimizer step, and then the
 micro-steps' measured times fed to online calibration, which refits the cost model every
 ``refit_interval_steps`` steps and plans with the refit when it predicts held-out steps better.
+
+Post-training: ``train_step`` takes per-token loss masks (SFT: assistant tokens), per-token
+values (weights, advantages, old log-probabilities) and a per-token loss of the log-probs (a
+PPO/GRPO clipped loss), and ``logprobs`` scores a batch forward-only (docs/recipes.md).
 """
 
 from __future__ import annotations
@@ -23,14 +27,18 @@ import torch.distributed as dist
 
 from dcp.costmodel import CostModel, load_spec
 from dcp.plan import Plan
-from dcp.runtime.dispatch import InMemorySource
+from dcp.runtime.dispatch import Array, InMemorySource
+from dcp.runtime.evaluate import batch_logprobs
 from dcp.runtime.groups import start_groups
+from dcp.runtime.microstep import TokenLoss, check_token_loss
 from dcp.runtime.runtime import Runtime, StepStats
 from dcp.runtime.setup import model_mesh
 from dcp.step.batches import BatchPlanner, PlannedBatch
 from dcp.step.config import PlanningConfig
 from dcp.step.observers import StepObserver, StepObservers, StepOutcome
 from dcp.step.planned import PlannedSteps
+
+Document = Sequence[int] | np.ndarray | torch.Tensor
 
 
 class DCPEngine:
@@ -121,16 +129,44 @@ class DCPEngine:
         return self.steps.planner.plan_lengths(list(lengths)).plan
 
     def train_step(
-        self, documents: Sequence[Sequence[int] | np.ndarray | torch.Tensor]
+        self,
+        documents: Sequence[Document],
+        *,
+        loss_masks: Sequence[Array] | None = None,
+        token_values: dict[str, Sequence[Array]] | None = None,
+        loss_fn: TokenLoss | None = None,
     ) -> StepStats:
         """One optimizer step on ``documents`` (token lists; a document of n tokens trains n - 1
-        next-token predictions). Every rank must pass the same documents."""
-        source = InMemorySource(documents)
+        next-token predictions). Every rank must pass the same documents.
+
+        Per document, one entry per label (``doc[1:]``): ``loss_masks`` (1 where the label
+        counts; default all), ``token_values`` (named arrays: ``"weights"`` scale each token's
+        loss; a ``loss_fn`` reads any, e.g. advantages and old log-probabilities).
+        ``loss_fn(logprobs, values)``: per-token losses in place of the weighted cross-entropy
+        (``dcp.runtime.microstep.TokenLoss``). The step's loss is the sum of the counted
+        tokens' losses over the number of counted labels in the batch, whatever the plan."""
+        source = InMemorySource(documents, loss_masks=loss_masks, token_values=token_values)
+        if loss_fn is not None:
+            check_token_loss(loss_fn, source.value_names)
         step = self.runtime.step + 1
         planned = self.steps.plan(source.lengths(), step=step)
-        stats = self.runtime.train_step(
-            planned.plan, source, scalars=self.observers.contribute(step)
-        )
+        with self.runtime.executor.using(loss_fn=loss_fn):
+            stats = self.runtime.train_step(
+                planned.plan, source, scalars=self.observers.contribute(step)
+            )
         self.last_planned = planned
         self.observers.after_step(StepOutcome.of_stats(step, planned, stats))
         return stats
+
+    def logprobs(self, documents: Sequence[Document]) -> list[torch.Tensor]:
+        """Per-token log-probabilities ``log p(doc[t + 1] | doc[: t + 1])`` of each document
+        (fp32, ``len(doc) - 1`` each), in the caller's order, on the device of the first
+        document when it is a tensor (else the CPU), the same on every rank. The batch runs as
+        a forward-only plan (``Plan.forward_only``: each step without recompute, nothing kept
+        for a backward) with the model in eval mode; no gradient is touched. Every rank must
+        pass the same documents."""
+        source = InMemorySource(documents)
+        first = documents[0] if len(documents) else None
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        plan = self.plan(source.lengths())
+        return batch_logprobs(self.runtime, plan, source=source, device=device)

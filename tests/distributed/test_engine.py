@@ -102,3 +102,50 @@ def test_engine_refits_its_cost_model_online(tmp_path):
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     assert len(lines) == sum(got["micro_steps"]), (len(lines), got["micro_steps"])
     assert sorted({line["step"] for line in lines}) == list(range(1, STEPS + 1))
+
+
+def rl_example_run() -> list[tuple[float, float]]:
+    """``pretrain/example_rl.py``'s loop (its ten lines) on this rank."""
+    from pretrain.example_rl import run
+
+    try:
+        return run(num_steps=3)
+    finally:
+        cleanup()
+
+
+def test_rl_example_moves_the_policy_toward_rewarded_rollouts():
+    """The RL-style example: forward-only log-probs, then a PPO-clipped step on the response
+    tokens. Every step raises the advantage-weighted log-probs of the tokens it trained on, and
+    every rank sees the same losses and log-probs."""
+    out = run_on_ranks(2, rl_example_run, timeout_s=300)
+    assert out[0] == out[1], out
+    for loss, gain in out[0]:
+        assert np.isfinite(loss) and gain > 0, out[0]
+
+
+def sft_example_run(data: str) -> list[tuple[float, int]]:
+    """``pretrain/example_sft.py``'s loop (its ten lines) on this rank."""
+    from pretrain.example_sft import run
+
+    try:
+        return run(data, steps=8, tokens_per_batch=2048)
+    finally:
+        cleanup()
+
+
+def test_sft_example_learns_the_assistants_answers(tmp_path):
+    """The SFT example on the demo chats: each step's loss is over its batch's assistant tokens
+    (and only those), and falls, the same on every rank."""
+    from dcp.data.sft import chat_batches, read_chat_jsonl, write_demo_chats
+    from dcp.data.tokenizer import ByteTokenizer
+
+    data = write_demo_chats(tmp_path / "chats.jsonl", num_chats=128)
+    out = run_on_ranks(2, sft_example_run, str(data), timeout_s=300)
+    assert out[0] == out[1], out
+    losses, counted = zip(*out[0], strict=True)
+    chats = read_chat_jsonl(data, tokenizer=ByteTokenizer(), max_tokens=1025)
+    batches = chat_batches(chats, tokens_per_batch=2048, seed=0)
+    answers = [int(sum(c.loss_mask.sum() for c in next(batches))) for _ in counted]
+    assert list(counted) == answers, (counted, answers)
+    assert losses[-1] < losses[0] - 1.0, losses

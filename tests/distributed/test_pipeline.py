@@ -1,5 +1,6 @@
 """Pipeline parallelism under dynamic CP: DCP's pipelined runtime against the single-process
-reference (loss and every gradient, relative error <= 1e-5)."""
+reference (loss and every gradient, relative error <= 1e-5); some launches also check the
+post-training batch (loss masks, weights, a clipped loss, log-probs: ``post_training``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.distributed.test_runtime_parity import (
     assert_parity,
     evaluate,
     plan,
+    post_training,
     reference_run,
     step,
 )
@@ -87,9 +89,21 @@ def reference():
     return run_on_ranks(1, reference_run, DOCS)[0]
 
 
+# The plans whose launches also check post-training.
+POST_PLANS = {"six_and_one", "cp1_cp2_interleaved"}
+
+
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_pp2_parity(reference, name):
-    got = run_on_ranks(4, pp_run, DOCS, [PLANS[name]], pipeline_parallel_size=2, timeout_s=300)[0]
+    got = run_on_ranks(
+        4,
+        pp_run,
+        DOCS,
+        [PLANS[name]],
+        pipeline_parallel_size=2,
+        post=name in POST_PLANS,
+        timeout_s=300,
+    )[0]
     assert_parity(reference, got, what=name)
 
 
@@ -103,7 +117,14 @@ def test_pp2_parity_partial_recompute_per_stage():
         partial([0], [6, 7], 2),
     )
     got = run_on_ranks(
-        4, pp_run, DOCS, [mixed], pipeline_parallel_size=2, model=FOUR_LAYERS, timeout_s=300
+        4,
+        pp_run,
+        DOCS,
+        [mixed],
+        pipeline_parallel_size=2,
+        model=FOUR_LAYERS,
+        post=True,
+        timeout_s=300,
     )[0]
     assert_parity(ref, got, what="partial recompute at PP 2")
 
@@ -169,6 +190,7 @@ def test_pp2_tp2_parity():
         pipeline_parallel_size=2,
         tensor_parallel_size=2,
         model=padded,
+        post=True,
         timeout_s=600,
     )[0]
     assert_parity(ref, got, what="PP 2 x TP 2")
@@ -204,9 +226,11 @@ def pp_run(
     tensor_parallel_size: int = 1,
     distributed: bool = True,
     model: dict | None = None,
+    post: bool = False,
 ) -> dict | None:
     """DCP's runtime on a pipeline: loss and whole gradients (every stage's, TP slices
-    gathered) of ``plans[0]`` under canonical names, on rank 0."""
+    gathered) of ``plans[0]`` under canonical names, on rank 0; with ``post``, the
+    post-training results for it too (``post_training``)."""
     try:
         init_megatron_parallel(
             tensor_parallel_size=tensor_parallel_size,
@@ -222,11 +246,18 @@ def pp_run(
         result = runtime.forward_backward(first, source)
         loss = runtime.global_loss(result)
         names = state_names(runtime.model.module)
-        grads = {names[n]: g for n, g in to_numpy(runtime.grads().items()).items()}
-        merged: dict = {}
-        for part in all_gather_object(grads if runtime.registry.planner_rank == 0 else {}):
-            merged.update(part)
-        return {**evaluated, "loss": loss, "grads": merged} if dist.get_rank() == 0 else None
+
+        def whole_grads() -> dict:
+            grads = {names[n]: g for n, g in to_numpy(runtime.grads().items()).items()}
+            merged: dict = {}
+            for part in all_gather_object(grads if runtime.registry.planner_rank == 0 else {}):
+                merged.update(part)
+            return merged
+
+        out = {**evaluated, "loss": loss, "grads": whole_grads()}
+        if post:
+            out["post"] = post_training(runtime, first, docs, whole_grads)
+        return out if dist.get_rank() == 0 else None
     finally:
         cleanup()
 

@@ -4,6 +4,10 @@ Plans cover all-CP=1, all-CP=world, mixed groups, uneven micro-step counts per r
 shorter than the CP degree, and mixed recompute levels. Relative error ≤ 1e-5 in fp32. The runtime
 trains with megatron-core's distributed optimizer (the default) and its plain one; the reference
 is torch's AdamW in one process.
+
+Post-training rides on the same launches (``post=True``): the batch with per-token loss masks
+and weights, the same batch under a PPO-style clipped loss of the log-probs, and the batch's
+forward-only per-token log-probs, each against the reference (``post_training``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from dcp.mesh import Mesh
 from dcp.model import ModelConfig, build_gpt_model
 from dcp.optim import build_adamw, lr_at, set_lr
 from dcp.plan import Plan
-from dcp.runtime.dispatch import InMemorySource
+from dcp.runtime.dispatch import WEIGHTS, InMemorySource
+from dcp.runtime.evaluate import batch_logprobs
 from dcp.runtime.runtime import Runtime
 from dcp.runtime.setup import init_megatron_parallel
 from tests.distributed.harness import run_on_ranks
@@ -39,7 +44,8 @@ def plan(*steps) -> dict:
 
 def assert_parity(ref: dict, got: dict, *, what: str) -> None:
     """Loss and every gradient within ``RTOL`` of the reference's; so is the plan's
-    forward-only (evaluation) loss where ``got`` has one, and that pass left no gradient."""
+    forward-only (evaluation) loss where ``got`` has one, and that pass left no gradient; and
+    so are the post-training results where ``got`` has them (``post_training``)."""
     assert abs(got["loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (what, got["loss"], ref)
     if "eval_loss" in got:
         assert abs(got["eval_loss"] - ref["loss"]) <= RTOL * abs(ref["loss"]), (what, got)
@@ -49,6 +55,65 @@ def assert_parity(ref: dict, got: dict, *, what: str) -> None:
         g = got["grads"][name]
         err = np.linalg.norm(g - g_ref) / max(np.linalg.norm(g_ref), 1e-30)
         assert err <= RTOL, f"{what}: grad {name} rel err {err:.2e}"
+    if "post" in got:
+        for loss in POST_LOSSES:
+            assert_parity(ref["post"][loss], got["post"][loss], what=f"{what}, {loss} loss")
+        assert len(got["post"]["logprobs"]) == len(ref["post"]["logprobs"]), what
+        for i, (lp, lp_ref) in enumerate(
+            zip(got["post"]["logprobs"], ref["post"]["logprobs"], strict=True)
+        ):
+            np.testing.assert_allclose(lp, lp_ref, rtol=RTOL, atol=RTOL, err_msg=f"{what} doc {i}")
+        assert got["post"]["logprobs_left_no_grad"], what
+
+
+# -- post-training: masks, weights, a custom loss, log-probs ----------------------------------
+POST_LOSSES = ("weighted", "clipped")
+CLIP = 0.2
+
+
+def post_training_batch(docs: list[np.ndarray]) -> dict:
+    """``InMemorySource`` keywords for ``docs``: an SFT-like loss mask (a prompt prefix and
+    holes masked; the 1-label document wholly masked), positive weights, and an RL-like
+    advantage and old log-probability per label (near a fresh tiny model's ~ -log 61, so the
+    clip binds on many tokens)."""
+    rng = np.random.default_rng(17)
+    masks, weights, advantages, old = [], [], [], []
+    for doc in docs:
+        n = len(doc) - 1
+        mask = (rng.random(n) > 0.25).astype(np.float32)
+        mask[: n // 3] = 0.0  # the prompt
+        masks.append(mask if n > 1 else np.zeros(n, np.float32))
+        weights.append(rng.uniform(0.2, 2.0, n))
+        advantages.append(rng.uniform(-1.0, 2.0, n))
+        old.append(rng.normal(-np.log(TINY["vocab_size"]), 0.3, n))
+    return {
+        "loss_masks": masks,
+        "token_values": {WEIGHTS: weights, "advantages": advantages, "old_logprobs": old},
+    }
+
+
+def clipped_loss(logprobs: torch.Tensor, values) -> torch.Tensor:
+    """PPO's clipped surrogate per token (a ``TokenLoss``): the example custom loss."""
+    ratio = torch.exp(logprobs - values["old_logprobs"])
+    advantages = values["advantages"]
+    return -torch.minimum(ratio * advantages, ratio.clamp(1 - CLIP, 1 + CLIP) * advantages)
+
+
+def post_training(runtime: Runtime, plan: Plan, docs: list[np.ndarray], grads) -> dict:
+    """DCP's results for the post-training batch of ``docs`` under ``plan`` (collectives:
+    every rank calls this): loss and ``grads()`` of the weighted and the clipped loss, and the
+    per-token log-probs of the forward-only plan (which leaves no gradient)."""
+    source = InMemorySource(docs, **post_training_batch(docs))
+    out = {}
+    for loss, loss_fn in zip(POST_LOSSES, (None, clipped_loss), strict=True):
+        with runtime.executor.using(loss_fn=loss_fn):
+            result = runtime.forward_backward(plan, source)
+        out[loss] = {"loss": runtime.global_loss(result), "grads": grads()}
+    runtime.zero_grad()
+    logprobs = batch_logprobs(runtime, plan, source=source, device=torch.device("cpu"))
+    out["logprobs"] = [lp.numpy().copy() for lp in logprobs]
+    out["logprobs_left_no_grad"] = all(not g.any() for g in runtime.grads().values())
+    return out
 
 
 # Lengths chosen so that CP groups see docs shorter than 2*cp, 1-token docs and odd lengths.
@@ -94,21 +159,27 @@ def reference():
     return run_on_ranks(1, reference_run, DOCS)[0]
 
 
+# The plans whose launches also check post-training (masks, weights, clipped loss, log-probs).
+POST_PLANS = {"all_cp1_uneven", "mixed_recompute", "mixed_groups_2_1_1", "regroup_between_steps"}
+
+
 @pytest.mark.parametrize("name", sorted(PLANS_2))
 def test_parity_2_ranks(reference, name):
-    got = run_on_ranks(2, dcp_run, DOCS, [PLANS_2[name]])[0]
+    got = run_on_ranks(2, dcp_run, DOCS, [PLANS_2[name]], post=name in POST_PLANS)[0]
     assert_parity(reference, got, what=name)
 
 
 @pytest.mark.parametrize("name", sorted(PLANS_4))
 def test_parity_4_ranks(reference, name):
-    got = run_on_ranks(4, dcp_run, DOCS, [PLANS_4[name]], timeout_s=300)[0]
-    assert_parity(reference, got, what=name)
+    got = run_on_ranks(4, dcp_run, DOCS, [PLANS_4[name]], post=name in POST_PLANS, timeout_s=300)
+    assert_parity(reference, got[0], what=name)
 
 
 def test_parity_with_token_alignment(reference):
     """TE's alignment (local tokens a multiple of 8) extends the last document's padding: exact."""
-    got = run_on_ranks(2, dcp_run, DOCS, [PLANS_2["mixed_recompute"]], local_token_multiple=8)[0]
+    got = run_on_ranks(
+        2, dcp_run, DOCS, [PLANS_2["mixed_recompute"]], local_token_multiple=8, post=True
+    )[0]
     assert_parity(reference, got, what="mixed_recompute aligned to 8 local tokens")
 
 
@@ -146,10 +217,12 @@ def test_weights_after_three_steps_match_reference(distributed):
 
 
 def test_mismatched_plan_raises_on_every_rank():
+    """Also: a batch whose loss masks count no label is refused by every rank."""
     a = plan(step([0, 1], list(range(8))))
     b = plan(step([0], [0, 1, 2, 3]), step([1], [4, 5, 6, 7]))
     messages = run_on_ranks(2, mismatched_plans, DOCS, [a, b], timeout_s=120)
-    assert all("disagree on the plan" in m for m in messages), messages
+    assert all("disagree on the plan" in m for m, _ in messages), messages
+    assert all("no label of the batch's 8 sequences counts" in m for _, m in messages), messages
 
 
 def test_nonfinite_loss_skip_or_stop():
@@ -174,7 +247,9 @@ def test_nonfinite_gradients_on_one_rank_never_reach_the_weights():
 # -- rank bodies (module level, so spawned ranks can unpickle them) ---------------------------
 # The reference is deliberately independent of DCP's attention and layout code: one process,
 # megatron-core's own DotProductAttention (core_attention="megatron_local"), each sequence
-# forwarded on its own as a plain [1, L] batch, loss = sum of token losses / total tokens.
+# forwarded on its own as a plain [1, L] batch, loss = sum of token losses / total tokens; the
+# post-training losses = sum over counted labels of (weight x token loss, or the clipped loss of
+# -token loss) / counted labels of the batch.
 
 
 def reference_run(
@@ -203,11 +278,57 @@ def reference_run(
                 loss_sum += part.detach().double()
             return float(loss_sum) / total
 
+        batch = post_training_batch(docs)
+        masks = batch["loss_masks"]
+        values = [
+            {
+                k: torch.as_tensor(v[i], dtype=torch.float32)
+                for k, v in batch["token_values"].items()
+            }
+            for i in range(len(docs))
+        ]
+        counted = sum(float(m.sum()) for m in masks)
+        post_losses = {
+            "weighted": lambda token_loss, i: token_loss * values[i][WEIGHTS],
+            "clipped": lambda token_loss, i: clipped_loss(-token_loss, values[i]),
+        }
+
+        def post_loss_and_grads(loss: str) -> dict:
+            model.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for i, doc in enumerate(docs):
+                tokens = torch.as_tensor(doc, dtype=torch.long)
+                inputs, labels = tokens[:-1].unsqueeze(0), tokens[1:].unsqueeze(0)
+                pos = torch.arange(inputs.size(1)).unsqueeze(0)
+                token_loss = model(inputs, pos, None, labels=labels)[0].float()
+                part = (post_losses[loss](token_loss, i) * torch.as_tensor(masks[i])).sum()
+                (part / counted).backward()
+                loss_sum += float(part.detach())
+            grads = to_numpy((n, p.grad) for n, p in model.named_parameters())
+            return {"loss": loss_sum / counted, "grads": grads}
+
+        def logprobs() -> list[np.ndarray]:
+            with torch.no_grad():
+                return [
+                    -model(
+                        torch.as_tensor(doc[:-1], dtype=torch.long).unsqueeze(0),
+                        torch.arange(len(doc) - 1).unsqueeze(0),
+                        None,
+                        labels=torch.as_tensor(doc[1:], dtype=torch.long).unsqueeze(0),
+                    )[0]
+                    .float()
+                    .numpy()
+                    for doc in docs
+                ]
+
+        post = {loss: post_loss_and_grads(loss) for loss in POST_LOSSES}
+        post["logprobs"] = logprobs()
         loss = loss_and_grads()
         out = {
             "loss": loss,
             "grads": to_numpy((n, p.grad) for n, p in model.named_parameters()),
             "initial_weights": to_numpy(model.named_parameters()),
+            "post": post,
         }
         params = [p for p in model.parameters() if p.requires_grad]
         losses = []
@@ -234,8 +355,10 @@ def dcp_run(
     local_token_multiple: int = 1,
     model: dict | None = None,
     tensor_parallel_size: int = 1,
+    post: bool = False,
 ) -> dict | None:
-    """DCP runtime on this rank: grads for ``plans[0]``; optionally ``train_steps`` optimizer
+    """DCP runtime on this rank: grads for ``plans[0]`` (and, with ``post``, the
+    post-training results for it: ``post_training``); optionally ``train_steps`` optimizer
     steps, step i executing ``plans[i % len(plans)]``. Rank 0 returns the results (whole
     tensors: TP slices gathered). ``model`` overrides fields of the tiny model; plans name
     planner ranks (``world / tensor_parallel_size`` of them)."""
@@ -261,6 +384,10 @@ def dcp_run(
             "grads": to_numpy(runtime.grads().items()),
             "initial_weights": initial,
         }
+        if post:
+            out["post"] = post_training(
+                runtime, first, docs, lambda: to_numpy(runtime.grads().items())
+            )
         if train_steps:
             losses = []
             for step in range(train_steps):
@@ -347,16 +474,24 @@ def rope_tables(docs: list[np.ndarray]) -> dict:
         cleanup()
 
 
-def mismatched_plans(docs: list[np.ndarray], plans: list[dict]) -> str:
-    """Each rank executes ``plans[rank]``; returns the error message it raised."""
+def mismatched_plans(docs: list[np.ndarray], plans: list[dict]) -> tuple[str, str]:
+    """Each rank executes ``plans[rank]``, then ``plans[0]`` on ``docs`` with every label
+    masked; returns the error message each raised."""
     try:
         runtime = Runtime.from_config(ModelConfig(**TINY), OPTIM, seed=SEED)
-        plan = Plan.from_dict(plans[dist.get_rank()])
-        try:
-            runtime.forward_backward(plan, InMemorySource(docs))
-        except RuntimeError as exc:
-            return str(exc)
-        raise AssertionError("a mismatched plan did not raise")
+        messages = []
+        masked = InMemorySource(docs, loss_masks=[np.zeros(len(d) - 1) for d in docs])
+        for index, source, error in (
+            (dist.get_rank(), InMemorySource(docs), RuntimeError),
+            (0, masked, ValueError),
+        ):
+            try:
+                runtime.forward_backward(Plan.from_dict(plans[index]), source)
+            except error as exc:
+                messages.append(str(exc))
+                continue
+            raise AssertionError(f"plan {index} did not raise")
+        return tuple(messages)
     finally:
         cleanup()
 

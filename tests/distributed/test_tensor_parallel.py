@@ -5,6 +5,8 @@ uneven micro-step counts, DCP at TP = 2 (megatron's TP layers, sequence parallel
 the loss and every gradient of the single-process TP = 1 reference (relative error ≤ 1e-5), and
 the weights after three optimizer steps. The model pads its 61-token vocabulary to 64 rows, so
 TP rank 1's slice holds the padding rows (the vocabulary mask must offset by the slice start).
+Two of those launches also check the post-training batch (loss masks, weights, a clipped loss,
+log-probs gathered from TP rank 0: ``post_training``).
 
 Checkpoints: a TP = 2 run's weights load into a TP = 1 run and a TP = 1 run's into a TP = 2 run,
 through the one canonical layout, bit for bit, and give the same loss and gradients.
@@ -76,9 +78,13 @@ def tp_run(plans, **kwargs) -> dict:
     )[0]
 
 
+# The plans whose launches also check post-training (masks, weights, clipped loss, log-probs).
+POST_PLANS = {"uneven_cp2_then_cp1", "mixed_recompute"}
+
+
 @pytest.mark.parametrize("name", sorted(PLANS_TP))
 def test_tp_parity(reference, name):
-    got = tp_run([PLANS_TP[name]])
+    got = tp_run([PLANS_TP[name]], post=name in POST_PLANS)
     assert_parity(reference, got, what=f"TP=2 {name}")
 
 

@@ -249,6 +249,15 @@ def check_args(args: argparse.Namespace) -> None:
             "global batches are packed at --global-batch-size from the first step: drop "
             "--rampup-batch-size"
         )
+    if getattr(args, "sft", False):
+        # DocumentBatches reads --data-path itself; megatron's SFTDataset and its loss mask on
+        # the assistant's tokens never run, in either mode.
+        problems.append(
+            "DCP feeds Megatron whole documents of --data-path with every label in the loss; "
+            "megatron's --sft dataset and its assistant-token loss mask are not read: drop "
+            "--sft (loss masks through DCP: DCPEngine.train_step(loss_masks=...), "
+            "docs/recipes.md)"
+        )
     if args.tp_comm_overlap:
         # megatron's initialize._initialize_tp_communicators: TE's userbuffers hold
         # seq_length * micro_batch_size / context_parallel_size tokens, fixed at start-up.

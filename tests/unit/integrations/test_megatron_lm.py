@@ -131,6 +131,13 @@ def test_a_batch_size_ramp_up_is_refused():
         dcp_mlm.check_args(args)
 
 
+@pytest.mark.parametrize("dcp", [(), ("--dcp",)], ids=["static", "dcp"])
+def test_megatrons_sft_dataset_is_refused_since_its_loss_mask_would_be_ignored(dcp):
+    args = megatron_args(*GOOD, *dcp, "--sft")
+    with pytest.raises(ValueError, match="drop --sft"):
+        dcp_mlm.check_args(args)
+
+
 def test_megatrons_hybrid_cp_is_refused_with_the_way_to_its_scheduler():
     args = megatron_args(*GOOD, "--hybrid-context-parallel")
     with pytest.raises(ValueError, match="--dcp --dcp-planner megatron"):
