@@ -215,13 +215,15 @@ def evaluate(
 
 
 def _longest_first(plans: list[Plan], batches: list[list[int]], cost_model: CostModel) -> dict:
-    """DCP's micro-steps of each batch in plain longest-first order (``LONGEST_FIRST``)."""
+    """DCP's micro-steps of each batch in plain longest-first order (``LONGEST_FIRST``); a
+    workload with a batch whose steps fit no recompute in that order has no plan (as a static
+    configuration that holds nothing)."""
     costs = PipelineCosts.of(cost_model)
     times, bubbles = [], []
     for plan, b in zip(plans, batches, strict=True):
         reordered = longest_first(plan, b, costs)
         if reordered is None:
-            raise ValueError(f"{LONGEST_FIRST}: no recompute fits DCP's steps in that order")
+            return {"step_time_s": [], "error": "no recompute fits DCP's steps in that order"}
         sim = _checked_sim(reordered, b, cost_model)
         times.append(sim.makespan_s)
         bubbles.append(sim.bubble_fraction)
