@@ -191,13 +191,13 @@ class Options:
     memory_fixed_gb: float | None = None
     """Device memory per GPU outside the caching allocator that does not grow with the layout,
     in GB: the CUDA context and the cuBLAS/cuBLASLt and Transformer Engine workspaces. Null:
-    ``DEFAULT_MEMORY_FIXED_GB`` (or, with ``memory_reserved_gb``, part of that figure)."""
+    ``DEFAULT_MEMORY_FIXED_GB``; refused beside ``memory_reserved_gb``, which covers it."""
     memory_per_communicator_gb: float | None = None
     """Device memory of one NCCL communicator with a peer, in GB, reserved for each one a rank
     holds under the run's layout (``dcp.costmodel.communicators.peer_communicators``: the
     default group, megatron's groups and DCP's CP groups, all made at start-up). Null:
-    ``DEFAULT_MEMORY_PER_COMMUNICATOR_GB`` (or, with ``memory_reserved_gb``, part of that
-    figure)."""
+    ``DEFAULT_MEMORY_PER_COMMUNICATOR_GB``; refused beside ``memory_reserved_gb``, which
+    covers it."""
     memory_reserved_gb: float | None = None
     """The whole reserve per GPU in one figure (CUDA context, NCCL and workspaces), in GB, in
     place of ``memory_fixed_gb`` + ``memory_per_communicator_gb`` × communicators: what spec
