@@ -20,9 +20,25 @@ checkpoint's index stores its writers' mesh under the JSON key ``"layout"``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
+
+
+def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
+    """Power-of-two aligned blocks of ``range(world_size)``, smallest first, then the world."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    shapes: list[tuple[int, ...]] = []
+    k = 1
+    while k <= world_size:
+        shapes.extend(tuple(range(s, s + k)) for s in range(0, world_size - k + 1, k))
+        k *= 2
+    world = tuple(range(world_size))
+    if world not in shapes:
+        shapes.append(world)
+    return shapes
+
 
 UNSUPPORTED_AXES = ("expert_parallel_size", "virtual_pipeline_parallel_size")
 """Axes the mesh has a place for but DCP does not run yet: only 1 is accepted."""
@@ -136,3 +152,16 @@ class Mesh:
             for p in block
             for t in range(self.tensor_parallel_size)
         )
+
+    def block_groups(self) -> Iterator[tuple[int, tuple[int, ...], int | None, tuple[int, ...]]]:
+        """Every group a plan may use, in the one order every rank makes them
+        (``dcp.runtime.groups.GroupRegistry``): per stage, per aligned block of planner ranks
+        (``aligned_blocks``), each TP rank's CP group and then the block's tensor-and-context
+        group, as ``(stage, block, tp_rank, global ranks)`` with ``tp_rank`` None for the
+        latter. Two entries can name the same ranks (at TP = 1 a block's CP group is its
+        tensor-and-context group); one process group serves both."""
+        for stage in range(self.pipeline_parallel_size):
+            for block in aligned_blocks(self.num_planner_ranks):
+                for t in range(self.tensor_parallel_size):
+                    yield stage, block, t, self.cp_ranks(block, t, stage)
+                yield stage, block, None, self.tp_cp_ranks(block, stage)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from dcp.costmodel.communicators import peer_communicators
+from dcp.mesh import Mesh
 from dcp.plan import RECOMPUTE_LEVELS
 from dcp.schema import from_dict
 
@@ -19,6 +21,22 @@ _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # (all-gathers, reduce-scatters) per layer, and for the embedding and output layer together.
 TP_GATHERS_SCATTERS_PER_LAYER = (6, 4)
 TP_GATHERS_SCATTERS_OUTSIDE_LAYERS = (3, 2)
+
+DEFAULT_MEMORY_FIXED_GB = 1.5
+"""CUDA context and library workspaces per GPU, in GB (``Options.memory_fixed_gb``): an
+estimate, a CUDA 12 context with lazy module loading (about 0.5 GB on Hopper) plus cuBLAS,
+cuBLASLt and Transformer Engine workspaces and margin; ``tools.gpu_check``'s communicators row
+measures the device memory in use before the first communicator."""
+DEFAULT_MEMORY_PER_COMMUNICATOR_GB = 1.0
+"""One NCCL communicator with a peer on an H200 (or H100) node with NVLink SHARP, in GB
+(``Options.memory_per_communicator_gb``), chosen conservatively: NCCL's channel buffers
+(``NCCL_BUFFSIZE``, 4 MiB by default, per protocol, per channel and per peer connection, with
+up to 32 channels on Hopper's NVLink) were measured at 544 MB for a 2-GPU and 688 MB for a
+larger group over NVLink on A100 (NVIDIA/nccl issue #964), and NVLink SHARP adds its own
+buffers to every communicator of more than two GPUs of a node (``nvlsPerRankSize`` 288 MiB on
+8 H200s, vllm-project/vllm issue #9699): 688 MB + 302 MB, rounded up. ``NCCL_NVLS_ENABLE=0``
+or fewer channels (``NCCL_MAX_NCHANNELS``) lower it; ``tools.gpu_check``'s communicators row
+gives the measured figure to replace it (docs/gpu.md)."""
 
 
 def _positive(obj: object, names: tuple[str, ...], section: str) -> None:
@@ -170,8 +188,21 @@ class Options:
     """Latency of one point-to-point CP transfer (per layer, per ring hop, per pass)."""
     memory_headroom_frac: float = 0.05
     """Device memory kept free for fragmentation."""
-    memory_reserved_gb: float = 3.0
-    """Device memory taken by the CUDA context, NCCL and workspaces, in GB."""
+    memory_fixed_gb: float | None = None
+    """Device memory per GPU outside the caching allocator that does not grow with the layout,
+    in GB: the CUDA context and the cuBLAS/cuBLASLt and Transformer Engine workspaces. Null:
+    ``DEFAULT_MEMORY_FIXED_GB``; refused beside ``memory_reserved_gb``, which covers it."""
+    memory_per_communicator_gb: float | None = None
+    """Device memory of one NCCL communicator with a peer, in GB, reserved for each one a rank
+    holds under the run's layout (``dcp.costmodel.communicators.peer_communicators``: the
+    default group, megatron's groups and DCP's CP groups, all made at start-up). Null:
+    ``DEFAULT_MEMORY_PER_COMMUNICATOR_GB``; refused beside ``memory_reserved_gb``, which
+    covers it."""
+    memory_reserved_gb: float | None = None
+    """The whole reserve per GPU in one figure (CUDA context, NCCL and workspaces), in GB, in
+    place of ``memory_fixed_gb`` + ``memory_per_communicator_gb`` × communicators: what spec
+    files written before that split set, and what the CPU presets set (gloo holds no device
+    memory per group). Null: the split."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_BYTES:
@@ -181,6 +212,18 @@ class Options:
         if self.fp8_linear_speedup is not None and not self.fp8_linear_speedup > 0:
             raise ValueError(
                 f"options.fp8_linear_speedup must be > 0, got {self.fp8_linear_speedup}"
+            )
+        if self.memory_reserved_gb is None:
+            for name, default in (
+                ("memory_fixed_gb", DEFAULT_MEMORY_FIXED_GB),
+                ("memory_per_communicator_gb", DEFAULT_MEMORY_PER_COMMUNICATOR_GB),
+            ):
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, default)
+        elif self.memory_fixed_gb is not None or self.memory_per_communicator_gb is not None:
+            raise ValueError(
+                "options.memory_reserved_gb is the whole reserve per GPU; give it or "
+                "memory_fixed_gb and memory_per_communicator_gb, not both"
             )
         if self.optimizer_bytes_per_param is None:
             object.__setattr__(
@@ -211,10 +254,20 @@ class Options:
             "step_overhead_s",
             "sequence_overhead_s",
             "link_latency_s",
+            "memory_fixed_gb",
+            "memory_per_communicator_gb",
             "memory_reserved_gb",
         ):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"options.{name} must be >= 0, got {getattr(self, name)}")
+
+    def reserved_gb(self, peer_communicators: int) -> float:
+        """Device memory per GPU outside the caching allocator, in GB, for a rank holding
+        ``peer_communicators`` communicators with a peer: ``memory_reserved_gb`` when given,
+        else the fixed part plus one ``memory_per_communicator_gb`` each."""
+        if self.memory_reserved_gb is not None:
+            return self.memory_reserved_gb
+        return self.memory_fixed_gb + self.memory_per_communicator_gb * peer_communicators
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -522,9 +575,11 @@ def analytic_coefficients(
     )
     static_mem = sum(static_memory_parts(model, options, num_ranks=num_ranks).values())
     # Memory is per GPU: weights, activations (sequence parallel) and logits split over TP.
+    pp = options.pipeline_parallel_size
+    mesh = Mesh(num_ranks * tp * pp, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     budget = (
         cluster.gpu_memory_gb * 1e9 * (1.0 - options.memory_headroom_frac)
-        - options.memory_reserved_gb * 1e9
+        - options.reserved_gb(peer_communicators(mesh)) * 1e9
     )
     return Coefficients(
         step_overhead_s=options.step_overhead_s,

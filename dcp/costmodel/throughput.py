@@ -179,9 +179,19 @@ def read_published(path: str | Path) -> list[PublishedRow]:
     return rows
 
 
+PUBLISHED_RUN_RESERVED_GB = 3.0
+"""Device memory outside the caching allocator in a published run, in GB (the row's
+``options.memory_reserved_gb``): Megatron's own loop makes each communicator at its group's
+first collective, so it holds those of the few groups it uses, not every group DCP warms at
+start-up (``dcp.costmodel.communicators``). It is the one figure the presets reserved before the
+reserve was split per communicator, so the recompute levels the check assumes, and the
+coefficients fitted with them, stay those."""
+
+
 def row_spec(row: PublishedRow) -> dict:
     """The cost-model spec of a row: its GPU preset (coefficients included) for its GPU count,
-    its model, precision and TP size; nothing fitted to the row."""
+    its model, precision and TP size, and a published run's reserve
+    (``PUBLISHED_RUN_RESERVED_GB``); nothing fitted to the row."""
     spec = load_preset(f"{row.gpu}x{row.num_gpus}")
     spec["cluster"]["gpus_per_node"] = min(GPUS_PER_NODE, row.num_gpus)
     spec["model"] = {k: v for k, v in vars(model_spec(row.model)).items() if v is not None}
@@ -193,6 +203,7 @@ def row_spec(row: PublishedRow) -> dict:
             fp8=row.precision == "fp8",
             tensor_parallel_size=row.tp,
         ),
+        "memory_reserved_gb": PUBLISHED_RUN_RESERVED_GB,
     }
     spec["name"] = row.label
     return spec

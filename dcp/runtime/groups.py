@@ -41,24 +41,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from dcp.collectives import warm_up_groups
-from dcp.mesh import Mesh
+from dcp.mesh import Mesh, aligned_blocks
 
 logger = logging.getLogger(__name__)
-
-
-def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
-    """Power-of-two aligned blocks of ``range(world_size)``, smallest first, then the world."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    shapes: list[tuple[int, ...]] = []
-    k = 1
-    while k <= world_size:
-        shapes.extend(tuple(range(s, s + k)) for s in range(0, world_size - k + 1, k))
-        k *= 2
-    world = tuple(range(world_size))
-    if world not in shapes:
-        shapes.append(world)
-    return shapes
 
 
 def members_only_sizes(num_planner_ranks: int) -> set[int]:
@@ -152,18 +137,17 @@ class GroupRegistry:
 
         self._cp: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._tp_cp: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        # Every rank walks every stage's groups in one order: world-wide creation needs it, and
-        # members-only creation gives each member the same count of groups before each one.
-        for stage in range(mesh.pipeline_parallel_size):
-            for block in aligned_blocks(self.mesh.num_planner_ranks):
-                local = len(block) in local_sizes
-                for t in range(mesh.tensor_parallel_size):
-                    cp = group(self.mesh.cp_ranks(block, t, stage), local=local)
-                    if stage == self.stage and t == self.tp_rank:
-                        self._cp[block] = cp
-                tp_cp = group(self.mesh.tp_cp_ranks(block, stage), local=local)
-                if stage == self.stage:
-                    self._tp_cp[block] = tp_cp
+        # Every rank walks every stage's groups in one order (``Mesh.block_groups``): world-wide
+        # creation needs it, and members-only creation gives each member the same count of
+        # groups before each one.
+        for stage, block, t, ranks in mesh.block_groups():
+            made = group(ranks, local=len(block) in local_sizes)
+            if stage != self.stage:
+                continue
+            if t is None:
+                self._tp_cp[block] = made
+            elif t == self.tp_rank:
+                self._cp[block] = made
         self._created = [g for g in created.values() if g is not None]
 
     @property

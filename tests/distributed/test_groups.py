@@ -88,22 +88,32 @@ def test_collective_timeout_set_on_a_torch_without_set_timeout():
         assert out["seen"] == [7.0, 7.0], out
 
 
-def started_groups(tensor_parallel_size: int) -> dict:
-    """``dcp.init`` and ``start_groups`` at a TP size: every group this rank is in, counted and
-    answered once, and whether megatron made gloo twins of its data-parallel groups."""
+def started_groups(tensor_parallel_size: int, pipeline_parallel_size: int) -> dict:
+    """``dcp.init`` and ``start_groups`` at a TP and PP size: every group this rank is in,
+    counted and answered once, the size of each, and whether megatron made gloo twins of its
+    data-parallel groups."""
     from megatron.core import parallel_state as ps
 
     import dcp
+    from dcp.collectives import run_groups
     from dcp.mesh import Mesh
     from dcp.runtime.groups import start_groups
 
     try:
-        dcp.init(tensor_parallel_size=tensor_parallel_size)
+        dcp.init(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+        )
         registry = start_groups(
-            Mesh(dist.get_world_size(), tensor_parallel_size=tensor_parallel_size)
+            Mesh(
+                dist.get_world_size(),
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+            )
         )
         return {
             "run_groups": registry.num_run_groups,
+            "sizes": [dist.get_world_size(g) for g in run_groups(registry.member_groups())],
             "dcp_groups": len(registry.member_groups()),
             "gloo_twins": ps._DATA_PARALLEL_GROUP_GLOO is not None,
         }
@@ -111,10 +121,18 @@ def started_groups(tensor_parallel_size: int) -> dict:
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_start_up_warms_every_group_of_a_rank(tp):
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 2)])
+def test_start_up_warms_every_group_of_a_rank(tp, pp):
     """Every rank walks its groups in the order all ranks made them (a hang would time out),
-    counts megatron's and the default group beside DCP's, and megatron makes no gloo groups."""
-    for out in run_on_ranks(4, started_groups, tp, timeout_s=120):
+    counts megatron's and the default group beside DCP's, and megatron makes no gloo groups.
+    The memory budget's count of a rank's communicators (``dcp.costmodel.communicators``)
+    is this rank's: the same groups, of the same sizes."""
+    from dcp.costmodel.communicators import communicator_sizes
+    from dcp.mesh import Mesh
+
+    budgeted = communicator_sizes(Mesh(4, tensor_parallel_size=tp, pipeline_parallel_size=pp))
+    for rank, out in enumerate(run_on_ranks(4, started_groups, tp, pp, timeout_s=120)):
         assert out["run_groups"] > out["dcp_groups"] + 1, out
         assert not out["gloo_twins"], out
+        assert out["run_groups"] == len(budgeted[rank]), (rank, out)
+        assert sorted(out["sizes"]) == sorted(budgeted[rank]), (rank, out)

@@ -1,8 +1,8 @@
 """What the first GPU run needed that only a GPU can show (``tools.gpu_check`` rows):
 
-- communicators made at start-up: ``start_groups`` warms every group a rank is in; the device
-  memory that took is recorded, with the count (what the memory budget reserves per
-  communicator has to cover);
+- communicators made at start-up: ``start_groups`` warms every group a rank is in, on every GPU
+  of the machine; the device memory that took is recorded with the count, and per communicator
+  with a peer in GB (the figure ``options.memory_per_communicator_gb`` assumes);
 - host syncs per step on the TE path: every synchronising CUDA call of a training step,
   counted with torch's sync debug mode (not only DCP's own), and none from TE's padding check
   (``pad_between_seqs`` is given);
@@ -14,6 +14,7 @@ Each value goes to the JUnit report as a property; the tests assert behaviour, n
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -48,28 +49,49 @@ def _plan(recompute: str):
 
 
 def communicators_at_start_up() -> dict:
+    """Device memory in use after ``dcp.init`` (the CUDA context: ``memory_fixed_gb``'s
+    measured part) and what ``start_groups`` then took, on every GPU of the machine, with the
+    count of communicators and of those with a peer (what ``memory_per_communicator_gb``
+    covers, ``dcp.costmodel.communicators``)."""
+    import torch.distributed as dist
+
     import dcp
+    from dcp.costmodel.communicators import peer_communicators
     from dcp.mesh import Mesh
     from dcp.runtime.groups import start_groups
     from tests.distributed.tiny import cleanup
 
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())  # one node: dcp.init's device
     try:
         dcp.init()
         torch.cuda.synchronize()
-        free_before, _ = torch.cuda.mem_get_info()
-        registry = start_groups(Mesh(1))
+        free_before, total = torch.cuda.mem_get_info()
+        mesh = Mesh(dist.get_world_size())
+        registry = start_groups(mesh)
         torch.cuda.synchronize()
         free_after, _ = torch.cuda.mem_get_info()
-        return {"groups": registry.num_run_groups, "bytes": free_before - free_after}
+        return {
+            "groups": registry.num_run_groups,
+            "peer_groups": peer_communicators(mesh),
+            "context_bytes": total - free_before,
+            "bytes": free_before - free_after,
+        }
     finally:
         cleanup()
 
 
 def test_communicators_are_made_at_start_up(record_property):
-    out = run_on_ranks(1, communicators_at_start_up, timeout_s=300)[0]
+    """On every GPU of the machine (one rank each): the per-communicator figure in the unit the
+    spec option takes (``options.memory_per_communicator_gb``), the measured value to replace
+    the assumed one with (docs/gpu.md); on one GPU every group has one rank and no peer."""
+    out = run_on_ranks(torch.cuda.device_count(), communicators_at_start_up, timeout_s=300)[0]
     record_property("communicators.groups", out["groups"])
+    record_property("communicators.peer_groups", out["peer_groups"])
     record_property("communicators.device_bytes", out["bytes"])
-    record_property("communicators.mib_each", round(out["bytes"] / 2**20 / out["groups"], 1))
+    record_property("communicators.context_gb", round(out["context_bytes"] / 1e9, 3))
+    if out["peer_groups"]:
+        per_peer = out["bytes"] / 1e9 / out["peer_groups"]
+        record_property("communicators.memory_per_communicator_gb", round(per_peer, 3))
     assert out["groups"] >= 2, out
 
 

@@ -289,6 +289,17 @@ def check_args(args: argparse.Namespace) -> None:
             problems.append(
                 "DCP chooses the CP size of every micro-step itself: --context-parallel-size 1"
             )
+        if args.overlap_param_gather:
+            # distributed_data_parallel.py's forward pre-hook: each bucket's all-gather over the
+            # whole data-parallel group is dispatched and waited for inside a rank's first
+            # forward of the step; a rank whose first micro-step waits on a CP peer still in
+            # another micro-step would wait on that peer, and the peer on its all-gather.
+            problems.append(
+                "--overlap-param-gather all-gathers the parameters over every data-parallel "
+                "rank inside each rank's first forward of a step, and DCP's ranks start their "
+                "steps in different CP groups, which can hang: drop --overlap-param-gather (the "
+                "distributed optimizer then gathers them after its step)"
+            )
         if args.dcp_calibration == "online" and not (args.dcp_metrics or args.save):
             problems.append(
                 "online calibration keeps its micro-step records beside the step records or "

@@ -11,8 +11,13 @@ import pytest
 import yaml
 
 from dcp.costmodel import CostModel, available_presets, load_cost_model, load_preset
+from dcp.costmodel.communicators import communicator_sizes, peer_communicators
 from dcp.costmodel.load import gpu_presets
-from dcp.costmodel.spec import DEFAULT_FP8_LINEAR_SPEEDUP
+from dcp.costmodel.spec import (
+    DEFAULT_FP8_LINEAR_SPEEDUP,
+    DEFAULT_MEMORY_FIXED_GB,
+    DEFAULT_MEMORY_PER_COMMUNICATOR_GB,
+)
 from dcp.mesh import Mesh
 from dcp.plan import MicroStep, Plan
 
@@ -67,6 +72,11 @@ def test_unknown_preset_lists_the_available_ones():
         (lambda s: s.update(calibration={"nope": 1.0}), "calibration.nope"),
         (lambda s: s.update(calibration={"activation_bytes_per_token": {"x": 1}}), "levels"),
         (lambda s: s["options"].update(tensor_parallel_size=3), "tensor_parallel_size"),
+        (
+            lambda s: s["options"].update(memory_reserved_gb=3.0, memory_fixed_gb=1.0),
+            "memory_reserved_gb is the whole reserve",
+        ),
+        (lambda s: s["options"].update(memory_per_communicator_gb=-1), "must be >= 0"),
     ],
 )
 def test_bad_specs_raise_value_error_naming_the_field(mutate, match):
@@ -74,6 +84,56 @@ def test_bad_specs_raise_value_error_naming_the_field(mutate, match):
     mutate(spec)
     with pytest.raises(ValueError, match=match):
         CostModel.from_spec(spec)
+
+
+def _budget_gb(spec: dict, **options) -> float:
+    spec = copy.deepcopy(spec)
+    spec.setdefault("options", {}).update(options)
+    return CostModel.from_spec(spec).mem_budget_bytes / 1e9
+
+
+def test_the_reserve_is_fixed_plus_one_share_per_communicator_of_the_layout():
+    """A GPU preset reserves the fixed part and one share per communicator with a peer that a
+    rank holds under the spec's own layout (world, TP, PP): more GPUs or TP, more reserved."""
+    spec = load_preset(H200_8B)
+    usable = spec["cluster"]["gpu_memory_gb"] * (1 - 0.05)
+    comms = peer_communicators(Mesh(8))
+    assert comms == 10  # the default group, 6 of megatron's, DCP's blocks of 2, 4 and 8 ranks
+    reserved = DEFAULT_MEMORY_FIXED_GB + DEFAULT_MEMORY_PER_COMMUNICATOR_GB * comms
+    assert _budget_gb(spec) == pytest.approx(usable - reserved)
+    assert _budget_gb(spec, memory_fixed_gb=0.5, memory_per_communicator_gb=0.25) == (
+        pytest.approx(usable - 0.5 - 0.25 * comms)
+    )
+    wider = load_preset("h200x64+llama3-8b")
+    assert _budget_gb(wider) < _budget_gb(spec)
+    assert _budget_gb(spec, tensor_parallel_size=2) < _budget_gb(spec)
+
+
+def test_a_spec_with_the_one_figure_reserve_keeps_its_meaning():
+    """``memory_reserved_gb`` (spec files written before the split, the CPU presets) is the
+    whole reserve, whatever the layout's communicators."""
+    spec = load_preset(H200_8B)
+    usable = spec["cluster"]["gpu_memory_gb"] * (1 - 0.05)
+    assert _budget_gb(spec, memory_reserved_gb=3.0) == pytest.approx(usable - 3.0)
+    wider = load_preset("h200x64+llama3-8b")
+    assert _budget_gb(wider, memory_reserved_gb=3.0) == pytest.approx(usable - 3.0)
+    tiny = load_preset("cpu-tiny")
+    assert tiny["options"]["memory_reserved_gb"] == 0.5
+    tiny_usable = tiny["cluster"]["gpu_memory_gb"] * (1 - tiny["options"]["memory_headroom_frac"])
+    assert _budget_gb(tiny) == pytest.approx(tiny_usable - 0.5)
+
+
+def test_communicators_follow_the_layout():
+    """Every rank holds the default group, megatron's 18 groups every rank is in, the embedding
+    groups of its stage and one CP group per aligned block it is in (two at TP > 1: the CP and
+    the tensor-and-context group); one-rank groups have no peer."""
+    sizes = communicator_sizes(Mesh(4))
+    assert [len(s) for s in sizes] == [24] * 4
+    assert sorted(sizes[0][-3:]) == [1, 2, 4]  # DCP's blocks
+    staged = communicator_sizes(Mesh(4, pipeline_parallel_size=4))
+    assert [len(s) for s in staged] == [22, 20, 20, 21]  # embedding: stages 0 and 3
+    assert peer_communicators(Mesh(1)) == 0
+    assert peer_communicators(Mesh(4, tensor_parallel_size=2)) == 17
 
 
 def test_calibration_overrides_analytic_coefficients(cm):

@@ -77,12 +77,7 @@ def _own_plan_records(prior: CostModel, truth: CostModel, workload: str) -> list
         "CP comm 3x",
         "recompute free",
         "linear 0.7x",
-        pytest.param(
-            "mixed",
-            marks=pytest.mark.xfail(
-                strict=True, reason="known gap: bimodal re-plans 5.5% slower (docs/design.md)"
-            ),
-        ),
+        "mixed",
     ],
 )
 def test_refit_plans_are_no_slower_than_the_priors(kind):

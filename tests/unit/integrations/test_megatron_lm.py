@@ -333,6 +333,17 @@ def test_overlap_grad_reduce_is_named_as_giving_no_overlap_under_dcp():
     assert overridden_flags(megatron_args(*GOOD, "--overlap-grad-reduce")) == []
 
 
+def test_overlap_param_gather_is_refused_under_dcp():
+    """Megatron gathers parameters over the whole data-parallel group inside each rank's first
+    forward; DCP ranks start a step in different CP groups."""
+    flags = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+    with pytest.raises(ValueError) as err:
+        dcp_mlm.check_args(megatron_args(*GOOD, "--dcp", *flags))
+    (line,) = [x for x in str(err.value).splitlines() if "--overlap-param-gather" in x]
+    assert "drop --overlap-param-gather" in line, line
+    dcp_mlm.check_args(megatron_args(*GOOD, *flags))  # Megatron's own schedule runs it
+
+
 def test_microstep_records_are_named_after_the_metrics_file():
     """Two runs writing step records into one directory keep their micro-step records apart."""
     assert microsteps_path("runs/m/dcp.jsonl") == Path("runs/m/dcp.microsteps.jsonl")
