@@ -202,7 +202,7 @@ def model_from_init(data: Mapping[str, Any]) -> dict[str, Any]:
     return {**data, "model": {**derived, **given}}
 
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -239,7 +239,7 @@ class PretrainConfig:
         return model_from_init(data)
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise ValueError(
                 f"name must be letters, digits, '.', '_' or '-' and start with a letter or digit "
                 f"(it names the directory {self.runs_dir}/<name>), got {self.name!r}"
