@@ -90,3 +90,24 @@ def test_a_run_name_ending_in_a_newline_is_refused(tmp_path):
     config.write_text('name: "run\\n"\n')
     with pytest.raises(ValueError, match="name must be letters, digits"):
         load_config(PretrainConfig, config)
+
+
+def test_a_legacy_checkpoint_of_shared_references_is_one_line_at_start(tmp_path, capsys):
+    """``init.from_checkpoint`` reads the checkpoint's config while the run config loads (here
+    through ``tools.memory_budget``): the legacy ``extra.pt`` of 10^9 leaves is refused there."""
+    import torch
+
+    from tests.legacy_checkpoint import write_legacy
+
+    node: dict = {f"k{i}": "lol" for i in range(10)}
+    for _ in range(8):
+        node = {f"k{i}": node for i in range(10)}
+    state = {
+        "model_state": torch.nn.Linear(2, 2).state_dict(),
+        "rng_state": {},
+        "extra": {"config": {"name": "old", "model": node}},
+    }
+    path = write_legacy(tmp_path / "ckpt", 1, [state])
+    config = Path(__file__).resolve().parents[3] / "pretrain/configs/tiny_cpu.yaml"
+    assert memory_budget.main(["--config", str(config), f"init.from_checkpoint={path}"]) == 2
+    _one_error_line(capsys, f"{path / 'extra.pt'}: expands to more than")
