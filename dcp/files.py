@@ -4,17 +4,24 @@ problem reported as one ``FileContentError`` (a ``ValueError``: exit code 2) nam
 Every file DCP reads goes through here: run configs, cost-model specs, lengths files,
 checkpoint manifests and pointers, dataset metadata, Hugging Face configs, records. The rules:
 
-- **Size first.** A file is read up to its limit plus one byte; a larger one is refused before
-  it is parsed. Only regular files are read (a FIFO, a device or ``/dev/zero`` never blocks or
-  fills memory).
+- **Size first.** A file larger than its limit is refused by its size, before a byte is read
+  (one growing past it while read, once it has); memory holds what the file holds, never the
+  limit. Only regular files are read, checked before anything wraps the descriptor: a
+  directory, a FIFO, a device or ``/dev/zero`` is one line, never a block, a fill or an
+  ``IsADirectoryError``. Files of lines are streamed, each line bounded; a reader that keeps
+  what it reads bounds the file too (``dcp.observability.metrics.MAX_FILE_VALUES``).
 - **Numbers JSON can hold.** ``NaN``/``Infinity``, floats that overflow to infinity (``1e400``)
   and integers beyond 64 bits are refused while parsing, not after.
 - **Bounded nesting.** Lists and mappings nest at most ``MAX_NESTING`` deep (DCP's own files
   nest four), so no reader recurses out of the stack.
+- **One value per key.** A YAML mapping that gives a key twice is refused (PyYAML would keep
+  the last one silently).
 - **YAML aliases are counted, not expanded.** A YAML document is composed into its node graph
   (an alias is the same node again, so composing costs what the text costs), and the values it
   would expand to are counted on that graph before anything is constructed: a "billion laughs"
   file of a few hundred bytes is refused in milliseconds. Recursive aliases are refused.
+  ``check_tree`` does the same for data already in memory (what ``torch.load`` rebuilds from a
+  pickle's memo references): each shared object visited once, its uses counted.
 - **Shape errors name the file.** ``reading(path, what)`` wraps the code that interprets a
   file's data: a wrong type or shape (the ``TypeError``, ``KeyError``, ``AttributeError`` or bare
   ``int()`` error it causes) becomes one line naming the file. Wrap only that code, so a bug
@@ -28,7 +35,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, BinaryIO
 
 import yaml
@@ -67,19 +74,29 @@ def _open_regular(path: str | os.PathLike[str], what: str) -> BinaryIO:
         raise _fail(path, f"does not exist (expected a {what})") from None
     except OSError as exc:
         raise _fail(path, f"cannot read the {what}: {exc.strerror or exc}") from None
-    f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
-        raise _fail(path, f"not a regular file (expected a {what})")
-    return f
+    # The type is checked on the descriptor before Python wraps it: ``fdopen`` of a directory
+    # raises its own IsADirectoryError naming the descriptor number.
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise _fail(path, f"{kind} (expected a {what})")
+    return os.fdopen(fd, "rb")
 
 
 def read_bytes(path: str | os.PathLike[str], *, what: str, max_bytes: int) -> bytes:
     """The bytes of the regular file ``path``, refused when larger than ``max_bytes``; ``what``
     says what the file should be ("cost-model spec") in the errors."""
     with _open_regular(path, what) as f:
+        # ``read(n)`` allocates n bytes before it reads: ask for what the file holds (plus one
+        # byte, to see it grow), never the whole limit.
+        expected = os.fstat(f.fileno()).st_size
+        if expected > max_bytes:
+            raise _fail(path, f"larger than {_size(max_bytes)}; not a {what}")
         try:
-            data = f.read(max_bytes + 1)
+            data = f.read(expected + 1)
+            if len(data) > expected:
+                data += f.read(max_bytes - expected)
         except OSError as exc:
             raise _fail(path, f"cannot read the {what}: {exc.strerror or exc}") from None
     if len(data) > max_bytes:
@@ -143,7 +160,7 @@ def parse_json(text: str, *, source: str | os.PathLike[str], max_nesting: int = 
         raise _fail(source, f"nested deeper than {max_nesting} levels") from None
     except ValueError as exc:  # from the number hooks
         raise _fail(source, f"not valid JSON ({exc})") from None
-    check_nesting(data, source=source, max_nesting=max_nesting)
+    check_tree(data, source=source, max_nesting=max_nesting)
     return data
 
 
@@ -176,20 +193,82 @@ def iter_lines(
             yield number, _decode(raw, f"{path}:{number}", what)
 
 
-def check_nesting(data: Any, *, source: str | os.PathLike[str], max_nesting: int) -> None:
-    """Refuse ``data`` (plain lists and dicts) nested deeper than ``max_nesting``."""
-    stack = [(data, 1)]
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def check_tree(
+    data: Any,
+    *,
+    source: str | os.PathLike[str],
+    max_values: int | None = None,
+    max_nesting: int = MAX_NESTING,
+) -> int:
+    """The number of values ``data`` (plain lists, tuples, dicts and sets, anything else a leaf)
+    holds when every shared reference is followed, as a reader walking it as a tree would meet
+    them; refused when it is above ``max_values`` (``None``: no limit), deeper than
+    ``max_nesting`` or holds itself. Each container is visited once, so the check costs what
+    the objects in memory cost, however many times the tree repeats them."""
+    if not isinstance(data, _CONTAINERS):
+        return 1
+    return _count_graph(
+        data,
+        _data_children,
+        source=source,
+        max_values=max_values,
+        max_nesting=max_nesting,
+        shared="shared references repeated inside each other",
+    )
+
+
+def _data_children(value: Any) -> tuple[int, list[Any]]:
+    if isinstance(value, dict):
+        inner = [v for v in value.values() if isinstance(v, _CONTAINERS)]
+        inner += [k for k in value if isinstance(k, tuple | frozenset)]
+        return 2 * len(value), inner
+    return len(value), [v for v in value if isinstance(v, _CONTAINERS)]
+
+
+def _count_graph(
+    root: Any,
+    children_of: Callable[[Any], tuple[int, list[Any]]],
+    *,
+    source: str | os.PathLike[str],
+    max_values: int | None,
+    max_nesting: int,
+    shared: str,
+) -> int:
+    """The number of values under the container ``root`` and how deep containers nest in it,
+    over the graph that ``children_of`` draws (a container's number of children, and those of
+    them that are containers), each container counted once per use but visited once: its
+    numbers come from its children's. ``shared`` says, in the refusal, what makes a small input
+    expand past ``max_values``."""
+    counts: dict[int, int] = {}
+    heights: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, tuple[int, list[Any]] | None]] = [(root, None)]
     while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
+        current, children = stack.pop()
+        key = id(current)
+        if children is not None:  # its children are done
+            on_path.discard(key)
+            num_children, inner = children
+            count = 1 + num_children - len(inner) + sum(counts[id(c)] for c in inner)
+            height = 1 + max((heights[id(c)] for c in inner), default=0)
+            counts[key], heights[key] = count, height
+            if max_values is not None and count > max_values:
+                raise _fail(source, f"expands to more than {max_values} values ({shared})")
+            if height > max_nesting:
+                raise _fail(source, f"nested deeper than {max_nesting} levels")
             continue
-        if depth > max_nesting:
-            raise _fail(source, f"nested deeper than {max_nesting} levels")
-        stack.extend((child, depth + 1) for child in children)
+        if key in counts:
+            continue
+        if key in on_path:
+            raise _fail(source, "holds a value that contains itself")
+        on_path.add(key)
+        children = children_of(current)
+        stack.append((current, children))
+        stack.extend((c, None) for c in children[1] if id(c) not in counts)
+    return counts[id(root)]
 
 
 # ---------------------------------------------------------------------------- YAML
@@ -218,7 +297,7 @@ def parse_yaml(
 
     ``yaml.YAMLError`` propagates (callers word it: "not valid YAML", "override ... not valid").
     """
-    loader = yaml.SafeLoader(text)
+    loader = _SafeUniqueKeysLoader(text)
     try:
         try:
             node = loader.get_single_node()
@@ -226,7 +305,15 @@ def parse_yaml(
             raise _fail(source, f"nested deeper than {max_nesting} levels") from None
         if node is None:
             return None
-        _check_yaml_graph(node, source=source, max_values=max_values, max_nesting=max_nesting)
+        if isinstance(node, yaml.CollectionNode):
+            _count_graph(
+                node,
+                _yaml_children,
+                source=source,
+                max_values=max_values,
+                max_nesting=max_nesting,
+                shared="YAML aliases repeated inside each other; write the values out",
+            )
         try:
             return loader.construct_document(node)
         except (ValueError, OverflowError) as exc:  # e.g. an integer of 5000 digits
@@ -235,45 +322,36 @@ def parse_yaml(
         loader.dispose()
 
 
-def _check_yaml_graph(node: yaml.Node, *, source, max_values: int, max_nesting: int) -> None:
-    """Count the values ``node`` expands to, and how deep, with each shared (aliased) node
-    counted once per use but visited once: a node's numbers come from its children's."""
-    counts: dict[int, int] = {}
-    heights: dict[int, int] = {}
-    on_path: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(node, False)]
-    while stack:
-        current, children_done = stack.pop()
-        key = id(current)
-        children = _yaml_children(current)
-        if children_done:
-            on_path.discard(key)
-            counts[key] = 1 + sum(counts[id(c)] for c in children)
-            heights[key] = 1 + max((heights[id(c)] for c in children), default=0)
-            if counts[key] > max_values:
-                raise _fail(
-                    source,
-                    f"expands to more than {max_values} values (YAML aliases repeated inside "
-                    "each other); write the values out",
-                )
-            if heights[key] > max_nesting:
-                raise _fail(source, f"nested deeper than {max_nesting} levels")
-            continue
-        if key in counts:
-            continue
-        if key in on_path:
-            raise _fail(source, "holds a recursive YAML alias (a value that contains itself)")
-        on_path.add(key)
-        stack.append((current, True))
-        stack.extend((c, False) for c in children if id(c) not in counts)
+class _SafeUniqueKeysLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently, so a setting written twice would quietly replace the other). Keys a merge
+    (``<<: *base``) brings in may be overridden: that is what merging is for."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, Hashable):
+                    continue  # the base constructor refuses it, with its own words
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found the key {key!r} a second time",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
-def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+def _yaml_children(node: yaml.Node) -> tuple[int, list[yaml.Node]]:
     if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return []
+        return len(node.value), [n for n in node.value if isinstance(n, yaml.CollectionNode)]
+    nodes = [n for pair in node.value for n in pair]
+    return len(nodes), [n for n in nodes if isinstance(n, yaml.CollectionNode)]
 
 
 def load_yaml(path: str | os.PathLike[str], *, what: str, max_bytes: int = MAX_CONFIG_BYTES) -> Any:

@@ -6,6 +6,12 @@ Each component owns a ``@dataclass(kw_only=True, frozen=True)`` config that vali
 type raises naming the key. ``check_range`` is the one numeric check every ``__post_init__`` uses.
 No global config object exists: configs are passed explicitly.
 
+Every number a config takes is bounded here, whatever its key: its magnitude is at most
+``MAX_NUMBER`` (2**53: a count, a size or a rate exactly representable as a float, so JSON, W&B
+and numpy read it back unchanged, and sums of a few stay within 64 bits). A field that needs a
+wider range says so in its metadata (``wider(MAX_SEED)``: seeds); the range a key's meaning
+allows (``>= 1``, a memory bound) is its class's ``__post_init__``.
+
 An override's value is read as YAML (``train.steps=7``, ``metrics.wandb_tags=[a, b]``), except
 that a ``str`` field keeps the text as typed: ``name=2024`` names the run "2024", ``name=nan``
 "nan" (a YAML file's ``name: 2024`` stays an integer and is refused; quote it there).
@@ -33,6 +39,18 @@ logger = logging.getLogger(__name__)
 
 MAX_SEED = 2**63 - 1
 """Largest seed a config takes: torch seeds are 64-bit, and megatron adds per-rank offsets."""
+
+MAX_NUMBER = 2**53
+"""Largest magnitude of any number in a config, unless its field declares a wider range."""
+_MAX_ABS = "dcp.schema.max_abs"
+"""Field-metadata key of a wider range (``wider``)."""
+
+
+def wider(max_abs: int) -> dict[str, int]:
+    """Field metadata for a number that may reach ``max_abs`` (beyond ``MAX_NUMBER``):
+    ``seed: int = field(default=0, metadata=wider(MAX_SEED))``."""
+    return {_MAX_ABS: max_abs}
+
 
 _BOUNDS = ((">=", operator.ge), (">", operator.gt), ("<=", operator.le), ("<", operator.lt))
 
@@ -162,6 +180,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def _check_numbers(value: Any, key: str, max_abs: int) -> None:
+    """Raise ``ValueError`` naming ``key`` when a number in ``value`` (a field's value, lists
+    included) has a magnitude above ``max_abs``."""
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_numbers(item, f"{key}[{i}]", max_abs)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        if not abs(value) <= max_abs:
+            raise ValueError(
+                f"{key} must be a number of magnitude at most {max_abs} (the bound of every "
+                f"config number), got {value!r}"
+            )
+
+
 def from_dict[T](cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     """Build dataclass ``cls`` from ``data``; unknown keys and bad values raise ``ValueError``
     naming the dotted key."""
@@ -187,13 +219,18 @@ def from_dict[T](cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> 
         key = f"{prefix}.{name}" if prefix else name
         kwargs[name] = _coerce(value, hints[name], key)
     try:
-        return cls(**kwargs)
+        config = cls(**kwargs)
     except ValueError as exc:
         # A config names its fields bare or as ``ClassName.field``; here they get their path.
         message = str(exc).removeprefix(f"{cls.__name__}.")
         if prefix and not message.startswith(prefix):
             raise ValueError(f"{prefix}.{message}") from exc
         raise
+    # After the class's own checks, whose ranges are tighter and say what the key means.
+    for name, value in kwargs.items():
+        key = f"{prefix}.{name}" if prefix else name
+        _check_numbers(value, key, fields[name].metadata.get(_MAX_ABS, MAX_NUMBER))
+    return config
 
 
 def rename_sections(cls: type, data: Mapping[str, Any], *, warn: bool = True) -> dict[str, Any]:

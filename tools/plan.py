@@ -40,7 +40,7 @@ from dcp.costmodel.flops import (
 from dcp.costmodel.microsteps import read_records
 from dcp.costmodel.online import fit_records
 from dcp.data.lengths import MAX_LENGTH
-from dcp.files import load_json
+from dcp.files import FileContentError, load_json, parse_json
 from dcp.plan import PLANNERS
 from dcp.planning import lower_bound_s, plan_batch, planner_options
 from dcp.planning.pipeline import check_plan_memory
@@ -70,14 +70,19 @@ def read_lengths(path: str) -> list[int]:
 
 
 def parse_options(items: list[str]) -> dict:
+    """``--option key=value`` items as a dict: a value is read as JSON under ``dcp.files``'
+    rules (bounded nesting and numbers); text that is no JSON (``recompute=full``) stays text,
+    unless it opens a JSON list or object."""
     options = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--option expects key=value, got {item!r}")
         try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
+            options[key] = parse_json(value, source=f"--option {key}")
+        except FileContentError:
+            if value.lstrip().startswith(("[", "{")):
+                raise
             options[key] = value
     return options
 

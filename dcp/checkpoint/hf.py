@@ -105,6 +105,14 @@ def dcp_to_hf(
     cfg = from_dict(ModelConfig, run_config["model"], prefix="model")
     kind = kind or export_kind(cfg, extra)
     state = ckpt.canonical_state()
+    # The recorded config is as untrusted as the rest of the directory and sizes the list of
+    # names built next: every layer holds tensors, so it cannot name more layers than the
+    # checkpoint holds tensors.
+    if cfg.num_layers > len(state):
+        raise ValueError(
+            f"{path}: the checkpoint's config records model.num_layers={cfg.num_layers:,}, but "
+            f"its model state holds {len(state):,} tensors; the state does not match its config"
+        )
     expected = canonical_names(cfg)
     missing = [n for n in expected if n not in state]
     unknown = sorted(n for n in set(state) - set(expected) if not n.endswith("_extra_state"))

@@ -5,7 +5,11 @@ or ``optimizer.rankNNNNN.pt`` (megatron's optimizer state dict, or each rank's d
 optimizer shard in megatron's bucket layout), ``scheduler.pt``, ``sampler.pt``, ``extra.pt``,
 ``rng.rankNNNNN.pt`` and a manifest with each file's size and (version 2) sha256. Every file is
 read with ``torch.load(weights_only=True)``: tensors and plain data, never code; a file holding
-anything else is refused naming it. Each file's checksum is checked when it is read.
+anything else is refused naming it. Each file's checksum is checked when it is read. Pickle
+shares an object it meets twice (its memo), so a file of a few KiB can hold a structure that
+expands to 10^9 values when walked as a tree (the resume check flattens the saved config): each
+file's values are counted with every shared reference followed (``dcp.files.check_tree``, each
+object visited once) and a file over ``MAX_VALUES`` is refused before anything walks it.
 
 The weights load at any mesh (whole tensors, cut to each rank's slice). The optimizer state is
 in a bucket layout that only the same world size and TP size can read, so resuming from such a
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from dcp.checkpoint.restore import CorruptCheckpointError, RankState
+from dcp.files import FileContentError, check_tree
 from dcp.mesh import Mesh
 from dcp.weights.canonical import canonical_state, model_names
 from dcp.weights.tensor_parallel import local_slice, tp_coordinates
@@ -38,6 +43,11 @@ COMPONENTS = (
 )
 
 
+MAX_VALUES = 1 << 22
+"""Values one file of this format may hold, shared references followed: a megatron optimizer
+state dict of a few thousand parameters holds tens of thousands."""
+
+
 class UnsafeCheckpointError(ValueError):
     """A checkpoint file holds something other than tensors and plain data (or is no
     ``torch.save`` file at all): it is refused, never unpickled."""
@@ -47,7 +57,7 @@ def load_file(file: Path, *, mmap: bool = False) -> Any:
     """One ``torch.save`` file, tensors and plain data only; anything else raises
     ``UnsafeCheckpointError`` naming the file, in one line."""
     try:
-        return torch.load(file, map_location="cpu", mmap=mmap, weights_only=True)
+        data = torch.load(file, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"{file}: refused to load: {_refusal(str(exc))}; DCP loads checkpoint files as "
@@ -57,6 +67,11 @@ def load_file(file: Path, *, mmap: bool = False) -> Any:
         raise UnsafeCheckpointError(
             f"{file}: not a readable checkpoint file ({_first_line(str(exc))})"
         ) from None
+    try:
+        check_tree(data, source=file, max_values=MAX_VALUES)
+    except FileContentError as exc:
+        raise UnsafeCheckpointError(f"{exc}; refused to load it") from None
+    return data
 
 
 def _refusal(message: str) -> str:

@@ -17,7 +17,6 @@ publishing both must agree with the count.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from dcp.costmodel.flops import ATTENTION_FLOPS, flops_per_token
 from dcp.costmodel.formula import CostModel
 from dcp.costmodel.load import gpu_presets, load_preset
 from dcp.costmodel.spec import ModelSpec, runtime_options
+from dcp.files import parse_json
 from dcp.plan import RECOMPUTE_LEVELS, Recompute
 from dcp.schema import check_range, from_dict
 
@@ -167,10 +167,7 @@ def read_published(path: str | Path) -> list[PublishedRow]:
             continue
         if len(rows) == MAX_ROWS:
             raise ValueError(f"{path} has more than {MAX_ROWS:,} rows")
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
+        data = parse_json(line, source=f"{path}:{number}")
         if not isinstance(data, dict):
             raise ValueError(f"{path}:{number}: a row must be a JSON object")
         rows.append(from_dict(PublishedRow, data, prefix=f"{path}:{number}"))

@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcp.schema import MAX_SEED, check_range
+from dcp.schema import MAX_SEED, check_range, wider
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class SamplerConfig:
     max_seqs_per_batch: int | None = None
     """Most documents in one global batch (in [1, 2**40]); ``None`` = no limit (a token budget
     is then needed)."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=wider(MAX_SEED))
     """Seed of the per-epoch shuffle, in [0, 2**63 - 1]."""
     shuffle: bool = True
     """Shuffle documents each epoch (``False``: dataset order, for debugging)."""

@@ -19,14 +19,17 @@ mix such as 90% short + 10% long).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcp.schema import MAX_SEED, check_range
 from dcp.data.base import check_token_slice
+from dcp.schema import MAX_SEED, check_range, wider
 
 LENGTH_DISTS: tuple[str, ...] = ("lognormal", "uniform", "fixed", "choice")
+MAX_DOCS = 1 << 24
+"""Most documents a synthetic corpus has: every rank holds four int64 arrays of them (lengths,
+starts, strides, hash keys), 32 bytes a document, so 16 M documents take 512 MiB per rank."""
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -47,7 +50,8 @@ class SyntheticDataConfig:
     """Shape of the synthetic corpus. Same config + seed → same documents, on every rank."""
 
     num_docs: int = 4096
-    """Documents in the corpus (>= 1; the sampler loops over them epoch after epoch)."""
+    """Documents in the corpus, in [1, ``MAX_DOCS``] (the sampler loops over them epoch after
+    epoch)."""
     vocab_size: int = 257
     """Ids ``0..vocab_size-2`` are content, ``vocab_size-1`` is EOD (>= 3; 257 matches
     ByteTokenizer)."""
@@ -73,7 +77,7 @@ class SyntheticDataConfig:
     noise_prob: float = 0.05
     """Probability that a content token is replaced by a uniformly random content id, in
     [0, 1]."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=wider(MAX_SEED))
     """Seed of lengths, patterns and noise, in [0, 2**63 - 1]."""
 
     def __post_init__(self) -> None:
@@ -87,7 +91,7 @@ class SyntheticDataConfig:
         object.__setattr__(self, "length_choices", tuple(int(n) for n in self.length_choices))
         object.__setattr__(self, "length_weights", tuple(float(w) for w in self.length_weights))
 
-        check("num_docs", ge=1, integer=True)
+        check("num_docs", ge=1, le=MAX_DOCS, integer=True)
         check("vocab_size", ge=3, integer=True)  # two content ids + EOD
         if self.length_dist not in LENGTH_DISTS:
             raise bad("length_dist", f"must be one of {LENGTH_DISTS}")

@@ -25,7 +25,7 @@ from wandb_workspaces.workspaces import internal
 
 from dcp.files import reading
 from dcp.observability.host import DEVICE_KEY
-from dcp.observability.metrics import MetricsConfig, flatten, read_metrics
+from dcp.observability.metrics import MetricsConfig, flatten, iter_metrics
 from dcp.observability.run_info import CONFIG_FILENAME, read_run_config
 from dcp.plan import PLANNERS
 
@@ -154,18 +154,23 @@ def read_run(path: str | Path) -> RunSummary:
     run_dir = Path(path)
     if not run_dir.is_dir():
         raise ValueError(f"{run_dir}: no such run directory")
+    # Streamed: only the keys, the last planner and the device are kept.
+    keys: set[str] = set()
+    last: dict[str, Any] | None = None
+    on_cpu = False
     try:
-        records = read_metrics(run_dir)
+        for record in iter_metrics(run_dir):
+            keys.update(
+                key
+                for key, value in flatten(record, expand_lists=True).items()
+                if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
+            )
+            on_cpu = on_cpu or record.get(DEVICE_KEY) == "cpu"
+            last = record
     except FileNotFoundError as exc:
         raise ValueError(f"{run_dir}: no metrics.jsonl (not a DCP run directory?)") from exc
-    if not records:
+    if last is None:
         raise ValueError(f"{run_dir}: metrics.jsonl has no steps")
-    keys = {
-        key
-        for record in records
-        for key, value in flatten(record, expand_lists=True).items()
-        if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
-    }
     config = _run_config(run_dir)
     with reading(run_dir / CONFIG_FILENAME, "run config"):
         metrics = _mapping(config.get("metrics"), "metrics")
@@ -175,7 +180,7 @@ def read_run(path: str | Path) -> RunSummary:
         project = _text(metrics.get("wandb_project"), "metrics.wandb_project")
         group = _text(metrics.get("wandb_group"), "metrics.wandb_group")
         planner = _text(planning.get("planner"), "planning.planner")
-    planner = planner or records[-1].get("planner")
+    planner = planner or last.get("planner")
     wandb_root = Path(wandb_dir) if wandb_dir else run_dir
     offline = sorted(p for p in (wandb_root / "wandb").glob("offline-run-*-*") if p.is_dir())
     return RunSummary(
@@ -186,7 +191,7 @@ def read_run(path: str | Path) -> RunSummary:
         planner=planner if isinstance(planner, str) else None,
         offline_runs=tuple(offline),
         keys=frozenset(keys),
-        on_cpu=any(r.get(DEVICE_KEY) == "cpu" for r in records),
+        on_cpu=on_cpu,
     )
 
 

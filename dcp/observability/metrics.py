@@ -33,11 +33,11 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dcp.files import iter_lines, parse_json, write_atomic
+from dcp.files import check_tree, iter_lines, parse_json, write_atomic
 from dcp.observability.run_info import to_plain
 from dcp.schema import check_range
 
@@ -45,9 +45,13 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILENAME = "metrics.jsonl"
 NONFINITE_KEY = "nonfinite"
-MAX_LINE_BYTES = 64 << 20
+MAX_LINE_BYTES = 1 << 20
 """Longest metrics line read back: a record holds per-rank values (optimizer state, micro-step
-counts), about 50 bytes a rank."""
+counts), about 50 bytes a rank, so 1 MiB holds 20,000 ranks."""
+MAX_FILE_VALUES = 1 << 23
+"""Values (numbers, strings, list elements) one metrics file may hold for a reader: what a
+report keeps in memory grows with them (about 100 bytes each), not with the file's bytes.
+8 M values: 200,000 steps of 40 scalars, or 4,000 steps of a 1,000-rank run's per-rank lists."""
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -186,8 +190,16 @@ def _restore_nonfinite(obj: dict[str, Any]) -> None:
                 break
 
 
-def read_metrics(path: str | os.PathLike[str], *, restore_nonfinite: bool = True) -> list[dict]:
-    """All records of a ``metrics.jsonl`` (or of the run directory holding one), in file order.
+def iter_metrics(
+    path: str | os.PathLike[str],
+    *,
+    restore_nonfinite: bool = True,
+    max_values: int | None = None,
+) -> Iterator[dict]:
+    """The records of a ``metrics.jsonl`` (or of the run directory holding one), in file order,
+    one at a time: memory holds one line (at most ``MAX_LINE_BYTES``), and a file whose records
+    together hold more than ``max_values`` values (default ``MAX_FILE_VALUES``) is refused
+    naming it, so a reader that keeps them keeps a bounded amount.
 
     A truncated last line (a run killed mid-write) is skipped with a warning; a malformed line
     anywhere else raises ``ValueError`` naming the file and line. With ``restore_nonfinite``
@@ -198,7 +210,8 @@ def read_metrics(path: str | os.PathLike[str], *, restore_nonfinite: bool = True
         file = file / METRICS_FILENAME
     if not file.is_file():
         raise FileNotFoundError(f"no metrics file at {file}")
-    records: list[dict] = []
+    max_values = MAX_FILE_VALUES if max_values is None else max_values
+    total = 0
     for lineno, line in iter_lines(file, what="metrics file", max_line_bytes=MAX_LINE_BYTES):
         if not line.strip():
             continue
@@ -213,10 +226,20 @@ def read_metrics(path: str | os.PathLike[str], *, restore_nonfinite: bool = True
                 continue
             message = " ".join(str(exc).split())
             raise ValueError(f"{file}:{lineno}: malformed metrics line: {message}") from None
+        total += check_tree(obj, source=file)
+        if total > max_values:
+            raise ValueError(
+                f"{file}: its records hold more than {max_values:,} values by line {lineno:,}, "
+                "more than a metrics reader keeps for one run; split the file by steps"
+            )
         if restore_nonfinite:
             _restore_nonfinite(obj)
-        records.append(obj)
-    return records
+        yield obj
+
+
+def read_metrics(path: str | os.PathLike[str], *, restore_nonfinite: bool = True) -> list[dict]:
+    """Every record of ``iter_metrics``, as a list (the file's values budget bounds it)."""
+    return list(iter_metrics(path, restore_nonfinite=restore_nonfinite))
 
 
 class MetricsLogger:

@@ -21,7 +21,7 @@ from dcp.mesh import Mesh
 from dcp.model import WEIGHT_SHAPE_FIELDS, ModelConfig, check_tensor_parallel
 from dcp.observability.metrics import MetricsConfig
 from dcp.optim import OptimConfig
-from dcp.schema import MAX_SEED, check_range, config_keys, rename_key
+from dcp.schema import MAX_SEED, check_range, config_keys, rename_key, wider
 from dcp.step.config import PlanningConfig
 
 
@@ -49,7 +49,7 @@ class TrainConfig:
 
     steps: int = 50
     """Optimizer steps to run (>= 1; a resumed run continues up to this step)."""
-    seed: int = 1234
+    seed: int = field(default=1234, metadata=wider(MAX_SEED))
     """Seed of the model init, in [0, 2**63 - 1] (data and sampler have their own seeds)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A NaN/inf loss or gradient: stop with an error (default) or skip the optimizer step and
@@ -202,7 +202,7 @@ def model_from_init(data: Mapping[str, Any]) -> dict[str, Any]:
     return {**data, "model": {**derived, **given}}
 
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -239,7 +239,7 @@ class PretrainConfig:
         return model_from_init(data)
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise ValueError(
                 f"name must be letters, digits, '.', '_' or '-' and start with a letter or digit "
                 f"(it names the directory {self.runs_dir}/<name>), got {self.name!r}"

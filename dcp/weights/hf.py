@@ -20,8 +20,8 @@ import torch
 from dcp.model import ModelConfig
 from dcp.weights.canonical import repad_vocab
 
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_CANONICAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_CANONICAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 # Per-layer tensors that map one to one (HF suffix → canonical suffix).
 _ONE_TO_ONE = {
@@ -99,7 +99,7 @@ def hf_shape(hf_name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
     if hf_name in _GLOBAL:
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
         return (hidden,) if _GLOBAL[hf_name] == FINAL_NORM else (vocab, hidden)
-    match = _HF_LAYER.match(hf_name)
+    match = _HF_LAYER.fullmatch(hf_name)
     if match is None or int(match.group(1)) >= cfg.num_layers:
         return None
     return _layer_shapes(cfg).get(match.group(2))
@@ -206,7 +206,7 @@ class HFToCanonical:
             if name in (EMBEDDING, OUTPUT):
                 tensor = _pad_vocab(tensor, self.cfg)
             return [self._emit(name, tensor)]
-        match = _HF_LAYER.match(hf_name)
+        match = _HF_LAYER.fullmatch(hf_name)
         if match is None:
             raise ValueError(f"unexpected tensor {hf_name!r} in the Hugging Face checkpoint")
         layer, suffix = int(match.group(1)), match.group(2)
@@ -260,7 +260,7 @@ def canonical_to_hf(
             tensor = tensor[: cfg.vocab_size]
         yield _GLOBAL_TO_HF[name], tensor.contiguous()
         return
-    match = _CANONICAL_LAYER.match(name)
+    match = _CANONICAL_LAYER.fullmatch(name)
     if match is None:
         raise ValueError(f"canonical tensor {name!r} has no Hugging Face counterpart")
     prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)

@@ -46,6 +46,7 @@ BILLION_LAUGHS = "\n".join(
 YAML_ONLY: dict[str, bytes] = {
     "billion laughs": BILLION_LAUGHS,
     "a recursive alias": b"a: &a [1, *a]\n",
+    "a key given twice": b"a: 1\nb: 2\na: 3\n",
 }
 
 
@@ -408,3 +409,31 @@ def test_every_reader_refuses_malformed_content_with_one_line_naming_the_file(na
             failures.append(f"{case}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
         file.write_bytes(original)
     assert not failures, f"{len(failures)} cases:\n" + "\n".join(failures[:40])
+
+
+DIRECTORY_OUTCOMES = {
+    # A run directory may be given for its metrics.jsonl / config.yaml: the reader looks inside.
+    "metrics (compare_runs)": "looked inside",
+    "run config (run_info)": "looked inside",
+    # Optional files: no run config, the dashboard's defaults; no metadata, no tokenizer to copy.
+    "run config (dashboard)": "accepted",
+    "dataset metadata (tokenizer for dcp-to-hf)": "accepted",
+}
+"""Readers for which a directory in place of the file is no error of the file's."""
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(set(READERS) - {"corpus (tools.prepare_data)"}),  # inputs may be directories
+)
+def test_every_reader_refuses_a_directory_in_place_of_its_file(name, tmp_path):
+    reader = READERS[name]
+    file, target = reader.make(tmp_path)
+    file.unlink()
+    file.mkdir()
+    try:
+        outcome = _outcome(reader, target, file)
+    except FileNotFoundError as exc:
+        assert str(file / file.name) in str(exc) and "\n" not in str(exc), exc
+        outcome = "looked inside"
+    assert outcome == DIRECTORY_OUTCOMES.get(name, "refused")

@@ -116,3 +116,31 @@ def test_per_rank_optimizer_state_needs_the_layout_it_was_written_at(tmp_path):
     )
     with pytest.raises(ValueError, match="written by 2 ranks .* Resume with 2 ranks once"):
         open_checkpoint(path).read(module, None, rank=0, mesh=Mesh(4))
+
+
+def _laughs(levels: int, width: int = 10) -> dict:
+    """A mapping of ``width**levels`` leaves built from ``levels`` objects: pickle writes each
+    once and refers back to it (its memo), so the file stays a few KiB."""
+    node: dict = {f"k{i}": "lol" for i in range(width)}
+    for _ in range(levels - 1):
+        node = {f"k{i}": node for i in range(width)}
+    return node
+
+
+def test_shared_references_expanding_past_the_bound_are_refused_before_any_walk(tmp_path):
+    """A "billion laughs" of pickle memo references in ``extra.pt`` (10^9 leaves in 2 KiB) is
+    refused when the file is read, in one line, before the resume check flattens the config."""
+    states = _state(_module(0))
+    states[0]["extra"] = {"config": {"name": "run", "model": _laughs(9)}}
+    path = write_legacy(tmp_path, 1, states)
+    assert (path / "extra.pt").stat().st_size < 4096
+    with pytest.raises(UnsafeCheckpointError, match=r"extra\.pt: expands to more than") as info:
+        open_checkpoint(path).shared()
+    assert "\n" not in str(info.value)
+
+
+def test_shared_references_within_the_bound_still_load(tmp_path):
+    states = _state(_module(0))
+    states[0]["extra"] = {**states[0]["extra"], "shared": _laughs(3)}
+    path = write_legacy(tmp_path, 1, states)
+    assert open_checkpoint(path).shared()["extra"]["shared"] == _laughs(3)

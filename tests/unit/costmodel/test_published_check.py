@@ -178,7 +178,7 @@ def test_bad_rows_name_the_file_line_and_field(tmp_path, change, match):
 
 
 def test_unreadable_tables_are_refused_before_reading(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="not JSON"):
+    with pytest.raises(ValueError, match="not valid JSON"):
         read_published(_write(tmp_path, "{"))
     with pytest.raises(ValueError, match="must be a JSON object"):
         read_published(_write(tmp_path, "[1, 2]"))

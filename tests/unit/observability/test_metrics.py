@@ -250,3 +250,40 @@ def test_gpu_peak_is_what_the_allocator_reserved(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 5 * 2**30)
     assert memory.peak_memory_bytes() == 5 * 2**30
+
+
+def _write_lines(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_metrics_file_past_its_values_budget_is_one_line_in_compare_runs(
+    tmp_path, capsys, monkeypatch
+):
+    """compare_runs keeps every record of a run: a file whose records hold more values than
+    the per-file budget is refused (exit 2, one line) once the budget is passed, not loaded."""
+    from tools import compare_runs
+
+    run = tmp_path / "big"
+    run.mkdir()
+    _write_lines(
+        run / "metrics.jsonl",
+        [{"step": s, "loss": 1.0, **{f"x{i}": i for i in range(50)}} for s in range(1, 101)],
+    )
+    monkeypatch.setattr("dcp.observability.metrics.MAX_FILE_VALUES", 1000)
+    assert compare_runs.main([str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"compare_runs: error: {run / 'metrics.jsonl'}: ")
+    assert "more than 1,000 values by line 10," in err
+
+
+def test_a_metrics_line_past_the_line_bound_is_one_line_in_wandb_dashboard(tmp_path, capsys):
+    """One key per list element in W&B: a 1.2 MB list (600,000 elements) on one line is refused
+    before it is parsed or flattened."""
+    from tools import wandb_dashboard
+
+    run = tmp_path / "wide"
+    run.mkdir()
+    _write_lines(run / "metrics.jsonl", [{"step": 1, "loss": 1.0, "plan/x": [0] * 600_000}])
+    assert wandb_dashboard.main([str(run), "--out", str(tmp_path / "ws.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {run / 'metrics.jsonl'}: line 1 is longer than 1 MiB"

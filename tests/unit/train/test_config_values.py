@@ -115,7 +115,9 @@ _CONTEXT = {
         "data.synthetic.length_choices=[64]",
     ],
 }
-_BAD = {int: ["-1"], float: ["nan", "inf", "-inf"]}
+_BAD = {int: ["-1", str(2**63)], float: ["nan", "inf", "-inf", str(2**63)]}
+"""Values every numeric key refuses: 2**63 by the schema's one bound (``dcp.schema.MAX_NUMBER``;
+a seed may take 2**63 - 1), the others by its class's own range."""
 NUMERIC_CASES = [(key, bad) for key, tp in _numeric_fields(PretrainConfig) for bad in _BAD[tp]]
 
 
@@ -126,12 +128,14 @@ def test_the_walk_finds_every_section():
 
 
 @pytest.mark.parametrize("key, bad", NUMERIC_CASES)
-def test_every_numeric_field_refuses_non_finite_and_negative_values(key, bad):
+def test_every_numeric_field_refuses_non_finite_negative_and_huge_values(key, bad):
     field = key.removesuffix("[]")
     context = [o for prefix, extra in _CONTEXT.items() if field.startswith(prefix) for o in extra]
     value = f"[{bad}]" if key.endswith("[]") else bad
     message = _refused(*context, f"{field}={value}")
-    assert message.startswith(field), message
+    # 2**63 may first break a rule between keys (heads dividing the width): refused all the same.
+    section = field.rpartition(".")[0] if bad == str(2**63) else field
+    assert message.startswith(section), message
 
 
 @pytest.mark.parametrize(
@@ -339,3 +343,24 @@ def test_gpu_memory_is_the_free_memory_of_the_ranks_own_gpu(monkeypatch):
     monkeypatch.setattr(dcp.model.torch.cuda, "mem_get_info", lambda: (5 * GIB, 80 * GIB))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert dcp.model.available_memory_bytes() == 5 * GIB
+
+
+def test_a_synthetic_corpus_is_bounded_before_it_allocates():
+    """10**10 documents asked numpy for 74.5 GiB per rank; the bound refuses it first."""
+    from dcp.data.synthetic import MAX_DOCS
+
+    message = _refused(f"data.synthetic.num_docs={10**10}")
+    assert message.startswith("data.synthetic.num_docs must be an integer >= 1 and <= "), message
+    assert str(MAX_DOCS) in message
+    load_config(PretrainConfig, None, [f"data.synthetic.num_docs={MAX_DOCS}"])
+
+
+def test_seeds_keep_their_64_bit_range():
+    seed = 2**63 - 1
+    cfg = _load(
+        f"train.seed={seed}",
+        "data.sampler.max_tokens_per_batch=8192",
+        f"data.sampler.seed={seed}",
+        f"data.synthetic.seed={seed}",
+    )
+    assert cfg.train.seed == cfg.data.sampler.seed == cfg.data.synthetic.seed == seed

@@ -303,3 +303,29 @@ def test_cli_reports_one_error_line_and_exit_code_2(hf_dirs, tmp_path, capsys, c
     assert len(errors) == 1 and name in errors[0], err
     assert err.rstrip().endswith(errors[0]) and "Traceback" not in err
     assert not (tmp_path / "dcp").exists()
+
+
+def test_a_layer_count_beyond_the_checkpoints_tensors_is_refused_before_naming_them(
+    hf_dirs, tmp_path, capsys
+):
+    """dcp-to-hf sizes its list of tensor names from ``shared.json``'s ``num_layers``: a count
+    the checkpoint cannot hold is refused, one line and exit 2, before the list is built."""
+    import tracemalloc
+
+    from tests.payload import rewrite_manifest
+
+    step = hf_to_dcp(hf_dirs["llama"], tmp_path / "dcp")
+    shared = json.loads((step / "shared.json").read_text())
+    shared["extra"]["config"]["model"]["num_layers"] = 10**5
+    (step / "shared.json").write_text(json.dumps(shared))
+    rewrite_manifest(step)
+    tracemalloc.start()
+    try:
+        code = convert_checkpoint.main(["dcp-to-hf", str(step), str(tmp_path / "hf")])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert code == 2
+    assert len(errors) == 1 and errors[0].startswith(f"error: {step}: the checkpoint's config")
+    assert peak < 16 << 20, peak  # 700,000 names would take about 100 MiB
