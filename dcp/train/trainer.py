@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dcp.checkpoint import (
     Checkpoint,
+    CheckpointIndexError,
     CorruptCheckpointError,
     RankState,
     apply,
@@ -27,6 +28,7 @@ from dcp.checkpoint import (
     resolve_checkpoint,
     restore_rng_state,
 )
+from dcp.checkpoint.directory import incomplete_reason, step_dirs
 from dcp.checkpoint.extras import ExtraState
 from dcp.checkpoint.load import weights_for
 from dcp.checkpoint.policy import Checkpointer
@@ -233,11 +235,24 @@ class Trainer:
     def _read_resume_state(self) -> tuple[Checkpoint | None, RankState | None, dict]:
         """(the checkpoint to resume from, this rank's state read from it and checked, its
         shared state), or (None, None, {}) for a new run. The newest complete checkpoint whose
-        bytes check out on every rank: one a rank finds corrupt is reported and the next older
-        one read instead."""
+        bytes check out on every rank: one a rank finds corrupt (a tensor, the RNG state, the
+        shared state or the manifest itself) is reported and the next older one read instead,
+        as is a newer ``step_*`` directory that is not complete (damaged: only finished saves
+        are renamed to that name)."""
         if not self.cfg.checkpoint.resume:
             return None, None, {}
-        for path in complete_checkpoints(self.ckpt_root):
+        complete = complete_checkpoints(self.ckpt_root)
+        if self.rank == 0:
+            newest = complete[0] if complete else None
+            for _, path in reversed(step_dirs(self.ckpt_root)):
+                if path == newest:
+                    break
+                logger.error(
+                    "%s is not a complete checkpoint (%s); falling back to an older one",
+                    path,
+                    incomplete_reason(path),
+                )
+        for path in complete:
             attempt = agree(f"reading the checkpoint {path}", lambda p=path: self._read_one(p))
             if all_reduce_int(int(attempt is None), op=MAX):
                 if self.rank == 0:
@@ -262,7 +277,7 @@ class Trainer:
                 rank=self.rank,
                 mesh=self.mesh,
             )
-        except CorruptCheckpointError as exc:
+        except (CorruptCheckpointError, CheckpointIndexError) as exc:
             logger.error("%s", exc)
             return None
         return ckpt, state, shared
