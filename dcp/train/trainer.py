@@ -223,6 +223,7 @@ class Trainer:
         if planning != cfg.planning:  # the cost model does not depend on it: no rebuild
             self.cfg = dataclasses.replace(cfg, planning=planning)
             self.planner.cfg = planning
+        check_longest_fits(self.planner)
 
     def close(self) -> None:
         """Finish metrics and release the directories (idempotent)."""
@@ -468,6 +469,22 @@ class Trainer:
             "--out report"
         )
         print("\n".join(lines), flush=True)
+
+
+def check_longest_fits(planner: BatchPlanner) -> None:
+    """Refuse at start a run whose longest sequence no plan can hold: planned alone, as in any
+    batch that draws it (the planner's own check, so the same rule), it fails now, on every rank
+    together, rather than at the step that draws it, after the steps before. With
+    ``planning.on_oversize=drop`` the plan drops it, and so will the run."""
+    if planner.max_seq_len is None:
+        return
+    try:
+        planner.plan_lengths([planner.max_seq_len])
+    except ValueError as exc:
+        raise ValueError(
+            f"the data's longest sequence ({planner.max_seq_len} tokens) can never be trained "
+            f"within the memory budget of planning.spec={planner.cfg.spec}: {exc}"
+        ) from None
 
 
 def _check_writable(path: Path, what: str) -> None:
