@@ -1,10 +1,11 @@
 """Pretrain a GPT with DCP. Launch: torchrun --nproc-per-node N -m pretrain.pretrain_gpt \\
     --config pretrain/configs/tiny_cpu.yaml [key.sub=value ...]
 
-Exit codes: 0 done (or stopped cleanly by SIGTERM/SIGUSR1 after saving a checkpoint), 2 a
-config, data, checkpoint or run-directory problem (one line; a retry would fail the same way),
-1 anything else. torchrun reports any failing worker as 1: the worker's own code is in the exit
-record ``pretrain.supervise`` reads (``dcp.train.exit_record``).
+Exit codes: 0 done (or stopped cleanly by SIGTERM, SIGUSR1, SIGINT or SIGHUP after saving a
+checkpoint: ``dcp.train.signals``), 2 a config, data, checkpoint or run-directory problem (one
+line; a retry would fail the same way), 1 anything else. torchrun reports any failing worker as
+1: the worker's own code is in the exit record ``pretrain.supervise`` reads
+(``dcp.train.exit_record``).
 """
 
 from __future__ import annotations

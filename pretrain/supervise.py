@@ -9,7 +9,7 @@ restarts the *whole* command instead, which starts fresh process groups; the pre
 point resumes from the newest complete checkpoint by itself (checkpoints are atomic, and the
 kernel releases a killed job's run-directory lock), so every step is trained exactly once.
 
-It stops retrying on exit 0 (done, or stopped cleanly by SIGTERM/SIGUSR1), on exit 2 (a config,
+It stops retrying on exit 0 (done, or stopped cleanly by a stop signal), on exit 2 (a config,
 data or directory error: a retry would fail the same way) and after ``--max-restarts`` restarts.
 torchrun reports every failed worker as exit 1, and exits 1 itself after a stop signal whatever
 its workers did, so the workers' own codes reach the wrapper through a file: each attempt gets a
@@ -17,14 +17,21 @@ fresh path in ``DCP_EXIT_RECORD`` (``dcp.train.exit_record``); when any worker r
 the attempt counts as exit 2, else when one recorded a clean stop (exit 0: the stop was agreed by
 every rank and the checkpoint saved) it counts as 0. Only the workers on the wrapper's own
 machine can write there; on several nodes, run the wrapper on each.
-SIGTERM/SIGUSR1/SIGINT sent to the wrapper go to the command's process group and end the loop.
+SIGTERM/SIGUSR1/SIGINT/SIGHUP sent to the wrapper go to the command's process group (its
+workers stop after their step with a checkpoint, ``dcp.train.signals``) and end the loop. The
+wrapper's own death ends its job the same way: the command runs in a session of its own (a
+terminal's Ctrl-C or hangup reaches it only through the wrapper) and gets SIGTERM from the
+kernel when the wrapper exits, even by SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so no job trains
+on unsupervised, holding the run lock against a rerun: the job saves and exits, and rerunning
+the same command resumes.
 
 Leftovers: every process of an attempt carries ``DCP_SUPERVISE_ATTEMPT=<wrapper pid>.<start
 time>.<attempt>`` in its environment (torchrun passes its own to its workers). When the command
 has exited, whatever still carries this attempt's value (a worker whose launcher was killed, a
-process it left behind) is killed and waited for before the next attempt, so a restart is never
-refused by its own run's lock; processes of other runs, which carry another value or none, are
-never touched, and a run directory one of them holds stops the wrapper with exit 2.
+worker finishing a stop after its launcher exited, a process it left behind) gets
+``--leftover-grace-s`` (30 s) to end on its own, then is killed and waited for, so a restart is
+never refused by its own run's lock; processes of other runs, which carry another value or none,
+are never touched, and a run directory one of them holds stops the wrapper with exit 2.
 """
 
 from __future__ import annotations
@@ -39,9 +46,14 @@ import time
 from pathlib import Path
 
 from dcp.train.exit_record import EXIT_RECORD_ENV, read_exit_records
+from dcp.train.launcher import die_with_parent
 
 ATTEMPT_ENV = "DCP_SUPERVISE_ATTEMPT"
 """Marks every process of one attempt (inherited through the launcher)."""
+LEFTOVER_GRACE_S = 30.0
+"""By default (``--leftover-grace-s``), what a leftover worker gets to end on its own (a stop's
+step and checkpoint, which outlive a launcher that exits during them) before it is killed:
+torchrun's own default ``--shutdown-timeout``, what the launcher itself would have given it."""
 USER_ERROR_CODE = 2  # pretrain.pretrain_gpt's exit code for a config, data or directory error
 NO_RETRY_CODES = (0, USER_ERROR_CODE)
 
@@ -50,13 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-restarts", type=int, default=3, help="restarts after failures")
     parser.add_argument("--delay-s", type=float, default=5.0, help="wait before a restart")
+    parser.add_argument(
+        "--leftover-grace-s",
+        type=float,
+        default=LEFTOVER_GRACE_S,
+        help="what an attempt's leftover processes get to end on their own before they are killed",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to supervise after --")
-    if args.max_restarts < 0 or args.delay_s < 0:
-        parser.error("--max-restarts and --delay-s must be >= 0")
+    if args.max_restarts < 0 or args.delay_s < 0 or not args.leftover_grace_s >= 0:
+        parser.error("--max-restarts, --delay-s and --leftover-grace-s must be >= 0")
 
     child: subprocess.Popen | None = None
     stopping = False
@@ -67,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         if child is not None and child.poll() is None:
             os.killpg(child.pid, signum)
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
 
     run_tag = f"{os.getpid()}.{time.time_ns()}"
@@ -82,13 +100,19 @@ def main(argv: list[str] | None = None) -> int:
             record_path = os.path.join(record_dir, f"attempt{attempt}")
             tag = f"{run_tag}.{attempt}"
             env = {**os.environ, EXIT_RECORD_ENV: record_path, ATTEMPT_ENV: tag}
-            child = subprocess.Popen(command, start_new_session=True, env=env)
+            child = subprocess.Popen(
+                command,
+                start_new_session=True,
+                env=env,
+                preexec_fn=lambda: die_with_parent(signal.SIGTERM),  # noqa: PLW1509 - one thread
+            )
             code = child.wait()
-            left = end_leftovers(tag)
+            left, killed = end_leftovers(tag, grace_s=args.leftover_grace_s)
             if left:
                 print(
                     f"[supervise] attempt {attempt} left {len(left)} process(es) running "
-                    f"(pid {', '.join(map(str, left))}): killed",
+                    f"(pid {', '.join(map(str, left))}): {len(left) - len(killed)} ended within "
+                    f"{args.leftover_grace_s:g} s, {len(killed)} killed",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -133,10 +157,13 @@ def _recorded_code(code: int, record_path: str) -> int:
     return code
 
 
-def end_leftovers(tag: str, *, timeout_s: float = 30.0) -> list[int]:
-    """Kill every process whose environment holds ``ATTEMPT_ENV=tag`` and wait until they are
-    gone (at most ``timeout_s``); returns their pids. Only this user's processes can be read,
-    and only those started for this attempt carry the tag."""
+def end_leftovers(
+    tag: str, *, grace_s: float = LEFTOVER_GRACE_S, timeout_s: float = 30.0
+) -> tuple[list[int], list[int]]:
+    """Every process whose environment holds ``ATTEMPT_ENV=tag``, given ``grace_s`` to end on
+    its own, then killed and waited for (at most ``timeout_s``); returns their pids and those
+    it killed. Only this user's processes can be read, and only those started for this attempt
+    carry the tag."""
     needle = f"{ATTEMPT_ENV}={tag}".encode()
     found = []
     for entry in Path("/proc").glob("[0-9]*"):
@@ -147,16 +174,23 @@ def end_leftovers(tag: str, *, timeout_s: float = 30.0) -> list[int]:
             environ = (entry / "environ").read_bytes()
         except OSError:
             continue  # gone, or another user's
-        if needle in environ.split(b"\0"):
+        if needle in environ.split(b"\0") and _running(pid):
             found.append(pid)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    _wait_until_gone(found, grace_s)
+    killed = [pid for pid in found if _running(pid)]
+    for pid in killed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _wait_until_gone(killed, timeout_s)
+    return found, killed
+
+
+def _wait_until_gone(pids: list[int], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_running(pid) for pid in found):
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
         time.sleep(0.05)
-    return found
 
 
 def _running(pid: int) -> bool:

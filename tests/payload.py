@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from dcp.checkpoint.directory import FORMAT_VERSION, MANIFEST_DIGEST, SHARED, manifest_digest
+
 
 class _Payload:
     def __init__(self, marker: Path) -> None:
@@ -25,10 +27,18 @@ def plant_payload(checkpoint: Path, file_name: str, marker: Path) -> None:
 
 
 def rewrite_manifest(checkpoint: Path) -> None:
-    """Sizes and sha256 of every file the manifest lists, recomputed from the files."""
+    """Sizes and digests of every file the manifest lists, and the manifest's own, recomputed
+    from the files."""
     manifest = json.loads((checkpoint / "manifest.json").read_text())
+    current = manifest["format_version"] == FORMAT_VERSION
     for name in manifest["files"]:
         data = (checkpoint / name).read_bytes()
         manifest["files"][name] = len(data)
-        manifest.setdefault("sha256", {})[name] = hashlib.sha256(data).hexdigest()
+        digest = hashlib.sha256(data).hexdigest()
+        if not current:
+            manifest.setdefault("sha256", {})[name] = digest
+        elif name == SHARED:
+            manifest["shared_sha256"] = digest
+    if current:
+        manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))

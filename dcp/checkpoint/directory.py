@@ -17,11 +17,20 @@ A checkpoint written before this format (``format_version`` 1 or 2: ``torch.save
 A ``step_*`` directory counts (``is_complete``) when its manifest is well formed and every file
 it lists is a regular file of the listed size; the newest such directory is the one a run
 resumes from, whatever ``latest`` says (it is logged when the two differ). The directory must be
-on a filesystem every rank sees.
+on a filesystem every rank sees. A ``step_*`` directory is only ever made by renaming a finished
+save, so one that does not count is damaged (``incomplete_reason`` says how).
+
+Every byte a load uses is covered by a digest: each tensor's (RNG state included) and the RNG
+state's plain numbers by the index, ``shared.json``'s and the manifest's own
+(``manifest_digest``: the sha256 of its content without that key, in one canonical JSON form)
+by the manifest. Checkpoints written before these three digests existed have none of them and
+load as before.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
@@ -116,21 +125,38 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return manifest
 
 
+MANIFEST_DIGEST = "manifest_sha256"
+"""The manifest's key for the digest of the rest of it."""
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The sha256 of ``manifest`` without ``MANIFEST_DIGEST``, in one canonical JSON form (the
+    same for the object written and the object parsed back)."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_DIGEST}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def is_complete(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` holds a finished checkpoint: a manifest, and every file it lists, a
     regular file (not a link) of the recorded size."""
+    return incomplete_reason(path) is None
+
+
+def incomplete_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` is not a finished checkpoint (``is_complete``), or None when it is one."""
     p = Path(path)
     manifest = read_manifest(p)
     if manifest is None:
-        return False
+        return f"{MANIFEST} is missing, unreadable or not a checkpoint manifest"
     for file, size in manifest["files"].items():
         try:
             info = (p / file).lstat()
         except OSError:
-            return False
+            return f"{file} is missing"
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-            return False
-    return True
+            return f"{file} is not a regular file of {size} bytes"
+    return None
 
 
 def complete_checkpoints(root: str | os.PathLike[str]) -> list[Path]:

@@ -12,9 +12,15 @@ shards each slice over the data-parallel ranks; a replicated one holds it whole)
 range is in canonical coordinates or TP-slice coordinates, never in a bucket layout, so a run on
 any other mesh can read them (``dcp.checkpoint.load``).
 
-``Index.check`` refuses, naming the checkpoint: file names outside the directory or not in the
-manifest, a TP rank missing or given twice, optimizer ranges that overlap or leave holes, shapes
-that do not split over their TP size, and anything of the wrong type. Shapes are checked against
+The RNG part maps each rank to the file holding its RNG state, the digests of its tensors and
+that of its plain numbers (the file's ``rng`` metadata); the manifest also holds the digest of
+``shared.json`` and its own (``dcp.checkpoint.directory``). Checkpoints written before those
+digests map a rank to its file name alone and have no others: they load unchecked there.
+
+``Index.check`` refuses, naming the checkpoint: a manifest whose digest differs from its
+content, file names outside the directory or not in the manifest, a TP rank missing or given
+twice, optimizer ranges that overlap or leave holes, shapes that do not split over their TP
+size, and anything of the wrong type. Shapes are checked against
 the model by the loader, and against the tensor files' headers when a file is opened.
 """
 
@@ -25,7 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dcp.checkpoint.directory import FORMAT_VERSION, is_count, is_file_name
+from dcp.checkpoint.directory import (
+    FORMAT_VERSION,
+    MANIFEST_DIGEST,
+    is_count,
+    is_file_name,
+    manifest_digest,
+)
 from dcp.checkpoint.tensorfile import DTYPES
 from dcp.mesh import Mesh
 
@@ -85,6 +97,15 @@ class OptimizerEntry:
 
 
 @dataclass(frozen=True)
+class RngEntry:
+    file: str
+    sha256: dict[str, str] | None
+    """Tensor key → digest (None in a checkpoint written before RNG digests)."""
+    metadata_sha256: str | None
+    """Digest of the file's ``rng`` metadata (the plain numbers), likewise."""
+
+
+@dataclass(frozen=True)
 class Index:
     mesh: Mesh
     """How the writing ranks were arranged (the manifest's ``"layout"`` object)."""
@@ -94,9 +115,11 @@ class Index:
     optimizer_groups: list[Any] | None
     """Per inner optimizer, megatron's param-group state (JSON); None without optimizer state."""
     optimizer_kind: str | None
-    rng_files: dict[int, str]
-    """Rank → the file holding its RNG state."""
+    rng: dict[int, RngEntry]
+    """Rank → where its RNG state is and its digests."""
     files: dict[str, int]
+    shared_sha256: str | None
+    """Digest of ``shared.json`` (None in a checkpoint written before it)."""
 
     @classmethod
     def check(cls, manifest: dict[str, Any], path: Path) -> Index:
@@ -127,6 +150,11 @@ class _Checker:
 
     def index(self) -> Index:
         m = self.manifest
+        if MANIFEST_DIGEST in m:  # first: a damaged manifest is named as such
+            self.need(
+                m[MANIFEST_DIGEST] == manifest_digest(m),
+                "manifest.json: its content differs from its digest (corrupt)",
+            )
         self.need(m.get("format_version") == FORMAT_VERSION, "not a checkpoint of this format")
         mesh_data = m.get("layout")
         self.need(isinstance(mesh_data, dict), "manifest has no layout")
@@ -144,8 +172,9 @@ class _Checker:
             isinstance(rng, dict) and all(isinstance(r, str) and r.isdigit() for r in rng),
             "rng: not a map of ranks to files",
         )
-        rng_files = {int(r): self.file(f, "rng") for r, f in rng.items()}
-        self.need(all(r < mesh.world_size for r in rng_files), "rng: a rank outside the world")
+        rng_entries = {int(r): self.rng_entry(e, f"rng of rank {r}") for r, e in rng.items()}
+        self.need(all(r < mesh.world_size for r in rng_entries), "rng: a rank outside the world")
+        shared = m.get("shared_sha256")
         return Index(
             mesh=mesh,
             step=m["step"],
@@ -153,8 +182,24 @@ class _Checker:
             optimizer=optimizer,
             optimizer_groups=groups,
             optimizer_kind=kind,
-            rng_files=rng_files,
+            rng=rng_entries,
             files=dict(self.files),
+            shared_sha256=None if shared is None else self.digest(shared, "shared_sha256"),
+        )
+
+    def rng_entry(self, value: Any, where: str) -> RngEntry:
+        if isinstance(value, str):  # written before RNG digests: the file name alone
+            return RngEntry(file=self.file(value, where), sha256=None, metadata_sha256=None)
+        self.need(isinstance(value, dict), f"{where}: not a file name or an object")
+        digests = value.get("sha256")
+        self.need(
+            isinstance(digests, dict) and all(isinstance(k, str) for k in digests),
+            f"{where}: sha256 is not a map of tensor keys",
+        )
+        return RngEntry(
+            file=self.file(value.get("file"), where),
+            sha256={k: self.digest(d, f"{where} {k[:80]}") for k, d in digests.items()},
+            metadata_sha256=self.digest(value.get("metadata_sha256"), where),
         )
 
     def file(self, name: Any, where: str) -> str:

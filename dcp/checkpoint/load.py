@@ -20,6 +20,7 @@ from where the saved run left them, at any world size and TP size.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Mapping
@@ -34,7 +35,7 @@ from dcp.checkpoint.legacy import LegacyCheckpoint
 from dcp.checkpoint.restore import CorruptCheckpointError, RankState, canonical_params
 from dcp.checkpoint.rng import from_tensors
 from dcp.checkpoint.tensorfile import TensorFile, TensorFileError
-from dcp.files import load_json, parse_json, reading
+from dcp.files import FileContentError, parse_json, read_bytes, read_text, reading
 from dcp.mesh import Mesh
 from dcp.weights.canonical import (
     EXTRA_STATE,
@@ -46,6 +47,9 @@ from dcp.weights.canonical import (
 from dcp.weights.tensor_parallel import cut, join, split_spec, tp_coordinates
 
 logger = logging.getLogger(__name__)
+
+MAX_SHARED_BYTES = 64 << 20
+"""``shared.json``: sampler position, scheduler, config, calibration."""
 
 
 def open_checkpoint(path: str | os.PathLike[str]):
@@ -116,9 +120,19 @@ class Checkpoint:
 
     def shared(self) -> dict[str, Any]:
         """The state every rank shares: ``sampler``, ``scheduler``, ``extra`` (config, W&B id,
-        calibration)."""
-        data = load_json(self.path / SHARED, what="checkpoint shared state", max_bytes=64 << 20)
-        with reading(self.path / SHARED, "checkpoint shared state"):
+        calibration), its bytes checked against the manifest's digest first."""
+        path = self.path / SHARED
+        what = "checkpoint shared state"
+        try:
+            text = read_text(path, what=what, max_bytes=MAX_SHARED_BYTES)
+        except FileContentError:  # bytes that are not text: corrupt, if the digest says so
+            raw = read_bytes(path, what=what, max_bytes=MAX_SHARED_BYTES)
+            _check_digest(raw, self.index.shared_sha256, f"{path}: its content")
+            raise
+        # Valid UTF-8 encodes back to the very bytes read.
+        _check_digest(text.encode(), self.index.shared_sha256, f"{path}: its content")
+        data = parse_json(text, source=path)
+        with reading(path, what):
             if not isinstance(data, dict):
                 raise TypeError("not an object")
             return {k: data.get(k) for k in ("sampler", "scheduler", "extra")}
@@ -288,16 +302,27 @@ class Checkpoint:
     def rng(self, rank: int, mesh: Mesh) -> dict[str, Any] | None:
         """Rank ``rank``'s RNG state when the checkpoint was written at ``mesh`` (RNG streams
         belong to a rank's place in the mesh), else None."""
-        if mesh != self.mesh or rank not in self.index.rng_files:
+        if mesh != self.mesh or rank not in self.index.rng:
             return None
-        f = self._file(self.index.rng_files[rank])
-        with reading(f.path, "RNG state"):
-            scalars = parse_json(f.metadata.get("rng", "null"), source=f.path)
+        entry = self.index.rng[rank]
+        f = self._file(entry.file)
+        text = f.metadata.get("rng", "null")
+        _check_digest(text.encode(), entry.metadata_sha256, f"{f.path}: its RNG metadata")
+
+        def read(key: str) -> torch.Tensor:
+            if entry.sha256 is not None and key not in entry.sha256:
+                raise CorruptCheckpointError(f"{f.path}: the index has no digest for {key}")
+            digest = None if entry.sha256 is None else entry.sha256[key]
+            return self._read(entry.file, key, digest, None).clone()
+
+        keys: list[str] = []
+        with reading(f.path, "RNG state"):  # the numbers' shapes, and which tensors they name
+            scalars = parse_json(text, source=f.path)
             if not isinstance(scalars, dict):
                 raise TypeError("no RNG state in the file's metadata")
-            return from_tensors(
-                lambda key: self._read(f.path.name, key, None, None).clone(), scalars
-            )
+            from_tensors(keys.append, scalars)
+        tensors = {key: read(key) for key in keys}  # corruption stays CorruptCheckpointError
+        return from_tensors(tensors.__getitem__, scalars)
 
     # -- one rank ----------------------------------------------------------------------------
     def read(self, module: torch.nn.Module, optimizer, *, rank: int, mesh: Mesh) -> RankState:
@@ -309,6 +334,13 @@ class Checkpoint:
             rng=self.rng(rank, mesh),
             release=self.release,
         )
+
+
+def _check_digest(data: bytes, sha256: str | None, what: str) -> None:
+    """``CorruptCheckpointError`` when ``data`` has not the digest ``sha256`` (None: a
+    checkpoint written before that digest, unchecked)."""
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CorruptCheckpointError(f"{what} differs from the checkpoint's digest (corrupt)")
 
 
 class _LazyState(Mapping):

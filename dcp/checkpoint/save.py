@@ -25,6 +25,7 @@ in the next reduction or wait, naming the rank, and nothing is finalized.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -41,7 +42,9 @@ from dcp.checkpoint.directory import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
+    MANIFEST_DIGEST,
     SHARED,
+    manifest_digest,
     prune,
     rank_file_name,
     rank_index_name,
@@ -49,6 +52,7 @@ from dcp.checkpoint.directory import (
     tmp_dir_name,
 )
 from dcp.checkpoint.index import OPTIMIZER_STATES, Index
+from dcp.checkpoint.rng import PREFIX as RNG_PREFIX
 from dcp.checkpoint.rng import rng_tensors
 from dcp.checkpoint.state import LocalTensor, OptimizerPiece, writers
 from dcp.checkpoint.tensorfile import NAMES, TensorFileWriter
@@ -175,10 +179,19 @@ def write(tmp: Path, rank: int, staged: Staged) -> None:
     writer = TensorFileWriter(tmp / file, staged.tensors, metadata=staged.metadata)
     writer.write()
     files = {file: writer.size}
+    shared_sha256 = None
     if staged.shared is not None:
-        text = json.dumps(staged.shared, indent=1, allow_nan=False)
-        write_atomic(tmp / SHARED, text)
-        files[SHARED] = len(text.encode())
+        data = json.dumps(staged.shared, indent=1, allow_nan=False).encode()
+        write_atomic(tmp / SHARED, data)
+        files[SHARED] = len(data)
+        shared_sha256 = hashlib.sha256(data).hexdigest()
+    rng = None
+    if "rng" in staged.metadata:
+        rng = {
+            "file": file,
+            "sha256": {k: d for k, d in writer.digests.items() if k.startswith(RNG_PREFIX)},
+            "metadata_sha256": hashlib.sha256(staged.metadata["rng"].encode()).hexdigest(),
+        }
     part = {
         "rank": rank,
         "files": files,
@@ -192,7 +205,8 @@ def write(tmp: Path, rank: int, staged: Staged) -> None:
             for e in staged.optimizer
         ],
         "optimizer_head": staged.optimizer_head,
-        "rng": file if "rng" in staged.metadata else None,
+        "rng": rng,
+        "shared_sha256": shared_sha256,
     }
     write_atomic(tmp / rank_index_name(rank), json.dumps(part))
 
@@ -204,7 +218,8 @@ def finalize(root: Path, step: int, mesh: Mesh, *, keep_last: int) -> Path:
     model: dict[str, dict] = {}
     params: dict[str, dict] = {}
     files: dict[str, int] = {}
-    rng: dict[str, str] = {}
+    rng: dict[str, dict] = {}
+    shared_sha256 = None
     head = None
     for rank in range(mesh.world_size):
         part = load_json(
@@ -213,6 +228,7 @@ def finalize(root: Path, step: int, mesh: Mesh, *, keep_last: int) -> Path:
         files.update(part["files"])
         if part["rng"]:
             rng[str(rank)] = part["rng"]
+        shared_sha256 = shared_sha256 or part["shared_sha256"]
         head = head or part["optimizer_head"]
         for e in part["model"]:
             entry = model.setdefault(
@@ -235,8 +251,10 @@ def finalize(root: Path, step: int, mesh: Mesh, *, keep_last: int) -> Path:
         "model": model,
         "optimizer": None if head is None else {**head, "params": params},
         "rng": rng,
+        "shared_sha256": shared_sha256,
         "saved_unix_s": time.time(),
     }
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
     Index.check(manifest, tmp)  # what a load will check: never publish a checkpoint it refuses
     write_atomic(tmp / MANIFEST, json.dumps(manifest, separators=(",", ":")))
     for rank in range(mesh.world_size):

@@ -108,10 +108,20 @@ class _Source:
         self.first_seq = doc_index[:-1]
         self.doc_lengths = cum[doc_index[1:]] - cum[doc_index[:-1]]
         self.meta = _read_meta(prefix)
+        # The file megatron mapped (the same inode even if the path is replaced later): a read
+        # past the end of a mapping the file no longer covers is SIGBUS, not an error.
+        self._bin = open(self.info.bin_path, "rb")  # noqa: SIM115 - held for the run
+        self._bin_bytes = self.info.num_tokens * np.dtype(self.info.dtype).itemsize
 
     def read(self, local_doc: int, offset: int, length: int) -> np.ndarray:
         if length == 0:
             return np.zeros(0, dtype=np.int64)
+        size = os.fstat(self._bin.fileno()).st_size
+        if size < self._bin_bytes:
+            raise ValueError(
+                f"{self.info.bin_path}: truncated to {size} bytes while the run reads it (its "
+                f"index describes {self._bin_bytes} bytes); restore the corpus, then resume"
+            )
         # Sequences of one document are contiguous in .bin (check_prefix verified the pointers),
         # so a read starting in the document's first sequence may run across the following ones.
         out = self.reader.get(int(self.first_seq[local_doc]), offset=offset, length=length)
@@ -280,8 +290,7 @@ class IndexedDocumentDataset:
         total = max(1, self._stats["num_tokens"])
         weights = np.asarray(self.config.weights) / sum(self.config.weights)
         parts = [
-            f"{prefix} {taken / total:.1%} (weight {weight:.1%}, {taken / max(1, own):.2f} "
-            "passes)"
+            f"{prefix} {taken / total:.1%} (weight {weight:.1%}, {taken / max(1, own):.2f} passes)"
             for prefix, taken, weight, own in zip(
                 self.config.prefixes,
                 self._stats["tokens_per_source"],
@@ -334,7 +343,9 @@ class IndexedDocumentDataset:
         if shares.ndim != 1 or not shares.size or not np.all(np.isfinite(shares)):
             raise ValueError(f"split shares must be finite numbers, got {shares.tolist()}")
         if np.any(shares < 0) or shares.sum() <= 0:
-            raise ValueError(f"split shares must be >= 0 with a positive sum, got {shares.tolist()}")
+            raise ValueError(
+                f"split shares must be >= 0 with a positive sum, got {shares.tolist()}"
+            )
         bounds = np.cumsum(shares) / shares.sum()
         part = np.empty(len(self), dtype=np.int64)
         for k, src in enumerate(self._sources):

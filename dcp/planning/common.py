@@ -54,11 +54,16 @@ def find_oversize(
         i = int(bad[0])
         raise ValueError(
             f"sequence {i} (length {int(lengths[i])}) fits no plan: even with full recompute on "
-            f"{max_cp_size} ranks it needs {need[i] / 1e9:.1f} GB per rank, budget "
-            f"{cost_model.mem_budget_bytes / 1e9:.1f} GB ({bad.size} such sequence(s)); "
+            f"{max_cp_size} ranks it needs {_size(need[i])} per rank, budget "
+            f"{_size(cost_model.mem_budget_bytes)} ({bad.size} such sequence(s)); "
             f"pass on_oversize='drop' to skip them"
         )
     return [int(i) for i in bad]
+
+
+def _size(num_bytes: float) -> str:
+    """Bytes in GB, or MB below 1 GB (a CPU preset's budget is tens of MB)."""
+    return f"{num_bytes / 1e9:.1f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.1f} MB"
 
 
 def split_oversize(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dcp.checkpoint import (
     Checkpoint,
+    CheckpointIndexError,
     CorruptCheckpointError,
     RankState,
     apply,
@@ -27,6 +28,7 @@ from dcp.checkpoint import (
     resolve_checkpoint,
     restore_rng_state,
 )
+from dcp.checkpoint.directory import incomplete_reason, step_dirs
 from dcp.checkpoint.extras import ExtraState
 from dcp.checkpoint.load import weights_for
 from dcp.checkpoint.policy import Checkpointer
@@ -221,6 +223,7 @@ class Trainer:
         if planning != cfg.planning:  # the cost model does not depend on it: no rebuild
             self.cfg = dataclasses.replace(cfg, planning=planning)
             self.planner.cfg = planning
+        check_longest_fits(self.planner)
 
     def close(self) -> None:
         """Finish metrics and release the directories (idempotent)."""
@@ -233,11 +236,24 @@ class Trainer:
     def _read_resume_state(self) -> tuple[Checkpoint | None, RankState | None, dict]:
         """(the checkpoint to resume from, this rank's state read from it and checked, its
         shared state), or (None, None, {}) for a new run. The newest complete checkpoint whose
-        bytes check out on every rank: one a rank finds corrupt is reported and the next older
-        one read instead."""
+        bytes check out on every rank: one a rank finds corrupt (a tensor, the RNG state, the
+        shared state or the manifest itself) is reported and the next older one read instead,
+        as is a newer ``step_*`` directory that is not complete (damaged: only finished saves
+        are renamed to that name)."""
         if not self.cfg.checkpoint.resume:
             return None, None, {}
-        for path in complete_checkpoints(self.ckpt_root):
+        complete = complete_checkpoints(self.ckpt_root)
+        if self.rank == 0:
+            newest = complete[0] if complete else None
+            for _, path in reversed(step_dirs(self.ckpt_root)):
+                if path == newest:
+                    break
+                logger.error(
+                    "%s is not a complete checkpoint (%s); falling back to an older one",
+                    path,
+                    incomplete_reason(path),
+                )
+        for path in complete:
             attempt = agree(f"reading the checkpoint {path}", lambda p=path: self._read_one(p))
             if all_reduce_int(int(attempt is None), op=MAX):
                 if self.rank == 0:
@@ -262,7 +278,7 @@ class Trainer:
                 rank=self.rank,
                 mesh=self.mesh,
             )
-        except CorruptCheckpointError as exc:
+        except (CorruptCheckpointError, CheckpointIndexError) as exc:
             logger.error("%s", exc)
             return None
         return ckpt, state, shared
@@ -453,6 +469,22 @@ class Trainer:
             "--out report"
         )
         print("\n".join(lines), flush=True)
+
+
+def check_longest_fits(planner: BatchPlanner) -> None:
+    """Refuse at start a run whose longest sequence no plan can hold: planned alone, as in any
+    batch that draws it (the planner's own check, so the same rule), it fails now, on every rank
+    together, rather than at the step that draws it, after the steps before. With
+    ``planning.on_oversize=drop`` the plan drops it, and so will the run."""
+    if planner.max_seq_len is None:
+        return
+    try:
+        planner.plan_lengths([planner.max_seq_len])
+    except ValueError as exc:
+        raise ValueError(
+            f"the data's longest sequence ({planner.max_seq_len} tokens) can never be trained "
+            f"within the memory budget of planning.spec={planner.cfg.spec}: {exc}"
+        ) from None
 
 
 def _check_writable(path: Path, what: str) -> None:

@@ -1,5 +1,6 @@
 """Nothing lost, nothing hung: real torchrun jobs on 2 gloo ranks that get stuck, preempted,
-killed, started twice, resumed with changed settings and resumed from a corrupt checkpoint."""
+signalled (SIGTERM repeated, SIGINT, SIGHUP), killed (a rank, the launcher, the supervisor),
+started twice, resumed with changed settings and resumed from a corrupt checkpoint."""
 
 from __future__ import annotations
 
@@ -110,12 +111,26 @@ def test_stuck_rank_fails_the_job_within_the_timeout(tmp_path):
 
 
 def test_sigterm_checkpoints_and_a_resume_continues_exactly(reference, tmp_path):
+    """Three SIGTERMs to torchrun 50 ms apart: torchrun exits in the middle of its own shutdown
+    (each signal raises out of the handling of the one before), while its workers still have
+    their step to finish and their checkpoint to save: they finish without it. Rank 1 is held
+    (SIGSTOP) until torchrun is gone, so that the stop is still under way when it goes."""
     args = [*FAST, "checkpoint.interval_steps=0", "metrics.wandb_mode=offline"]
     proc = launch(tmp_path, "preempted", *args)
     run_dir = tmp_path / "preempted"
+    _wait_for_steps(proc, run_dir, 1)
+    held = _worker(proc.pid, rank=1)  # found early: the steps take a tenth of a second
     _wait_for_steps(proc, run_dir, 3)
-    os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to the workers
-    out, _ = proc.communicate(timeout=120)
+    os.kill(held, signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to the workers
+            time.sleep(0.05)
+        proc.wait(timeout=60)  # torchrun, not its workers
+    finally:
+        os.kill(held, signal.SIGCONT)
+    out = proc.stdout.read()  # to the end: the workers' too
+    assert "SignalException" in out  # torchrun's own exit, before its workers ended
     stopped = metrics(run_dir)
     assert len(stopped) < STEPS, "the run finished before the signal arrived"
     step = len(stopped)
@@ -135,35 +150,55 @@ def test_sigterm_checkpoints_and_a_resume_continues_exactly(reference, tmp_path)
 def test_a_stop_signal_during_start_up_saves_after_the_first_step(tmp_path):
     """SLURM's time-limit warning or a preemption can come while the workers still load
     megatron and build the model (tens of seconds on a busy machine): it is kept and acted on
-    after the first step, instead of ending the workers unsaved."""
+    after the first step, instead of ending the workers unsaved. SIGINT (Ctrl-C at torchrun's
+    terminal) is such a stop, not a KeyboardInterrupt traceback that loses the steps."""
     proc = launch(tmp_path, "early", *FAST)
     for line in proc.stdout:  # the data is opened at start-up, before the model is built
         if "dcp.data.build: dataset:" in line:
             break
     else:
         pytest.fail("the run ended before it opened its data")
-    os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to the workers
+    os.kill(proc.pid, signal.SIGINT)  # torchrun forwards it to the workers
     out = proc.communicate(timeout=120)[0]
-    assert "stopped by SIGTERM after step 1: checkpoint" in out, out[-3000:]
+    assert "stopped by SIGINT after step 1: checkpoint" in out, out[-3000:]
+    assert "KeyboardInterrupt" not in out, out[-3000:]
     assert (tmp_path / "early" / "checkpoints" / "step_000001" / "manifest.json").exists()
     assert len(metrics(tmp_path / "early")) == 1
 
 
 def test_killed_rank_is_recovered_with_every_step_trained_once(reference, tmp_path):
+    """A killed rank: the supervisor restarts the job, which resumes. Then the supervisor
+    itself is killed (-9) while the restarted job starts: the job stops as on SIGTERM, with a
+    checkpoint, rather than training on unsupervised and holding the run lock; rerunning the
+    command resumes it."""
     supervise = [sys.executable, "-m", "pretrain.supervise", "--max-restarts", "2"]
     proc = start([*supervise, "--delay-s", "1", "--", *command(tmp_path, "recovered", *FAST)])
     run_dir = tmp_path / "recovered"
     _wait_for_steps(proc, run_dir, 3, checkpoint=True)
     torchrun = _children(proc.pid)[0]
     os.kill(_worker(torchrun, rank=1), signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    assert "[supervise] attempt 2" in out and "resumed from" in out
+    first = []
+    for line in proc.stdout:
+        first.append(line)
+        if "[supervise] attempt 2" in line:
+            break
+    for line in proc.stdout:  # the restarted workers handle stop signals from here on
+        if "dcp.data.build: dataset:" in line:
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    out = proc.communicate(timeout=300)[0]  # to the end: torchrun's and its workers' too
+    first = "".join(first)
+    assert "[supervise] attempt 2" in first, first[-4000:]
     # torchrun stops rank 0 with SIGTERM once rank 1 is gone: it must not claim a save it
     # cannot make (the save needs the dead rank).
-    assert "stopped by SIGTERM" not in out, out[-4000:]
-    if "SIGTERM received" in out:
-        assert "could not finish" in out and "no checkpoint saved" in out, out[-4000:]
+    assert "stopped by SIGTERM" not in first, first[-4000:]
+    if "SIGTERM received" in first:
+        assert "could not finish" in first and "no checkpoint saved" in first, first[-4000:]
+    assert "resumed from" in out, out[-4000:]
+    assert "stopped by SIGTERM after step" in out, out[-4000:]
+
+    out = finish(launch(tmp_path, "recovered", *FAST))  # the lock is free: the rerun resumes
+    assert "resumed from" in out, out[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in rows] == [r["loss"] for r in metrics(reference)]
@@ -201,14 +236,19 @@ def test_killing_the_launcher_takes_its_workers_along_and_a_rerun_resumes(refere
 
 
 def test_second_run_with_the_same_name_is_refused(tmp_path):
+    """The first run then ends with SIGHUP (its terminal closed): a stop with a checkpoint."""
     first = launch(tmp_path, "busy", "train.steps=400", "metrics.wandb_mode=disabled")
     try:
         _wait_for_steps(first, tmp_path / "busy", 1)
         out = launch(tmp_path, "busy", *FAST).communicate(timeout=180)[0]
         assert "is in use by pid" in out and "[rank0] error: run directory" in out, out[-3000:]
         assert out.count("is in use by pid") == 1  # one message, not one per rank
+        os.kill(first.pid, signal.SIGHUP)  # torchrun forwards it to the workers
+        out = first.communicate(timeout=120)[0]
+        assert "stopped by SIGHUP after step" in out, out[-3000:]
     finally:
-        kill_job(first)
+        if first.poll() is None:
+            kill_job(first)
 
 
 def test_resume_guards_changed_settings_and_corrupt_checkpoints(reference, tmp_path):
@@ -224,8 +264,20 @@ def test_resume_guards_changed_settings_and_corrupt_checkpoints(reference, tmp_p
     assert "optim.lr: 0.003 -> 0.1" in out and "resume.allow_changes" in out
     assert "exitcode  : 2" in out  # the workers' own exit code: a user error
 
-    # The newest checkpoint is corrupted in place (same size) in a tensor rank 1 reads: every
-    # rank falls back to the one before it.
+    # Damage of every kind to the newest checkpoints, each the same size as before, so that
+    # only the digests can tell: every rank falls back past each, with a line, to step 8.
+    # A manifest changed in place (it claims another step), on a copy of the newest:
+    ckpts = run_dir / "checkpoints"
+    shutil.copytree(ckpts / f"step_{STEPS:06d}", ckpts / f"step_{STEPS + 1:06d}")
+    manifest = ckpts / f"step_{STEPS + 1:06d}" / "manifest.json"
+    text = manifest.read_text()
+    assert f'"step":{STEPS},' in text
+    manifest.write_text(text.replace(f'"step":{STEPS},', f'"step":{STEPS + 1},'))
+    # A step directory whose manifest is no longer JSON:
+    shutil.copytree(ckpts / f"step_{STEPS:06d}", ckpts / f"step_{STEPS + 2:06d}")
+    manifest = ckpts / f"step_{STEPS + 2:06d}" / "manifest.json"
+    manifest.write_bytes(b"\0" + manifest.read_bytes()[1:])
+    # The newest real one, corrupted in a tensor rank 1 reads:
     from dcp.checkpoint.tensorfile import TensorFile
 
     newest = run_dir / "checkpoints" / f"step_{STEPS:06d}" / "rank00001.safetensors"
@@ -236,6 +288,9 @@ def test_resume_guards_changed_settings_and_corrupt_checkpoints(reference, tmp_p
     newest.write_bytes(bytes(data))
     allowed = ["optim.lr=0.1", "resume.allow_changes=[optim.lr]"]
     out = finish(launch(tmp_path, "reference", *more, *allowed))
+    assert f"step_{STEPS + 2:06d} is not a complete checkpoint (manifest.json is" in out, out
+    assert "manifest.json: its content differs from its digest (corrupt)" in out, out[-3000:]
+    assert f"step_{STEPS + 1:06d} is corrupt on some rank; falling back" in out
     assert f"{newest}: {optim}: bytes differ from the checkpoint's index (corrupt)" in out
     assert "is corrupt on some rank; falling back to an older one" in out
     assert f"(step {STEPS - 2})" in out, out[-3000:]

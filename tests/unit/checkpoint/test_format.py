@@ -22,6 +22,7 @@ from dcp.checkpoint import (
     open_checkpoint,
     restore_rng_state,
 )
+from dcp.checkpoint.directory import MANIFEST_DIGEST, manifest_digest
 from dcp.checkpoint.load import weights_for
 from dcp.checkpoint.state import LocalTensor, writers
 from dcp.checkpoint.tensorfile import TensorFile, TensorFileWriter
@@ -129,7 +130,77 @@ def _manifest(path):
 
 
 def _rewrite(path, manifest):
+    """A manifest as a hostile writer makes it: consistent with its own digest."""
+    manifest[MANIFEST_DIGEST] = manifest_digest(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _flip_same_size(file, old: bytes, new: bytes) -> None:
+    """Replace the first ``old`` in ``file`` by ``new`` (of the same length): a damage the
+    sizes in the manifest cannot see."""
+    data = file.read_bytes()
+    assert len(old) == len(new) and old in data, (old, file)
+    file.write_bytes(data.replace(old, new, 1))
+
+
+def _flip_tensor_byte(file, key: str) -> None:
+    _, _, begin, _ = TensorFile(file).entries[key]
+    data = bytearray(file.read_bytes())
+    data[begin] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def _damage_rng_numbers(path) -> None:
+    """Change the last digit of the NumPy generator's position in the RNG metadata (the plain
+    numbers, in the tensor file's JSON header)."""
+    file = path / "rank00000.safetensors"
+    pos = str(json.loads(TensorFile(file).metadata["rng"])["numpy"][1])
+    prefix = b'\\"numpy\\": [\\"MT19937\\", '
+    other = pos[:-1] + str((int(pos[-1]) + 1) % 10)
+    _flip_same_size(file, prefix + pos.encode(), prefix + other.encode())
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (
+            lambda p: _flip_tensor_byte(p / "rank00000.safetensors", "rng/torch_cpu"),
+            "rng/torch_cpu: bytes differ from the checkpoint's index",
+        ),
+        (_damage_rng_numbers, "its RNG metadata differs from the checkpoint's digest"),
+        (
+            lambda p: _flip_same_size(p / "shared.json", b'"step": 1', b'"step": 7'),
+            "shared.json: its content differs from the checkpoint's digest",
+        ),
+        (
+            lambda p: _flip_same_size(p / "manifest.json", b'"step":1', b'"step":7'),
+            "manifest.json: its content differs from its digest",
+        ),
+    ],
+    ids=["rng-tensor", "rng-numbers", "shared-state", "manifest"],
+)
+def test_every_part_of_a_checkpoint_is_checked_against_a_digest(tmp_path, damage, message):
+    """The RNG state, the shared state and the manifest itself carry digests too: a flipped
+    byte there is corruption (which a resume falls back from), never resumed silently."""
+    path = _save(tmp_path, 1, _module(0))
+    damage(path)
+    assert is_complete(path)  # sizes still match: the digests catch it
+    with pytest.raises((CorruptCheckpointError, CheckpointIndexError), match=message):
+        ckpt = open_checkpoint(path)
+        ckpt.shared()
+        ckpt.rng(0, Mesh(1))
+
+
+def test_a_checkpoint_written_before_the_rng_and_manifest_digests_still_loads(tmp_path):
+    path = _save(tmp_path, 1, _module(0))
+    expected = capture_rng_state()
+    manifest = _manifest(path)
+    del manifest[MANIFEST_DIGEST], manifest["shared_sha256"]
+    manifest["rng"] = {"0": "rank00000.safetensors"}  # the earlier form: the file alone
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    ckpt = open_checkpoint(path)
+    assert ckpt.shared()["sampler"] == {"step": 1}
+    assert torch.equal(ckpt.rng(0, Mesh(1))["torch_cpu"], expected["torch_cpu"])
 
 
 @pytest.mark.parametrize(

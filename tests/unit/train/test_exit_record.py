@@ -4,8 +4,10 @@ reports every failure as exit 1 (torchrun), and a missing or garbled record chan
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,10 +91,12 @@ sys.exit(1)
 """
 
 
-def _supervise(tmp_path: Path, record: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _supervise(
+    tmp_path: Path, record: str, *options: str
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER.replace("{record}", record))
-    supervise = [sys.executable, "-m", "pretrain.supervise", "--max-restarts", "2"]
+    supervise = [sys.executable, "-m", "pretrain.supervise", "--max-restarts", "2", *options]
     proc = subprocess.run(
         [*supervise, "--delay-s", "0", "--", sys.executable, str(script)],
         cwd=REPO,
@@ -168,15 +172,73 @@ def test_an_attempts_leftovers_are_ended_and_other_runs_are_not(tmp_path):
         env={"PATH": "/usr/bin:/bin", "DCP_SUPERVISE_ATTEMPT": "1.2.1"},
     )
     try:
-        proc, attempts = _supervise(tmp_path, "import subprocess\n" + LEFTOVER)
+        leftover = "import subprocess\n" + LEFTOVER
+        proc, attempts = _supervise(tmp_path, leftover, "--leftover-grace-s", "0.5")
         assert proc.returncode == 1 and len(attempts) == 3, proc.stderr
         pids = [int((tmp_path / f"leftover{n}.pid").read_text()) for n in (1, 2, 3)]
         assert not any(_alive(pid) for pid in pids), pids
         for n, pid in enumerate(pids, start=1):
-            assert f"[supervise] attempt {n} left 1 process(es) running (pid {pid})" in (
-                proc.stderr
-            )
+            assert (
+                f"[supervise] attempt {n} left 1 process(es) running (pid {pid}): 0 ended "
+                "within 0.5 s, 1 killed"
+            ) in proc.stderr
         assert other.poll() is None  # never touched
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_leftover_finishing_a_stop_is_given_time(tmp_path):
+    """A worker finishing a stop after torchrun exited (signalled three times) is not killed
+    mid-save: it gets the grace period to end on its own."""
+    leftover = "import subprocess\n" + LEFTOVER.replace("time.sleep(600)", "time.sleep(1)")
+    proc, attempts = _supervise(tmp_path, leftover, "--leftover-grace-s", "30")
+    assert proc.returncode == 1 and len(attempts) == 3, proc.stderr
+    assert "left 1 process(es) running" in proc.stderr
+    assert "1 ended within 30 s, 0 killed" in proc.stderr, proc.stderr
+
+
+# A command that reports the signal that ends it.
+SIGNALLED = """
+import signal, sys, time
+from pathlib import Path
+here = Path(__file__).parent
+def got(signum, frame):
+    (here / "got").write_text(signal.Signals(signum).name)
+    sys.exit(0)
+for sig in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, got)
+(here / "ready").write_text("")
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux only")
+@pytest.mark.parametrize(
+    ("to_supervisor", "to_job"), [("SIGKILL", "SIGTERM"), ("SIGHUP", "SIGHUP")]
+)
+def test_the_supervisors_death_ends_its_job(tmp_path, to_supervisor, to_job):
+    """kill -9 (or a hangup) of the supervisor stops its job as a stop signal does, instead of
+    leaving it training unsupervised, holding the run lock against a rerun."""
+    script = tmp_path / "job.py"
+    script.write_text(SIGNALLED)
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "pretrain.supervise", "--", sys.executable, str(script)],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        supervisor.send_signal(getattr(signal, to_supervisor))
+        supervisor.wait(timeout=30)
+        while not (tmp_path / "got").exists() and time.monotonic() < deadline + 10:
+            time.sleep(0.05)
+        assert (tmp_path / "got").exists(), supervisor.stderr.read()
+        assert (tmp_path / "got").read_text() == to_job
+    finally:
+        supervisor.kill()
+        supervisor.wait()

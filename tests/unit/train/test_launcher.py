@@ -1,5 +1,6 @@
 """A torchrun worker dies with its agent (``die_with_launcher``): the kernel kills it when the
-process that started it is gone, so it never trains on alone after its agent was killed."""
+process that started it is gone, so it never trains on alone after its agent was killed; once
+a stop signal reached it, it finishes the stop without its agent (``outlive_launcher``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,25 @@ from dcp.train.launcher import die_with_launcher
 print("armed" if die_with_launcher() else "not armed", flush=True)
 time.sleep(120)
 """
+# A training worker: its main thread blocked in C++ (as in a collective, where Python runs no
+# signal handler until the call returns), a stop signal (or none) arriving before its launcher
+# dies.
+BLOCKED_WORKER = """
+import datetime, os, signal, sys, time
+import torch.distributed as dist
+from dcp.train.launcher import die_with_launcher
+from dcp.train.signals import StopRequest
+armed = die_with_launcher()
+stop = StopRequest()
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+print("armed" if armed else "not armed", flush=True)
+try:
+    store.get("never set")
+except Exception:
+    pass
+print("stopping" if stop.requested else "not stopping", flush=True)
+time.sleep(120)
+"""
 
 
 def _running(pid: int) -> bool:
@@ -39,11 +59,14 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def _worker_after_launcher_killed(wait_s: float, **env: str) -> tuple[str, bool]:
-    """Start launcher and worker, SIGKILL the launcher: the worker's report, and whether it
-    still runs ``wait_s`` later (it is killed here if so)."""
+def _worker_after_launcher_killed(
+    wait_s: float, worker_code: str = WORKER, *, stop_first: bool = False, **env: str
+) -> tuple[str, bool]:
+    """Start launcher and worker, SIGKILL the launcher (after sending the worker SIGTERM, with
+    ``stop_first``): the worker's report (with ``stop_first``, its second line too, if it
+    lives), and whether it still runs ``wait_s`` later (it is killed here if so)."""
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, WORKER],
+        [sys.executable, "-c", LAUNCHER, worker_code],
         cwd=REPO,
         env={k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"} | env,
         stdout=subprocess.PIPE,
@@ -51,6 +74,9 @@ def _worker_after_launcher_killed(wait_s: float, **env: str) -> tuple[str, bool]
     )
     worker = int(launcher.stdout.readline())
     report = launcher.stdout.readline().strip()
+    if stop_first:
+        os.kill(worker, signal.SIGTERM)
+        time.sleep(0.2)
     launcher.kill()
     launcher.wait()
     deadline = time.monotonic() + wait_s
@@ -58,6 +84,8 @@ def _worker_after_launcher_killed(wait_s: float, **env: str) -> tuple[str, bool]
         time.sleep(0.05)
     alive = _running(worker)
     if alive:
+        if stop_first:
+            report += " " + launcher.stdout.readline().strip()
         os.kill(worker, signal.SIGKILL)
     return report, alive
 
@@ -73,3 +101,22 @@ def test_outside_torchrun_nothing_is_armed(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert die_with_launcher() is False
     assert _worker_after_launcher_killed(1) == ("not armed", True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux only")
+def test_a_stopping_worker_outlives_its_launcher():
+    """torchrun signalled three times exits in the middle of its own shutdown: a worker that
+    already has the stop signal finishes its step and checkpoint instead of dying with it, even
+    when the launcher dies before the worker's main thread could handle the signal."""
+    report, alive = _worker_after_launcher_killed(
+        8, BLOCKED_WORKER, stop_first=True, TORCHELASTIC_RUN_ID="run"
+    )
+    assert (report, alive) == ("armed stopping", True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux only")
+def test_a_worker_blocked_in_a_call_still_dies_with_its_launcher():
+    """Without a stop the launcher's death ends the worker at once, though its main thread is
+    blocked in a call for seconds (the watch runs in a thread of its own)."""
+    report = _worker_after_launcher_killed(2, BLOCKED_WORKER, TORCHELASTIC_RUN_ID="run")
+    assert report == ("armed", False)

@@ -21,6 +21,8 @@ from dcp.train.lock import RunLock, RunLockedError
 from dcp.train.resume import check_resume_config, config_changes
 from dcp.train.trainer import _check_writable
 
+REPO = Path(__file__).resolve().parents[3]
+
 
 def test_second_holder_is_refused_naming_the_first(tmp_path):
     first = RunLock(tmp_path / "run")
@@ -240,3 +242,69 @@ def test_documents_longer_than_the_model_are_refused():
     build_dataset(cfg, vocab_size=257, max_seq_len=599)
     with pytest.raises(ValueError, match=r"599-token sequence but model\.max_seq_len=512"):
         build_dataset(cfg, vocab_size=257, max_seq_len=512)
+
+
+def test_data_no_plan_can_hold_is_refused_at_start(tmp_path):
+    """The longest document against the memory budget, before any step: one line naming the
+    sequence, what it needs and the budget in readable units (no "0.0 GB"), instead of a failure
+    at the step that draws it."""
+    from dcp.costmodel.load import load_preset
+    from dcp.mesh import Mesh
+    from dcp.step.batches import BatchPlanner
+    from dcp.train.trainer import check_longest_fits
+
+    cfg = load_config(
+        PretrainConfig, REPO / "pretrain/configs/tiny_cpu.yaml", ["model.max_seq_len=4096"]
+    )
+    spec = load_preset(cfg.planning.spec)
+    planner = BatchPlanner(cfg.planning, mesh=Mesh(2), max_seq_len=4096, spec=spec)
+    check_longest_fits(planner)  # the demo's budget holds its longest chunk
+    spec["cluster"]["gpu_memory_gb"] -= 0.08  # a budget of about 26 MB: not 4096 tokens
+    tight = tmp_path / "tight.json"
+    tight.write_text(json.dumps(spec))
+    planning = load_config(PretrainConfig, None, [f"planning.spec={tight}"]).planning
+    planner = BatchPlanner(planning, mesh=Mesh(2), max_seq_len=4096)
+    check_longest_fits(BatchPlanner(planning, mesh=Mesh(2), max_seq_len=64))  # a short one fits
+    with pytest.raises(ValueError) as refused:
+        check_longest_fits(planner)
+    message = str(refused.value)
+    assert message.startswith(
+        "the data's longest sequence (4096 tokens) can never be trained within the memory "
+        f"budget of planning.spec={tight}: sequence 0 (length 4096) fits no plan: even with "
+        "full recompute on 2 ranks it needs "
+    ), message
+    assert " 0.0 GB" not in message and "\n" not in message
+    drop = load_config(
+        PretrainConfig, None, [f"planning.spec={tight}", "planning.on_oversize=drop"]
+    )
+    check_longest_fits(BatchPlanner(drop.planning, mesh=Mesh(2), max_seq_len=4096))
+
+
+def _read_after_truncation(prefix: str, errors) -> None:
+    """A forked child: open the corpus, truncate its .bin in place, read its last document."""
+    from dcp.data import IndexedDataConfig, build_document_dataset
+
+    dataset = build_document_dataset(IndexedDataConfig(prefixes=(prefix,)), vocab_size=257)
+    dataset.get_tokens(0)
+    os.truncate(prefix + ".bin", 0)
+    try:
+        dataset.get_tokens(len(dataset) - 1)
+    except ValueError as exc:
+        errors.put(str(exc))
+
+
+def test_a_corpus_truncated_while_the_run_reads_it_is_one_line(tmp_path):
+    """The .bin is memory-mapped: a read past the end of a file cut short after it was opened
+    would kill the process with SIGBUS and no word (here a forked child, so that the test
+    survives it). It is checked before each read."""
+    prefix = _indexed(tmp_path, [list(range(1, 200))] * 40)
+    ctx = multiprocessing.get_context("fork")
+    errors = ctx.SimpleQueue()
+    child = ctx.Process(target=_read_after_truncation, args=(prefix, errors))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0, f"the reader died with exit code {child.exitcode}"
+    assert errors.get() == (
+        f"{prefix}.bin: truncated to 0 bytes while the run reads it (its index describes "
+        f"{2 * 199 * 40} bytes); restore the corpus, then resume"
+    )

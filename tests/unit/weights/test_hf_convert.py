@@ -14,6 +14,7 @@ from dcp.checkpoint.hf import dcp_to_hf, hf_to_dcp
 from dcp.weights.convert import SAFETENSORS_INDEX, hf_shards
 from dcp.weights.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
 from tests.hf_models import ARCH_CONFIGS, make_hf_model
+from tests.payload import rewrite_manifest
 
 
 def _tensors(hf_dir) -> dict[str, torch.Tensor]:
@@ -181,9 +182,7 @@ def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
     shared = json.loads((ckpt / "shared.json").read_text())
     shared["extra"]["config"]["data"] = {"indexed": {"prefixes": [str(prefix)]}}
     (ckpt / "shared.json").write_text(json.dumps(shared))
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["shared.json"] = (ckpt / "shared.json").stat().st_size
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    rewrite_manifest(ckpt)
     out = dcp_to_hf(ckpt.parent, tmp_path / "hf")
     assert (out / "tokenizer.json").read_text() == '{"model": {}}'
     assert (out / "tokenizer_config.json").is_file()
