@@ -51,7 +51,7 @@ LEGACY_VERSIONS = (1, 2)
 MAX_MANIFEST_BYTES = 256 << 20
 """A manifest indexes every tensor slice and optimizer piece: at 1,024 ranks and a 405B model
 a few tens of MiB."""
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"step_(\d+)")  # fullmatch: "$" would also pass a trailing newline
 
 
 def step_dir_name(step: int) -> str:
@@ -80,7 +80,7 @@ def step_dirs(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
+        match = _STEP_DIR.fullmatch(child.name)
         if match and child.is_dir():
             found.append((int(match.group(1)), child))
     return sorted(found)
@@ -194,7 +194,7 @@ def prune(root: Path, *, keep_last: int, keep: Path) -> None:
         for old in complete[:-keep_last]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
-    keep_step = int(_STEP_DIR.match(keep.name).group(1))
+    keep_step = int(_STEP_DIR.fullmatch(keep.name).group(1))
     for leftover in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:
         match = re.search(r"step_(\d+)", leftover.name)
         if match and int(match.group(1)) < keep_step:

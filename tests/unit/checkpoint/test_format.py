@@ -409,3 +409,13 @@ def test_cut_and_join_are_inverses(stride, tp):
             continue
         slices = [cut(whole, dim=dim, stride=stride, tp_rank=r, tp_size=tp) for r in range(tp)]
         assert torch.equal(join(slices, dim=dim, stride=stride), whole)
+
+
+def test_only_exact_step_directory_names_count(tmp_path):
+    """A name with a trailing newline is not ``step_<n>``: ``re``'s ``$`` would let it pass and
+    shadow the real directory of that step."""
+    from dcp.checkpoint.directory import step_dirs
+
+    for name in ("step_5", "step_6\n", "step_7x", "xstep_8"):
+        (tmp_path / name).mkdir()
+    assert step_dirs(tmp_path) == [(5, tmp_path / "step_5")]
