@@ -18,7 +18,8 @@ the middle of its own shutdown, and the stop goes on without it. The launcher's 
 ``LAUNCHER_GONE_WAIT_S``), as seen by a thread that reads the signals' wake-up pipe
 (``signal.set_wakeup_fd``: Python's C-level handler writes each signal's number there as the
 signal arrives), since the main thread may be blocked in a collective or a long kernel call for
-seconds before Python runs its handlers; a launcher gone with no stop ends the worker at once.
+seconds before Python runs its handlers; a launcher gone with no stop ends the worker after
+``LAUNCHER_GONE_WAIT_S`` (in which a fast run may still finish a step).
 
 Every rank learns of a request on any rank through the step's own reduction (the trainer adds
 ``requested`` to the step's ``StepScalars`` with a max), so ranks stop after the same step with no

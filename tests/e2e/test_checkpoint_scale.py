@@ -1,7 +1,7 @@
 """Checkpoints through the real entry point: a run resumed at another layout (only the launch size
 and parallel.tensor_parallel_size changed) continues with the uninterrupted run's losses, the
-optimizer's moments included; and kill -9 of every rank while an asynchronous save is being
-written leaves the previous checkpoint as the one a rerun resumes from."""
+optimizer's moments included; and kill -9 of every rank (and the launcher) while an asynchronous
+save is being written leaves the previous checkpoint as the one a rerun resumes from."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from tests.e2e.test_pretrain import finish, launch, metrics
@@ -54,6 +55,10 @@ def test_kill_9_during_an_asynchronous_save_resumes_from_the_previous_checkpoint
         # that waits for the next step's reduction): no manifest yet.
         tmp = ckpt / ".tmp-step_000004"
         if tmp.is_dir() and (ckpt / "step_000002").is_dir():
+            # Every rank itself, then torchrun: torchrun starts each worker in a session of its
+            # own, and a worker outlives a launcher killed alone by up to LAUNCHER_GONE_WAIT_S.
+            for worker in psutil.Process(proc.pid).children(recursive=True):
+                worker.kill()
             os.killpg(proc.pid, signal.SIGKILL)
             caught = tmp
             break
