@@ -59,13 +59,15 @@ def describe_run(
         if isinstance(share, int | float) and not isinstance(share, bool) and math.isfinite(share):
             recompute.append(float(share))
     parts = [f"planner {planner}"] if isinstance(planner, str) else []
-    static_cp = planning.get("static_cp_size")
+    # The static planners' fixed choices; other planners ignore these keys.
+    fixed = planning if isinstance(planner, str) and planner.startswith("static") else {}
+    static_cp = fixed.get("static_cp_size")
     if isinstance(static_cp, int):
         parts.append(f"CP {static_cp}")
     elif cp_sizes:
         parts.append("CP " + "/".join(str(s) for s in sorted(cp_sizes)))
-    if isinstance(planning.get("static_recompute"), str):
-        parts.append(f"recompute {planning['static_recompute']}")
+    if isinstance(fixed.get("static_recompute"), str):
+        parts.append(f"recompute {fixed['static_recompute']}")
     elif recompute:
         parts.append(f"recompute {sum(recompute) / len(recompute):.0%}")
     tp, pp = parallel.get("tensor_parallel_size"), parallel.get("pipeline_parallel_size")

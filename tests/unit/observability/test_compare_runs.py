@@ -310,7 +310,12 @@ def test_legends_name_each_runs_configuration(tmp_path, drawn):
     paths = []
     for name, tp, static_cp in (("a", 1, None), ("b", 2, None), ("c", 1, 4)):
         _write_run(tmp_path / name, tokens_per_s=1000.0, step_time_s=1.0)
-        planning = {"planner": "static" if static_cp else "dcp", "static_cp_size": static_cp}
+        # static_recompute is set for all three; only the static run's planner reads it.
+        planning = {
+            "planner": "static" if static_cp else "dcp",
+            "static_cp_size": static_cp,
+            "static_recompute": "full",
+        }
         write_run_config(
             tmp_path / name,
             {
@@ -325,7 +330,7 @@ def test_legends_name_each_runs_configuration(tmp_path, drawn):
     assert [row["config"] for row in result["rows"]] == [
         "planner dcp, CP 1/2, recompute 25%, TP 1 PP 2, 8 ranks",
         "planner dcp, CP 1/2, recompute 25%, TP 2 PP 2, 8 ranks",
-        "planner static, CP 4, recompute 25%, TP 1 PP 2, 8 ranks",
+        "planner static, CP 4, recompute full, TP 1 PP 2, 8 ranks",
         "planner megatron, CP 1/2, recompute 50%",
     ]
     (figure,) = drawn
