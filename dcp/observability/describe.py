@@ -75,7 +75,7 @@ def describe_run(
         parts.append(f"TP {tp} PP {pp}")
     world = info.get("world_size")
     if isinstance(world, int):
-        parts.append(f"{world} ranks")
+        parts.append(f"{world} rank{'' if world == 1 else 's'}")
     return ", ".join(parts)
 
 
