@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         png, page = write_preview(
             saved, runs, workspace_json=out, left_out=missing, publish=publish
         )
-        print(f"preview: {page} (and {png.name}): the panels drawn from the runs' metrics.jsonl")
+        print(f"preview: {page} (and {png.name}): the panels drawn from the runs' metrics files")
     print("to publish it:")
     for command in publish:
         print(f"  {command}")

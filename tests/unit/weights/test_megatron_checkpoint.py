@@ -18,17 +18,17 @@ ITERATION = 5
 
 def megatron_torch_dist(root):
     """A ``--save`` root as Megatron-LM's loop writes it under ``--ckpt-format torch_dist``
-    (tests/e2e/test_megatron_lm.py's checkpoints): ``iter_0000005`` holding torch's
-    distributed-checkpoint files (``.metadata``, ``__0_0.distcp``), megatron's
-    ``metadata.json`` and ``common.pt``, and the tracker. Written by the same writers, in this
-    process (torch's ``save`` without a process group, megatron's ``save_config``)."""
+    (as a 2-rank ``--dcp --save`` run of megatron_lm_cpu.args wrote it: ``iter_0000004`` with
+    ``.metadata``, ``__0_0.distcp``, ``__1_0.distcp``, ``metadata.json``, and the tracker):
+    ``iter_0000005`` holding torch's distributed-checkpoint files and megatron's
+    ``metadata.json``, and the tracker. Written by the same writers, in this process (torch's
+    ``save`` without a process group, megatron's ``save_config``)."""
     iteration = root / f"iter_{ITERATION:07d}"
     state = {
         "embedding.word_embeddings.weight": torch.randn(16, 8),
         "decoder.layers.self_attention.linear_qkv.weight": torch.randn(2, 16, 8),
     }
     dist_cp.save(state, storage_writer=dist_cp.FileSystemWriter(str(iteration)), no_dist=True)
-    torch.save({"iteration": ITERATION}, iteration / "common.pt")
     save_config(CheckpointingConfig("torch_dist"), str(iteration))
     (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
     return root
