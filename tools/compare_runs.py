@@ -9,8 +9,10 @@ time-to-loss table), ``report/comparison.json`` (the table's numbers) and
 ``report/time_to_loss.json`` (training seconds and tokens until each run's 5-step mean loss
 reaches a few levels, and the speedup). Ratios and loss differences are relative to the first
 run. Each argument is a run directory holding ``metrics.jsonl`` or the file itself (a
-``--dcp-metrics`` file of a Megatron-loop run: labelled by its stem). Warnings come first: runs
-measured on a busy host or under different loads, CPU runs left out of the MFU panel.
+``--dcp-metrics`` file of a Megatron-loop run: labelled by its stem). Legends add the
+configuration each run ran (planner, CP sizes, recompute, TP/PP, ranks: its config.yaml, else its
+records). Warnings come first, on the console and above the PNG's panels: runs measured on a busy
+host or under different loads, CPU runs left out of the MFU panel.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ Qwen2, Qwen3) and writes a weights-only DCP checkpoint ``OUT_ROOT/step_000000`` 
 (e.g. ``make_vocab_size_divisible_by=128``). ``dcp-to-hf`` exports a DCP checkpoint (a
 ``step_*`` directory, or a checkpoint root: its newest complete one) to a HF directory that
 ``transformers`` loads; the tokenizer files are copied when the run's data used a HF tokenizer.
+A Megatron-LM checkpoint (the ``--save`` of Megatron's own loop, ``--dcp`` or not) is refused
+in one line naming its ``--ckpt-format`` and the Megatron Bridge command that exports it: every
+format Megatron writes holds pickles, and DCP never unpickles a checkpoint.
 A progress bar goes to stderr; the last stdout line is a JSON summary.
 """
 

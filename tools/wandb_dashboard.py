@@ -1,6 +1,7 @@
 """Build a W&B workspace (and optionally a report) for a group of DCP runs.
 
     python -m tools.wandb_dashboard runs/bench-dcp runs/bench-static-cp1-none ...
+    python -m tools.wandb_dashboard runs/megatron-lm/static.jsonl runs/megatron-lm/dcp.jsonl
     python -m tools.wandb_dashboard --group bench [--project dcp]
     python -m tools.wandb_dashboard RUN_DIRS... --online [--entity ENTITY] [--report]
     python -m tools.wandb_dashboard --publish runs/wandb_workspace.json [--entity ENTITY] [--report]
@@ -8,13 +9,15 @@
 Sections: loss against step and wall-clock time; tokens/s, MFU and the host's load average; step
 time predicted against measured and the cost model's calibration version; the plan (sequences
 per CP degree, share of tokens recomputed, micro-steps per rank, imbalance); memory; padding.
-Runs are grouped and coloured by planner. The project and group come from the runs' resolved config
-(``runs/<name>/config.yaml``). Offline (the default) nothing touches the network: the workspace
-is written as JSON beside the runs (``<runs dir>/wandb_workspace.json``, or ``--out``) with the
-commands that publish it once the offline runs are synced, and next to it a local preview
-(``wandb_workspace.preview.html`` and ``.png``): the same panels drawn from the runs'
-``metrics.jsonl``, to look at before publishing. ``--online`` saves it to W&B (needs
-an API key: ``wandb login``) and prints its URL. See docs/operations.md.
+A run is a DCP run directory or a Megatron-loop run's ``--dcp-metrics`` file (named after its
+stem). Runs are grouped and coloured by planner in W&B. The project and group come from the
+runs' resolved config (``runs/<name>/config.yaml``). Offline (the default) nothing touches the
+network: the workspace is written as JSON beside the runs (``<runs dir>/wandb_workspace.json``,
+or ``--out``) with the commands that publish it once the offline runs are synced, and next to
+it a local preview (``wandb_workspace.preview.html`` and ``.png``): the same panels drawn from
+the runs' metrics files, each run in its own colour and named with the configuration it ran,
+to look at before publishing. ``--online`` saves it to W&B (needs an API key: ``wandb login``)
+and prints its URL. See docs/operations.md.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("runs", nargs="*", help="run directories (runs/<name>)")
+    parser.add_argument(
+        "runs", nargs="*", help="run directories (runs/<name>) or --dcp-metrics files"
+    )
     parser.add_argument("--group", help="W&B group (default: the runs' own, if they share one)")
     parser.add_argument("--project", help="W&B project (default: the runs' metrics.wandb_project)")
     parser.add_argument("--entity", help="W&B entity (default online: your API key's default)")
@@ -124,7 +129,14 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(workspace_to_json(workspace), indent=1) + "\n", encoding="utf-8")
     print(f"wrote {out}: {len(workspace.sections)} sections, {panels} panels, {len(runs)} runs")
-    silent = [str(r.path) for r in runs if not r.offline_runs]
+    files = [r for r in runs if r.path.is_file()]
+    for r in files:
+        print(
+            f"note: {r.path} is a metrics file (a Megatron-loop run's --dcp-metrics): its W&B run "
+            f"is Megatron's own, under --wandb-save-dir; sync it, and the workspace charts it if "
+            f"its --wandb-exp-name is {r.name}"
+        )
+    silent = [str(r.path) for r in runs if not r.offline_runs and r not in files]
     if silent:
         print(
             f"note: no offline W&B run in {', '.join(silent)} (metrics.wandb_mode=disabled?): "
@@ -143,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         png, page = write_preview(
             saved, runs, workspace_json=out, left_out=missing, publish=publish
         )
-        print(f"preview: {page} (and {png.name}): the panels drawn from the runs' metrics.jsonl")
+        print(f"preview: {page} (and {png.name}): the panels drawn from the runs' metrics files")
     print("to publish it:")
     for command in publish:
         print(f"  {command}")

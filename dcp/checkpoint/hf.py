@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from dcp.checkpoint.load import open_checkpoint
 from dcp.checkpoint.save import CheckpointSaver
 from dcp.checkpoint.state import LocalTensor
+from dcp.files import FileContentError, load_json, read_text
 from dcp.mesh import Mesh
 from dcp.model import ModelConfig
 from dcp.schema import from_dict, to_dict
@@ -41,6 +43,21 @@ from dcp.weights.hf_config import (
 )
 
 logger = logging.getLogger(__name__)
+
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+"""The file Megatron-LM's ``--save`` keeps beside its ``iter_NNNNNNN`` directories."""
+_MEGATRON_ITER = re.compile(r"iter_(\d{7})")
+_TORCH_DCP_FILES = (
+    "torch.distributed.checkpoint files: its .metadata and every tensor item are pickles"
+)
+MEGATRON_FORMATS = {
+    "torch_dist": _TORCH_DCP_FILES,
+    "torch_dcp": _TORCH_DCP_FILES,
+    "fsdp_dtensor": _TORCH_DCP_FILES,
+    "zarr": "zarr arrays beside a pickled common.pt",
+    "torch": "one torch.save pickle per model-parallel rank (mp_rank_*/model_optim_rng.pt)",
+}
+"""What each of Megatron's ``--ckpt-format`` values writes, for the refusal line."""
 
 
 def hf_to_dcp(
@@ -96,7 +113,13 @@ def dcp_to_hf(
     imported model's, else ``qwen2``/``qwen3``/``llama`` from the model's features)."""
     from dcp.checkpoint import resolve_checkpoint
 
-    path = resolve_checkpoint(checkpoint)
+    try:
+        path = resolve_checkpoint(checkpoint)
+    except ValueError:
+        refusal = megatron_refusal(checkpoint, out_dir)
+        if refusal is None:
+            raise
+        raise ValueError(refusal) from None
     ckpt = open_checkpoint(path)
     extra = ckpt.shared().get("extra") or {}
     run_config = extra.get("config") or {}
@@ -145,3 +168,71 @@ def dcp_to_hf(
             shutil.copy2(tok / f, out / f)
         logger.info("copied tokenizer files %s from %s", copied, tok)
     return out
+
+
+def megatron_refusal(path: str | os.PathLike, out_dir: str | os.PathLike) -> str | None:
+    """One line saying that ``path`` is a Megatron-LM checkpoint (a ``--save`` root or one of
+    its ``iter_NNNNNNN`` directories), in which ``--ckpt-format``, why DCP does not read it and
+    the command that exports it to Hugging Face; ``None`` when ``path`` is not one. Only
+    Megatron's plain-text tracker and JSON ``metadata.json`` are read: every format Megatron
+    writes holds pickles, and DCP never unpickles a checkpoint (docs/design.md,
+    'Checkpoints')."""
+    root = Path(path)
+    if _MEGATRON_ITER.fullmatch(root.name) and root.is_dir():
+        iteration_dir = root
+    elif (root / MEGATRON_TRACKER).is_file() or any(_megatron_iterations(root)):
+        iteration_dir = _megatron_latest(root)
+    else:
+        return None
+    fmt = _megatron_format(iteration_dir) if iteration_dir else None
+    where = f"iteration {int(iteration_dir.name[5:])}" if iteration_dir else "no iteration saved"
+    what = (
+        f"--ckpt-format {fmt}: {MEGATRON_FORMATS[fmt]}"
+        if fmt in MEGATRON_FORMATS
+        else (f"format {fmt!r}" if fmt else "format unknown")
+    )
+    target = iteration_dir or root / "iter_NNNNNNN"
+    return (
+        f"{root}: a Megatron-LM checkpoint ({where}, {what}), not a DCP checkpoint; DCP never "
+        "unpickles a checkpoint, so it cannot read it. Export it to Hugging Face with Megatron "
+        "Bridge (github.com/NVIDIA-NeMo/Megatron-Bridge): python "
+        "examples/conversion/convert_checkpoints.py export --hf-model <a HF model of its "
+        f"architecture> --megatron-path {target} --hf-path {out_dir}"
+    )
+
+
+def _megatron_iterations(root: Path) -> list[Path]:
+    """The ``iter_NNNNNNN`` directories under ``root`` (none if it is not a directory)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _MEGATRON_ITER.fullmatch(p.name) and p.is_dir())
+
+
+def _megatron_latest(root: Path) -> Path | None:
+    """The iteration Megatron's tracker names, else the newest ``iter_*`` directory."""
+    tracker = root / MEGATRON_TRACKER
+    if tracker.is_file():
+        try:
+            text = read_text(tracker, what="Megatron checkpoint tracker", max_bytes=64).strip()
+        except FileContentError:
+            text = ""
+        if text.isdigit() and (root / f"iter_{int(text):07d}").is_dir():
+            return root / f"iter_{int(text):07d}"
+    found = _megatron_iterations(root)
+    return found[-1] if found else None
+
+
+def _megatron_format(iteration_dir: Path) -> str | None:
+    """The ``--ckpt-format`` of one Megatron iteration directory: ``sharded_backend`` of the
+    ``metadata.json`` megatron's distributed checkpointing writes, ``torch`` for per-rank
+    ``mp_rank_*`` directories, else ``None``."""
+    config = iteration_dir / "metadata.json"
+    if config.is_file():
+        try:
+            backend = load_json(config, what="Megatron checkpoint metadata").get("sharded_backend")
+        except (ValueError, AttributeError):  # unreadable, or not a JSON object
+            return None
+        return backend if isinstance(backend, str) else None
+    if any(p.name.startswith("mp_rank_") for p in iteration_dir.iterdir()):
+        return "torch"
+    return None

@@ -6,9 +6,12 @@ stat under ``plan/``), ``comparison.html`` (the PNG embedded, the report's notes
 and the time-to-loss table), ``comparison.json`` (the summary's numbers) and
 ``time_to_loss.json``: the loss against training time and against tokens, and how long each run
 took to reach a few loss levels (``time_to_loss``). Ratios and loss differences are relative to
-the first run. Each run is a run directory holding ``metrics.jsonl`` or the file itself. The
-notes (``report_notes``) warn when runs ran on a busy host or under different loads, and say what
-the MFU panel leaves out; the page says what the memory panel's two lines are.
+the first run. Each run is a run directory holding ``metrics.jsonl`` or the file itself (a
+Megatron-loop run's ``--dcp-metrics`` file). Legends name each run and the configuration it ran
+(``dcp.observability.describe``). The notes (``report_notes``) warn when runs ran on a busy host
+or under different loads, and say what the MFU panel leaves out; they are printed above the
+panels in the PNG too. The page says what the memory panel's two lines are; on CPU the panel's
+title says they are not comparable.
 ``python -m tools.compare_runs`` is the command line.
 """
 
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dcp.observability.describe import describe_run, run_config_of
 from dcp.observability.host import DEVICE_KEY, RunLoad, load_warnings
 from dcp.observability.metrics import METRICS_FILENAME, read_metrics
 
@@ -35,6 +39,11 @@ _FIXED_PANELS = (
     ("mfu", "MFU (model FLOPs / the spec's peak_tflops)"),
     ("peak_mem_bytes", "peak memory, max over ranks; dashed: the plans' budget (bytes)"),
 )
+CPU_MEMORY_TITLE = (
+    "CPU: peak resident set (Python, torch included), max over ranks;\n"
+    "dashed: the plans' emulated budget, not comparable with it (bytes)"
+)
+"""The memory panel's title when any run computed on CPU (``MEMORY_NOTE`` says why)."""
 _DASHED = {
     "step_time_s": ("predicted_step_time_s", "predicted"),
     "peak_mem_bytes": ("mem_budget_bytes", "plan's budget"),
@@ -54,6 +63,13 @@ class RunMetrics:
     label: str
     path: Path
     records: list[dict[str, Any]]
+    config: str = ""
+    """What the run ran (``dcp.observability.describe.describe_run``), for the legends."""
+
+    @property
+    def legend(self) -> str:
+        """The run's legend entry: its label and the configuration it ran."""
+        return f"{self.label} ({self.config})" if self.config else self.label
 
     @property
     def on_cpu(self) -> bool:
@@ -85,8 +101,12 @@ def load_run(path: str | Path, *, label: str | None = None) -> RunMetrics:
         raise ValueError(f"{file} holds no per-step records; did the run log any step?")
     # A resumed run may have logged a step twice; the later record wins.
     by_step = {r["step"]: r for r in records}
+    records = [by_step[s] for s in sorted(by_step)]
     return RunMetrics(
-        label=label or default_label(p), path=file, records=[by_step[s] for s in sorted(by_step)]
+        label=label or default_label(p),
+        path=file,
+        records=records,
+        config=describe_run(records, run_config_of(file)),
     )
 
 
@@ -236,6 +256,7 @@ def summarize(runs: Sequence[RunMetrics], *, skip_first_steps: int = 0) -> list[
                 "common_steps": len(common),
                 "throughput_steps": len(timed),
                 "median_host_load": RunLoad.of(run.label, run.records).median_load_1m,
+                "config": run.config,
             }
         )
     return rows
@@ -300,13 +321,23 @@ def line_panels_of(runs: Sequence[RunMetrics]) -> list[tuple[str, str]]:
     return panels + [(k, k) for k in _plan_panels(runs)[0]]
 
 
-def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
+NOTE_WIDTH_CHARS = 105
+"""Characters per line of the notes printed above the panels, per column of panels."""
+
+
+def plot(runs: Sequence[RunMetrics], png_path: Path, *, notes: Sequence[str] = ()) -> None:
+    """Draw the panels into ``png_path``, ``notes`` (``report_notes``) printed above them so
+    the image carries its own warnings. A run that logged nothing a panel shows has no entry
+    in that panel's legend."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     present = {k for run in runs for r in run.records for k in r}
+    any_cpu = any(run.on_cpu for run in runs)
     line_panels = line_panels_of(runs)
     plan_groups = _plan_panels(runs)[1]
     progress = [Progress.of(run) for run in runs]
@@ -318,34 +349,43 @@ def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
     n_panels = len(line_panels) + len(progress_panels) + len(plan_groups)
     cols = 2 if n_panels > 1 else 1
     rows = math.ceil(n_panels / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.6 * rows), squeeze=False)
+    note_lines = [
+        wrapped
+        for note in notes
+        for wrapped in textwrap.wrap(note, NOTE_WIDTH_CHARS * cols, subsequent_indent="    ")
+    ]
+    notes_in = 0.2 * len(note_lines) + (0.15 if note_lines else 0.0)
+    height_in = 3.6 * rows + notes_in
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, height_in), squeeze=False)
     flat_axes = list(axes.flat)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, title) in zip(flat_axes, line_panels, strict=False):
         for i, run in enumerate(runs):
-            if key == "mfu" and run.on_cpu:
+            series = run.series(key)
+            if (key == "mfu" and run.on_cpu) or not series[0]:
                 continue
             color = colors[i % len(colors)]
-            ax.plot(*run.series(key), label=run.label, color=color, linewidth=1.2)
+            ax.plot(*series, label=run.legend, color=color, linewidth=1.2)
             dashed = _DASHED.get(key)
             if dashed and dashed[0] in present:
-                series = run.series(dashed[0])
-                if series[0]:
+                companion = run.series(dashed[0])
+                if companion[0]:
                     ax.plot(
-                        *series,
+                        *companion,
                         color=color,
                         linestyle="--",
                         linewidth=1.0,
-                        label=f"{run.label} ({dashed[1]})",
+                        label=f"{run.label}: {dashed[1]}",
                     )
-        ax.set_title(title)
+        ax.set_title(CPU_MEMORY_TITLE if key == "peak_mem_bytes" and any_cpu else title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     after_lines = flat_axes[len(line_panels) :]
     for ax, (axis, xlabel) in zip(after_lines, progress_panels, strict=False):
         for i, (run, p) in enumerate(zip(runs, progress, strict=True)):
-            ax.plot(getattr(p, axis), p.loss, label=run.label, color=colors[i % len(colors)])
+            if p.loss:
+                ax.plot(getattr(p, axis), p.loss, label=run.legend, color=colors[i % len(colors)])
         ax.set_title(f"loss ({SMOOTH_STEPS}-step mean) vs {axis}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss")
@@ -355,14 +395,15 @@ def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
     for ax, group in zip(group_axes, plan_groups, strict=False):
         means = [_group_means(run, group) for run in runs]
         members = sorted({m for d in means for m in d}, key=lambda m: (len(m), m))
-        width = 0.8 / len(runs)
-        for i, (run, d) in enumerate(zip(runs, means, strict=True)):
-            xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(members))]
+        shown = [(i, run, d) for i, (run, d) in enumerate(zip(runs, means, strict=True)) if d]
+        width = 0.8 / max(len(shown), 1)
+        for n, (i, run, d) in enumerate(shown):
+            xs = [j + (n - (len(shown) - 1) / 2) * width for j in range(len(members))]
             ax.bar(
                 xs,
                 [d.get(m, 0.0) for m in members],
                 width=width,
-                label=run.label,
+                label=run.legend,
                 color=colors[i % len(colors)],
             )
         ax.set_xticks(range(len(members)), members)
@@ -371,7 +412,11 @@ def plot(runs: Sequence[RunMetrics], png_path: Path) -> None:
         ax.legend(fontsize=8)
     for ax in flat_axes[n_panels:]:
         ax.set_visible(False)
-    fig.tight_layout()
+    if note_lines:
+        fig.text(
+            0.01, 1 - 0.05 / height_in, "\n".join(note_lines), va="top", fontsize=9, color="#b00000"
+        )
+    fig.tight_layout(rect=(0, 0, 1, 1 - notes_in / height_in))
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
 
@@ -418,7 +463,7 @@ def write_html(
         "<tr>" + "".join(f"<td>{format_value(row[h])}</td>" for h in headers) + "</tr>"
         for row in rows
     )
-    sources = "".join(f"<li>{html.escape(r.label)}: {html.escape(str(r.path))}</li>" for r in runs)
+    sources = "".join(f"<li>{html.escape(r.legend)}: {html.escape(str(r.path))}</li>" for r in runs)
     remarks = "".join(f"<li>{html.escape(line)}</li>" for line in notes)
     memory = any(run.series("peak_mem_bytes")[0] for run in runs)
     html_path.write_text(
@@ -469,7 +514,7 @@ def compare_runs(
     levels = time_to_loss(runs)
     png, page = out / "comparison.png", out / "comparison.html"
     notes = report_notes(runs)
-    plot(runs, png)
+    plot(runs, png, notes=notes)
     write_html(rows, png, page, runs, levels, notes)
     (out / "time_to_loss.json").write_text(json.dumps(levels, indent=1), encoding="utf-8")
     # JSON has no NaN: write null for "not available".

@@ -24,9 +24,11 @@ from wandb_workspaces import expr
 from wandb_workspaces.workspaces import internal
 
 from dcp.files import reading
+from dcp.observability.compare import default_label
+from dcp.observability.describe import CP_HIST_PREFIX, DESCRIBED, describe_run, run_config_of
 from dcp.observability.host import DEVICE_KEY
-from dcp.observability.metrics import MetricsConfig, flatten, iter_metrics
-from dcp.observability.run_info import CONFIG_FILENAME, read_run_config
+from dcp.observability.metrics import METRICS_FILENAME, MetricsConfig, flatten, iter_metrics
+from dcp.observability.run_info import CONFIG_FILENAME
 from dcp.plan import PLANNERS
 
 WORKSPACE_FILENAME = "wandb_workspace.json"
@@ -127,9 +129,11 @@ NOT_LOGGED: tuple[str, ...] = ()
 
 @dataclass(frozen=True)
 class RunSummary:
-    """What the dashboard needs from one run directory."""
+    """What the dashboard needs from one run: a DCP run directory, or a metrics file (a
+    Megatron-loop run's ``--dcp-metrics``)."""
 
     path: Path
+    """The run directory, or the metrics file itself."""
     name: str
     """The W&B run name."""
     project: str
@@ -141,6 +145,8 @@ class RunSummary:
     """Every numeric metric key the run logged, as W&B names it."""
     on_cpu: bool = False
     """The run computed on CPU (its records' ``host/device``; old records do not say)."""
+    config: str = ""
+    """What the run ran (``dcp.observability.describe.describe_run``)."""
 
     @property
     def run_id(self) -> str | None:
@@ -149,30 +155,49 @@ class RunSummary:
 
 
 def read_run(path: str | Path) -> RunSummary:
-    """The summary of run directory ``path``; ``ValueError`` naming it when it is not a run
-    directory or logged no step."""
-    run_dir = Path(path)
-    if not run_dir.is_dir():
-        raise ValueError(f"{run_dir}: no such run directory")
-    # Streamed: only the keys, the last planner and the device are kept.
+    """The summary of run directory ``path``, or of a metrics file (a Megatron-loop run's
+    ``--dcp-metrics``: named after its stem, as ``tools.compare_runs`` names it; a file named
+    ``metrics.jsonl`` stands for its directory); ``ValueError`` naming it when it is neither or
+    logged no step."""
+    given = Path(path)
+    if given.is_file():
+        file = given
+        run_dir = given.parent if given.name == METRICS_FILENAME else None
+    elif given.is_dir():
+        file, run_dir = given / METRICS_FILENAME, given
+    else:
+        raise ValueError(f"{given}: no such run directory or metrics file")
+    # Streamed: only the keys, the device and the fields describe_run reads are kept.
     keys: set[str] = set()
+    described: list[dict[str, Any]] = []
     last: dict[str, Any] | None = None
     on_cpu = False
     try:
-        for record in iter_metrics(run_dir):
+        for record in iter_metrics(file):
+            flat = flatten(record, expand_lists=True)
             keys.update(
                 key
-                for key, value in flatten(record, expand_lists=True).items()
+                for key, value in flat.items()
                 if isinstance(value, int | float) and not isinstance(value, bool) and key != "step"
+            )
+            described.append(
+                {k: v for k, v in flat.items() if k in DESCRIBED or k.startswith(CP_HIST_PREFIX)}
             )
             on_cpu = on_cpu or record.get(DEVICE_KEY) == "cpu"
             last = record
     except FileNotFoundError as exc:
-        raise ValueError(f"{run_dir}: no metrics.jsonl (not a DCP run directory?)") from exc
+        others = sorted(p.name for p in given.glob("*.jsonl"))
+        hint = (
+            f"; give a --dcp-metrics file itself ({', '.join(others[:4])})"
+            if others
+            else " (not a DCP run directory, nor a Megatron-loop run's --dcp-metrics file?)"
+        )
+        raise ValueError(f"{given}: no {METRICS_FILENAME}{hint}") from exc
     if last is None:
-        raise ValueError(f"{run_dir}: metrics.jsonl has no steps")
-    config = _run_config(run_dir)
-    with reading(run_dir / CONFIG_FILENAME, "run config"):
+        raise ValueError(f"{file} has no steps")
+    found = run_config_of(file)
+    config = found[0] if found else {}
+    with reading(file.parent / CONFIG_FILENAME, "run config"):
         metrics = _mapping(config.get("metrics"), "metrics")
         planning = _mapping(config.get("planning"), "planning")
         wandb_dir = _text(metrics.get("wandb_dir"), "metrics.wandb_dir")
@@ -181,17 +206,20 @@ def read_run(path: str | Path) -> RunSummary:
         group = _text(metrics.get("wandb_group"), "metrics.wandb_group")
         planner = _text(planning.get("planner"), "planning.planner")
     planner = planner or last.get("planner")
-    wandb_root = Path(wandb_dir) if wandb_dir else run_dir
-    offline = sorted(p for p in (wandb_root / "wandb").glob("offline-run-*-*") if p.is_dir())
+    offline: list[Path] = []
+    if run_dir is not None:  # a directory's W&B runs: which of two files' a run is is unknown
+        wandb_root = Path(wandb_dir) if wandb_dir else run_dir
+        offline = sorted(p for p in (wandb_root / "wandb").glob("offline-run-*-*") if p.is_dir())
     return RunSummary(
-        path=run_dir,
-        name=name or run_dir.name,
+        path=run_dir or file,
+        name=name or default_label(file),
         project=project or MetricsConfig().wandb_project,
         group=group,
         planner=planner if isinstance(planner, str) else None,
         offline_runs=tuple(offline),
         keys=frozenset(keys),
         on_cpu=on_cpu,
+        config=describe_run(described, found),
     )
 
 
@@ -205,15 +233,6 @@ def _text(value: Any, key: str) -> str | None:
     if not isinstance(value, str | None):
         raise ValueError(f"{key} must be a string, got {value!r}")
     return value
-
-
-def _run_config(run_dir: Path) -> dict[str, Any]:
-    """The resolved config a run wrote (``{}`` if it wrote none)."""
-    file = run_dir / CONFIG_FILENAME
-    if not file.is_file():
-        return {}
-    config, _ = read_run_config(file)
-    return config
 
 
 def _series(wanted: str, logged: frozenset[str] | None) -> tuple[list[str], str | None]:

@@ -7,7 +7,8 @@ the workspace, with the keys and regular expressions each selects) from the runs
 dashboard can be looked at before it is published. Differences from W&B's rendering, stated on
 the page: W&B's wall-clock axis is the time since the run started, here the sum of step times
 (start-up excluded); W&B averages the runs of one planner group and stacks stacked-area panels,
-here every run's every key is its own line, coloured by planner.
+here every run's every key is its own line, each run in a colour of its own (three runs of one
+planner stay apart), the keys of one panel in line styles.
 """
 
 from __future__ import annotations
@@ -20,16 +21,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcp.observability.dashboard import (
-    PLANNER_COLORS,
-    WALL_CLOCK,
-    RunSummary,
-    natural_sort_key,
-)
+from dcp.observability.dashboard import WALL_CLOCK, RunSummary, natural_sort_key
 from dcp.observability.metrics import flatten, read_metrics
 
 _STYLES = ("-", "--", ":", "-.")
-"""Line styles telling apart the keys of one panel, or runs of one planner (one colour)."""
+"""Line styles telling apart the keys of one panel."""
+RUN_COLORS = (
+    "#1f77b4",
+    "#d62728",
+    "#2ca02c",
+    "#ff7f0e",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+"""One colour per run, in the order the runs were given (matplotlib's ``tab10``)."""
+
+
+def run_color(index: int) -> str:
+    """The colour of the ``index``-th run (the palette repeats past ten runs)."""
+    return RUN_COLORS[index % len(RUN_COLORS)]
 
 
 @dataclass(frozen=True)
@@ -95,10 +109,10 @@ class Line:
     label: str
     xs: tuple[float, ...]
     ys: tuple[float, ...]
-    planner: str | None
-    """The run's planner: the line's colour."""
+    color: str
+    """The run's colour (``run_color`` of its place among the runs)."""
     style: str
-    """Its line style: by key when the panel draws several, else by run within its planner."""
+    """Its line style: one per key of the panel."""
 
 
 def panel_lines(panel: PreviewPanel, data: Sequence[RunData]) -> list[Line]:
@@ -108,19 +122,17 @@ def panel_lines(panel: PreviewPanel, data: Sequence[RunData]) -> list[Line]:
         {k for d in data for r in d.records for k in r if panel.selects(k)}, key=natural_sort_key
     )
     lines = []
-    of_planner: dict[str | None, int] = {}
-    for d in data:
+    for i, d in enumerate(data):
         xs = d.clock if panel.x == WALL_CLOCK else d.steps
-        nth = of_planner.get(d.run.planner, 0)
-        of_planner[d.run.planner] = nth + 1
         for k, key in enumerate(keys):
             points = [(x, _numeric(r.get(key))) for x, r in zip(xs, d.records, strict=True)]
             points = [(x, y) for x, y in points if y is not None]
             if points:
-                label = d.run.name if len(keys) == 1 else f"{d.run.name}: {key}"
+                run = f"{d.run.name} ({d.run.config})" if d.run.config else d.run.name
+                label = run if len(keys) == 1 else f"{d.run.name}: {key}"
                 x, y = zip(*points, strict=True)
-                style = _STYLES[(k if len(keys) > 1 else nth) % len(_STYLES)]
-                lines.append(Line(label=label, xs=x, ys=y, planner=d.run.planner, style=style))
+                style = _STYLES[k % len(_STYLES)]
+                lines.append(Line(label=label, xs=x, ys=y, color=run_color(i), style=style))
     return lines
 
 
@@ -151,7 +163,7 @@ def plot_preview(
                 line.xs,
                 line.ys,
                 label=line.label,
-                color=PLANNER_COLORS.get(line.planner or "", "#555555"),
+                color=line.color,
                 ls=line.style,
             )
         suffix = " (stacked in W&B)" if panel.stacked else ""
@@ -193,10 +205,10 @@ def write_preview(
         for p in drawn
     )
     items = "".join(
-        f'<li><span style="color:{PLANNER_COLORS.get(r.planner or "", "#555555")}">&#9632;</span> '
-        f"{html.escape(r.name)} (planner {html.escape(str(r.planner))}): "
+        f'<li><span style="color:{run_color(i)}">&#9632;</span> '
+        f"{html.escape(r.name)} ({html.escape(r.config or f'planner {r.planner}')}): "
         f"{html.escape(str(r.path))}</li>"
-        for r in runs
+        for i, r in enumerate(runs)
     )
     missing = "".join(f"<li>{html.escape(line)}</li>" for line in left_out)
     commands = html.escape("\n".join(publish))
@@ -213,7 +225,7 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #bbb;padding:4px 8px}}
 <code>metrics.jsonl</code>: the same sections, titles and metric keys. W&amp;B's wall-clock axis is
 the time since each run started; here it is the sum of step times (start-up excluded). W&amp;B
 averages the runs of one planner group and stacks the stacked-area panels; here every run's every
-key is its own line, coloured by planner.</p>
+key is its own line, each run in its own colour, the keys of a panel in line styles.</p>
 <h2>Runs</h2><ul>{items}</ul>
 <p><img alt="workspace panels" src="data:image/png;base64,{image}"></p>
 <h2>Panels</h2><table><tr><th>section</th><th>panel</th><th>metric keys</th></tr>

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from dcp.observability.compare import (
+    CPU_MEMORY_TITLE,
     MEMORY_NOTE,
     distinct_labels,
     line_panels_of,
@@ -229,3 +230,124 @@ def test_cpu_runs_have_no_mfu_panel_and_the_memory_budget_is_explained(tmp_path)
     result = compare_runs([tmp_path / "cpu.jsonl"], tmp_path / "r")
     page = result["html"].read_text()
     assert html.escape(MEMORY_NOTE) in page and "MFU not drawn for cpu" in page
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """What each saved figure showed: ``{"titles": {title: [legend entries]}, "texts": [...]}``
+    of every figure saved while the test runs (matplotlib's own objects, read at save time)."""
+    from matplotlib.figure import Figure
+
+    figures: list[dict] = []
+    save = Figure.savefig
+
+    def recording(fig, *args, **kwargs):
+        titles = {}
+        for ax in fig.axes:
+            if ax.get_visible():
+                legend = ax.get_legend()
+                titles[ax.get_title()] = (
+                    [t.get_text() for t in legend.get_texts()] if legend else []
+                )
+        figures.append({"titles": titles, "texts": [t.get_text() for t in fig.texts]})
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording)
+    return figures
+
+
+def _megatron_file(path, *, planner, plan, step_time_s=1.0, load=2.0):
+    """A ``--dcp-metrics`` file as ``dcp.integrations.megatron_lm.recorder.LoopRecorder``
+    writes it: the static run without plan keys, a ``--dcp`` run with them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for step in range(1, 7):
+            record = {
+                "step": step,
+                "loss": 6.0 - 0.1 * step,
+                "tokens": 1000,
+                "sequences": 2,
+                "step_time_s": step_time_s,
+                "tokens_per_s": 1000 / step_time_s,
+                "lr": 1e-3,
+                "grad_norm": 1.0,
+                "skipped": False,
+                "planner": planner,
+                "host": {"load_1m": load, "cpus": 2, "device": "cpu"},
+            }
+            if plan:
+                record.update(
+                    compute_time_s=0.9 * step_time_s,
+                    predicted_step_time_s=0.8 * step_time_s,
+                    plan={
+                        "cp_hist": {"1": 2, "2": step % 2},
+                        "recompute_fraction": 0.5,
+                        "micro_steps_per_rank": [2, 1],
+                        "predicted_imbalance": 1.1,
+                    },
+                )
+            f.write(encode_record(step, record)[0] + "\n")
+    return path
+
+
+def test_a_static_run_without_plan_stats_has_no_legend_entry_in_plan_panels(tmp_path, drawn):
+    static = _megatron_file(tmp_path / "m" / "static.jsonl", planner="static", plan=False)
+    dcp = _megatron_file(tmp_path / "m" / "dcp.jsonl", planner="dcp", plan=True)
+    compare_runs([static, dcp], tmp_path / "r")
+    (figure,) = drawn
+    plan_panels = {t: e for t, e in figure["titles"].items() if t.startswith("plan/")}
+    assert plan_panels, figure["titles"]
+    for title, entries in plan_panels.items():
+        assert entries and not any(e.startswith("static") for e in entries), (title, entries)
+    assert any(e.startswith("static") for e in figure["titles"]["loss"])
+
+
+def test_legends_name_each_runs_configuration(tmp_path, drawn):
+    """Three DCP-trainer runs of one planner and a Megatron-loop file: each legend entry says
+    what the run ran (its config.yaml, else its records), not only its directory or stem."""
+    from dcp.observability.run_info import write_run_config
+
+    paths = []
+    for name, tp, static_cp in (("a", 1, None), ("b", 2, None), ("c", 1, 4)):
+        _write_run(tmp_path / name, tokens_per_s=1000.0, step_time_s=1.0)
+        # static_recompute is set for all three; only the static run's planner reads it.
+        planning = {
+            "planner": "static" if static_cp else "dcp",
+            "static_cp_size": static_cp,
+            "static_recompute": "full",
+        }
+        write_run_config(
+            tmp_path / name,
+            {
+                "planning": planning,
+                "parallel": {"tensor_parallel_size": tp, "pipeline_parallel_size": 2},
+            },
+            run_info={"world_size": 8},
+        )
+        paths.append(tmp_path / name)
+    paths.append(_megatron_file(tmp_path / "m" / "dcp.jsonl", planner="megatron", plan=True))
+    result = compare_runs(paths, tmp_path / "r")
+    assert [row["config"] for row in result["rows"]] == [
+        "planner dcp, CP 1/2, recompute 25%, TP 1 PP 2, 8 ranks",
+        "planner dcp, CP 1/2, recompute 25%, TP 2 PP 2, 8 ranks",
+        "planner static, CP 4, recompute full, TP 1 PP 2, 8 ranks",
+        "planner megatron, CP 1/2, recompute 50%",
+    ]
+    (figure,) = drawn
+    assert figure["titles"]["loss"] == [
+        f"{label} ({row['config']})"
+        for label, row in zip(["a", "b", "c", "dcp"], result["rows"], strict=True)
+    ]
+    assert "planner megatron, CP 1/2" in result["html"].read_text()
+
+
+def test_the_image_carries_the_busy_host_warning_and_the_cpu_memory_caveat(tmp_path, drawn):
+    quiet = _write_file(tmp_path / "quiet.jsonl", step_time_s=1.0, load=2.0)
+    busy = _write_file(tmp_path / "busy.jsonl", step_time_s=1.5, load=4.0)
+    result = compare_runs([quiet, busy], tmp_path / "r")
+    (figure,) = drawn
+    text = " ".join(" ".join(figure["texts"]).split())
+    assert result["notes"] and all(" ".join(n.split()) in text for n in result["notes"])
+    assert "busy ran on a busy host" in text
+    memory = [t for t in figure["titles"] if "peak" in t]
+    assert memory == [CPU_MEMORY_TITLE] and "not comparable" in CPU_MEMORY_TITLE

@@ -271,7 +271,7 @@ def test_a_local_preview_draws_the_workspaces_panels(bench_runs, no_network, tmp
     data = [RunData.read(read_run(d)) for d in dirs]
     wall = next(p for p in panels if p.title == "loss vs wall-clock time (s)")
     lines = panel_lines(wall, data)
-    assert [line.label for line in lines] == [d.name for d in dirs]
+    assert [line.label for line in lines] == [f"{d.name} ({read_run(d).config})" for d in dirs]
     for line, run_dir in zip(lines, dirs, strict=True):
         records = read_metrics(run_dir)
         assert line.ys == tuple(r["loss"] for r in records)
@@ -294,3 +294,77 @@ def test_cpu_runs_get_no_mfu_panel_and_a_memory_title_that_says_what_it_holds(tm
     gpu = read_run(write_run(tmp_path, "gpu", "dcp", {}, "disabled", device="cuda"))
     workspace, _ = build_workspace([gpu], entity="", project="p")
     assert "MFU" in {p.title for s in workspace.sections for p in s.panels}
+
+
+def test_the_preview_gives_every_run_its_own_colour(tmp_path):
+    """Three runs of one planner: three colours (one planner's colour made them one blue),
+    each legend entry naming the configuration the run ran."""
+    dirs = [write_run(tmp_path / str(i), "dcp", "dcp", {}, "disabled") for i in range(3)]
+    data = [RunData.read(read_run(d)) for d in dirs]
+    (loss,) = [p for p in _panels_of(dirs) if p.title == "loss vs step"]
+    lines = panel_lines(loss, data)
+    assert len({line.color for line in lines}) == 3
+    assert all("planner dcp, CP " in line.label for line in lines)
+
+
+def _panels_of(dirs):
+    workspace, _ = build_workspace([read_run(d) for d in dirs], entity="", project="p")
+    return preview_panels(workspace)
+
+
+def _megatron_metrics(path, *, planner, plan):
+    """A ``--dcp-metrics`` file, each line as ``LoopRecorder`` encodes it."""
+    from dcp.observability.metrics import encode_record
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for step in range(1, 4):
+            record = {
+                "step": step,
+                "loss": 5.0 - 0.2 * step,
+                "tokens": 4000,
+                "sequences": 3,
+                "step_time_s": 2.0,
+                "tokens_per_s": 2000.0,
+                "lr": 1e-3,
+                "grad_norm": 1.5,
+                "skipped": False,
+                "planner": planner,
+                "host": {"load_1m": 1.0, "cpus": 2, "device": "cpu"},
+            }
+            if plan:
+                record |= {
+                    "compute_time_s": 1.8,
+                    "predicted_step_time_s": 1.7,
+                    "plan": {"cp_hist": {"1": 2, "2": 1}, "recompute_fraction": 0.5},
+                }
+            f.write(encode_record(step, record)[0] + "\n")
+    return path
+
+
+def test_megatron_loop_metrics_files_get_a_workspace_and_a_preview(tmp_path, capsys):
+    static = _megatron_metrics(
+        tmp_path / "megatron-lm" / "static.jsonl", planner="static", plan=False
+    )
+    dcp = _megatron_metrics(tmp_path / "megatron-lm" / "dcp.jsonl", planner="dcp", plan=True)
+    assert main([str(static), str(dcp)]) == 0
+    out = capsys.readouterr().out
+    path = tmp_path / "megatron-lm" / WORKSPACE_FILENAME
+    assert f"wrote {path}" in out and f"note: {dcp} is a metrics file" in out
+    workspace = workspace_from_json(json.loads(path.read_text()))
+    panels = {p.title: p for s in workspace.sections for p in s.panels}
+    assert {m.name for m in panels["sequences per CP degree"].y} == {
+        "plan/cp_hist/1",
+        "plan/cp_hist/2",
+    }
+    assert workspace.runset_settings.filters == "Metric(\"Name\") in ['dcp', 'static']"
+    runs = [read_run(static), read_run(dcp)]
+    assert [(r.name, r.planner, r.config) for r in runs] == [
+        ("static", "static", "planner static"),
+        ("dcp", "dcp", "planner dcp, CP 1/2, recompute 50%"),
+    ]
+    assert (tmp_path / "megatron-lm" / "wandb_workspace.preview.png").is_file()
+    # A directory of such files names them.
+    assert main([str(tmp_path / "megatron-lm")]) == 2
+    err = capsys.readouterr().err
+    assert "give a --dcp-metrics file itself (dcp.jsonl, static.jsonl)" in err
