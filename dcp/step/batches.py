@@ -265,21 +265,37 @@ class BatchPlanner:
             )
         return self._static_config
 
-    def plan(self, batch: GlobalBatch, *, pinned: dict[int, tuple] | None = None) -> PlannedBatch:
+    def plan(
+        self,
+        batch: GlobalBatch,
+        *,
+        pinned: dict[int, tuple] | None = None,
+        forward_only: bool = False,
+    ) -> PlannedBatch:
         """Plan ``batch`` (``plan_lengths`` of its training lengths)."""
-        return self.plan_lengths(seq_lengths(batch), pinned=pinned)
+        return self.plan_lengths(seq_lengths(batch), pinned=pinned, forward_only=forward_only)
 
     def plan_lengths(
-        self, lengths: list[int], *, pinned: dict[int, tuple] | None = None
+        self,
+        lengths: list[int],
+        *,
+        pinned: dict[int, tuple] | None = None,
+        forward_only: bool = False,
     ) -> PlannedBatch:
         """Plan a global batch of training ``lengths``, checked against the batch and the
         planner ranks before any rank runs it; ``pinned`` (the dcp planner's option) fixes some
-        sequences' configuration."""
+        sequences' configuration. ``forward_only`` (log-probs, evaluation): planned with the
+        memory of a forward-only micro-step (``CostModel.forward_only``), so smaller CP groups
+        fit, and returned as ``Plan.forward_only`` (no recompute)."""
         start = time.perf_counter()
         cost_model, version = self.cost_model, self.version  # one model for the whole plan
+        if forward_only:
+            cost_model = cost_model.forward_only()
         options = self.planner_options(lengths, pinned=pinned)
         plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, options=options)
         plan.validate(num_sequences=len(lengths), num_ranks=self.num_planner_ranks)
+        if forward_only:
+            plan = plan.forward_only()
         sim = simulate(plan, lengths, cost_model)
         mean_busy = sum(sim.busy_s) / len(sim.busy_s)
         imbalance = max(sim.busy_s) / mean_busy if mean_busy > 0 else 1.0
