@@ -12,7 +12,7 @@ PYTHON312   := $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/pyth
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo demo-tp demo-pp demo-sft data test unit test-compat compat-axis lint format bench compare simulate extend-context \
+.PHONY: setup demo demo-tp demo-pp demo-sft demo-sft-engine data test unit test-compat compat-axis lint format bench compare simulate extend-context \
         clean
 
 setup: $(STAMP)
@@ -47,10 +47,18 @@ demo-pp: data
 	$(VENV)/bin/torchrun --nproc-per-node 4 -m pretrain.pretrain_gpt \
 	  --config pretrain/configs/tiny_cpu.yaml name=demo-pp2 parallel.pipeline_parallel_size=2 $(ARGS)
 
-# Supervised fine-tuning on CPU through DCPEngine (pretrain/example_sft.py): chat conversations
-# (a generated demo corpus, or ARGS="--data your.jsonl"), byte-level tokens, loss on the
-# assistant's tokens only.
-demo-sft: $(STAMP)
+# Supervised fine-tuning on CPU through DCP's trainer (pretrain/configs/sft_cpu.yaml): chat
+# conversations (a generated demo corpus, or ARGS="data.chat.path=your.jsonl"), byte-level
+# tokens, loss on the assistant's tokens only, checkpoints and resume as for pretraining.
+demo-sft: data/demo_chats.jsonl
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) -m pretrain.pretrain_gpt \
+	  --config pretrain/configs/sft_cpu.yaml $(ARGS)
+
+data/demo_chats.jsonl: $(STAMP)
+	$(PY) -c "from dcp.data.sft import write_demo_chats; write_demo_chats('$@', num_chats=512)"
+
+# The same in a plain loop through DCPEngine (pretrain/example_sft.py; ARGS="--data your.jsonl").
+demo-sft-engine: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) -m pretrain.example_sft $(ARGS)
 
 # Context extension on CPU (pretrain/configs/extend_context_cpu.yaml): a 512-token base model,

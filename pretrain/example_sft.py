@@ -1,5 +1,5 @@
 """Supervised fine-tuning through DCP in a plain loop: chat conversations (JSONL, byte-level
-tokens), the loss on the assistant's tokens only. Run with (or ``make demo-sft``):
+tokens), the loss on the assistant's tokens only. Run with (or ``make demo-sft-engine``):
 torchrun --nproc-per-node 2 -m pretrain.example_sft [--data chats.jsonl] [--steps N]
 Without ``--data`` it writes and trains on a demo corpus (``dcp.data.sft.write_demo_chats``)."""
 

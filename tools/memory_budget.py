@@ -49,8 +49,11 @@ def longest_seq_len(cfg: PretrainConfig) -> tuple[int, str]:
     """The longest sequence the recipe trains (the data's document cap, within the model's) and
     the setting that makes it so (``key=value``)."""
     data = cfg.data
-    key = "data.indexed.max_doc_len" if data.source == "indexed" else "data.synthetic.max_len"
-    cap = data.indexed.max_doc_len if data.source == "indexed" else data.synthetic.max_len
+    key, cap = None, None  # chat: a conversation may be as long as the model takes
+    if data.source == "indexed":
+        key, cap = "data.indexed.max_doc_len", data.indexed.max_doc_len
+    elif data.source == "synthetic":
+        key, cap = "data.synthetic.max_len", data.synthetic.max_len
     if cap is None or train_len(cap) >= cfg.model.max_seq_len:
         return cfg.model.max_seq_len, f"model.max_seq_len={cfg.model.max_seq_len}"
     return train_len(cap), f"{key}={cap}"

@@ -34,6 +34,7 @@ from dcp.costmodel.spec import (
     ModelSpec,
     Options,
     analytic_coefficients,
+    layer_working_set_bytes,
     parse_spec,
 )
 from dcp.plan import RECOMPUTE_LEVELS, Plan, Recompute, check_choice, full_recompute_layers
@@ -163,6 +164,28 @@ class CostModel:
         share = (need - 1) / layers
         lower = self.static_mem_bytes + (none - share * saved) * tokens
         return need - ((need > 1) & (lower <= self.mem_budget_bytes))
+
+    def forward_only(self) -> CostModel:
+        """This cost model for forward-only micro-steps (log-probs, evaluation:
+        ``Plan.forward_only``): a rank holds one layer's working set per token
+        (``layer_working_set_bytes``) and the logits, nothing kept for a backward, at every
+        recompute level, never more than under full recompute (which holds that working set
+        beside the layer inputs; a measured spec may say less than the share of ``none``).
+        Times stay the training step's (forward, backward and recompute): an upper bound that
+        ranks CP sizes alike. Without a model spec (no layer count) or under pipelining (the
+        stages' memory is derived from the training levels) it is this model itself: training
+        memory, an upper bound."""
+        if self.model is None or self.pipeline_parallel_size > 1:
+            return self
+        c = self.coefficients
+        act = c.activation_bytes_per_token
+        working_set = min(layer_working_set_bytes(act, self.num_layers), act[Recompute.FULL])
+        act = dict.fromkeys(RECOMPUTE_LEVELS, working_set)
+        return replace(
+            self,
+            coefficients=replace(c, activation_bytes_per_token=act),
+            name=f"{self.name} (forward only)",
+        )
 
     # -- memory ----------------------------------------------------------------------------
     @property

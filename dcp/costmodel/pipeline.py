@@ -42,6 +42,7 @@ from dcp.costmodel.spec import (
     TP_GATHERS_SCATTERS_OUTSIDE_LAYERS,
     TP_GATHERS_SCATTERS_PER_LAYER,
     Coefficients,
+    layer_working_set_bytes,
     monotone_activations,
     spec_param_counts,
     tp_collectives_per_step,
@@ -252,7 +253,7 @@ def _stage_coefficients(cost_model: CostModel, counts: tuple[int, ...], stage: i
     }
 
     act = c.activation_bytes_per_token
-    one_layer = act[Recompute.NONE] / layers
+    one_layer = layer_working_set_bytes(act, layers)
     activations = monotone_activations(
         {
             "none": share * act[Recompute.NONE],

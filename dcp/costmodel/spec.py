@@ -486,6 +486,14 @@ def monotone_activations(act: dict[str, float]) -> dict[str, float]:
     return {"none": max(act["none"], selective), "selective": selective, "full": full}
 
 
+def layer_working_set_bytes(act: dict[str, float], num_layers: int) -> float:
+    """Activation bytes per token of one layer's working set: what a forward holds while a
+    layer runs, whatever it keeps for a backward. Full recompute holds it beside the layer
+    inputs; a forward-only pass (log-probs, evaluation) holds nothing else
+    (``CostModel.forward_only``). A share of the ``none`` level (every layer's working set)."""
+    return act["none"] / num_layers
+
+
 DEFAULT_FP8_LINEAR_SPEEDUP = 1.5
 """FP8 over bf16 linear throughput assumed for a cluster whose FP8 peak is not given."""
 

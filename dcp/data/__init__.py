@@ -17,11 +17,14 @@ from dcp.data.sampler import (
     GlobalBatchSampler,
     SamplerConfig,
 )
+from dcp.data.sft import ChatDataConfig, ChatDataset
 from dcp.data.synthetic import SyntheticDataConfig, SyntheticDocumentDataset, draw_lengths
 from dcp.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
 
 __all__ = [
     "ByteTokenizer",
+    "ChatDataConfig",
+    "ChatDataset",
     "DocumentDataset",
     "GlobalBatch",
     "GlobalBatchSampler",

@@ -28,6 +28,20 @@ class DocumentDataset(Protocol):
     def get_tokens(self, doc_id: int, start: int = 0, length: int | None = None) -> np.ndarray: ...
 
 
+@runtime_checkable
+class MaskedDocumentDataset(DocumentDataset, Protocol):
+    """A document dataset whose documents carry a loss mask over their labels (``doc[1:]``):
+    SFT's chat conversations (``dcp.data.sft.ChatDataset``)."""
+
+    def label_mask(self, doc_id: int, start: int, length: int) -> np.ndarray:
+        """1.0 where labels [start, start + length) of the document count in the loss."""
+        ...
+
+    def num_counted(self, doc_id: int) -> int:
+        """Labels of the document that count in the loss."""
+        ...
+
+
 def check_token_slice(doc_id: int, start: int, length: int | None, lengths: np.ndarray) -> int:
     """Validate a ``get_tokens`` request against ``lengths``; return the document's length."""
     if not 0 <= doc_id < lengths.size:

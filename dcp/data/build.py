@@ -9,22 +9,29 @@ import numpy as np
 
 from dcp.data.base import DocumentDataset
 from dcp.data.indexed import IndexedDataConfig, IndexedDocumentDataset
+from dcp.data.sft import ChatDataConfig, ChatDataset
 from dcp.data.synthetic import SyntheticDataConfig, SyntheticDocumentDataset
 
 logger = logging.getLogger(__name__)
 
 
-def build_document_dataset(config, *, vocab_size: int | None = None) -> DocumentDataset:
-    """The dataset a config describes (``SyntheticDataConfig`` or ``IndexedDataConfig``).
+def build_document_dataset(
+    config, *, vocab_size: int | None = None, max_tokens: int | None = None
+) -> DocumentDataset:
+    """The dataset a config describes (``SyntheticDataConfig``, ``IndexedDataConfig`` or
+    ``ChatDataConfig``).
 
     With ``vocab_size`` (the model's), a dataset whose vocabulary is larger, or whose files hold a
     token id outside it, is refused naming the file and document. Every document must have at
-    least 2 tokens (one next-token prediction).
+    least 2 tokens (one next-token prediction). ``max_tokens``: a chat conversation longer than
+    this is refused naming its line (the other datasets cap their documents in their config).
     """
     if isinstance(config, SyntheticDataConfig):
         dataset = SyntheticDocumentDataset(config)
     elif isinstance(config, IndexedDataConfig):
         dataset = IndexedDocumentDataset(config)
+    elif isinstance(config, ChatDataConfig):
+        dataset = ChatDataset(config, max_tokens=max_tokens)
     else:
         raise TypeError(f"no document dataset for config type {type(config).__name__}")
     data_vocab = dataset.vocab_size

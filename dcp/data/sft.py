@@ -10,12 +10,16 @@ turn, so the model learns to answer and to stop, never to write the user's part.
 is the caller's (``dcp.data.tokenizer.build_tokenizer``: byte-level on a CPU, or a local Hugging
 Face tokenizer).
 
-The documents and masks go to ``DCPEngine.train_step(tokens, loss_masks=masks)``
-(``pretrain/example_sft.py``, ``make demo-sft``); the planner sees their lengths only.
+DCP's trainer reads a file as a ``ChatDataset`` (``data.source: chat``, ``ChatDataConfig``;
+``pretrain/configs/sft_cpu.yaml``, ``make demo-sft``): a document dataset whose documents carry
+their loss masks, sampled, planned, checkpointed and resumed as pretraining's are. A plain loop
+gives the documents and masks to ``DCPEngine.train_step(tokens, loss_masks=masks)``
+(``pretrain/example_sft.py``, ``make demo-sft-engine``). The planner sees the lengths only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -24,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dcp.data.tokenizer import Tokenizer
+from dcp.data.base import check_token_slice
+from dcp.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from dcp.files import FileContentError, iter_lines, parse_json, write_atomic
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
@@ -74,12 +79,12 @@ def _messages(record: object) -> list[dict]:
 
 
 def read_chat_jsonl(
-    path: str | os.PathLike[str], *, tokenizer: Tokenizer, max_tokens: int
+    path: str | os.PathLike[str], *, tokenizer: Tokenizer, max_tokens: int | None
 ) -> list[ChatDocument]:
     """Every conversation of the JSONL file ``path`` rendered (``render_chat``), in file order;
     blank lines are skipped. A malformed line, a conversation longer than ``max_tokens`` tokens
-    (the model's ``max_seq_len + 1``) or a file without conversations is refused in one line
-    naming the file and line."""
+    (the model's ``max_seq_len + 1``; ``None``: no limit) or a file without conversations is
+    refused in one line naming the file and line."""
     documents = []
     for number, line in iter_lines(path, what="chat JSONL"):
         if not line.strip():
@@ -91,7 +96,7 @@ def read_chat_jsonl(
             raise
         except ValueError as exc:
             raise FileContentError(f"{where}: {exc}") from None
-        if document.tokens.size > max_tokens:
+        if max_tokens is not None and document.tokens.size > max_tokens:
             raise FileContentError(
                 f"{where}: the conversation has {document.tokens.size} tokens, more than the "
                 f"{max_tokens} the model takes (max_seq_len + 1); shorten or drop it"
@@ -100,6 +105,103 @@ def read_chat_jsonl(
     if not documents:
         raise FileContentError(f"{path}: no conversation in the file")
     return documents
+
+
+@dataclass(kw_only=True, frozen=True)
+class ChatDataConfig:
+    """A chat JSONL file as the trainer's documents (``data.source: chat``)."""
+
+    path: str
+    """The JSONL file: one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line."""
+    tokenizer: str = "byte"
+    """``byte`` (UTF-8 bytes + end-of-document, 257 ids) or ``hf`` (a local Hugging Face
+    tokenizer directory, ``tokenizer_path``)."""
+    tokenizer_path: str | None = None
+    """tokenizer=hf: the local tokenizer directory (required); tokenizer=byte: must be unset."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("data.chat.path: name the chat JSONL file")
+        if self.tokenizer not in TOKENIZER_TYPES:
+            raise ValueError(
+                f"data.chat.tokenizer={self.tokenizer!r}; allowed: {', '.join(TOKENIZER_TYPES)}"
+            )
+        if (self.tokenizer == "hf") != (self.tokenizer_path is not None):
+            raise ValueError(
+                "data.chat.tokenizer_path: required with tokenizer=hf (a local tokenizer "
+                "directory), and not taken by tokenizer=byte"
+            )
+
+
+class ChatDataset:
+    """The conversations of a chat JSONL file as a document dataset whose documents carry
+    their loss masks (``dcp.data.base.MaskedDocumentDataset``): every conversation rendered
+    once at start (``read_chat_jsonl``), tokens and masks held in memory."""
+
+    def __init__(self, config: ChatDataConfig, *, max_tokens: int | None = None) -> None:
+        """``max_tokens``: the longest conversation the model takes (``max_seq_len + 1``)."""
+        self.config = config
+        self._tokenizer = build_tokenizer(config.tokenizer, config.tokenizer_path)
+        chats = read_chat_jsonl(config.path, tokenizer=self._tokenizer, max_tokens=max_tokens)
+        self._lengths = np.array([c.tokens.size for c in chats], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(self._lengths)[:-1]])
+        self._tokens = np.concatenate([c.tokens for c in chats])
+        # A document of n tokens has n - 1 labels: its mask starts n_before - doc_id in.
+        self._masks = np.concatenate([c.loss_mask for c in chats])
+        self._counted = np.array([int(c.loss_mask.sum()) for c in chats], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._lengths.size)
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        return self._lengths
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._tokenizer.eod
+
+    @property
+    def stats(self) -> dict:
+        """Counts a trainer logs (the keys of the other datasets', and the counted labels)."""
+        lengths = self._lengths
+        return {
+            "num_docs": int(lengths.size),
+            "num_tokens": int(lengths.sum()),
+            "min_len": int(lengths.min()),
+            "median_len": float(np.median(lengths)),
+            "max_len": int(lengths.max()),
+            "counted_labels": int(self._counted.sum()),
+            "labels": int(lengths.sum() - lengths.size),
+        }
+
+    def get_tokens(self, doc_id: int, start: int = 0, length: int | None = None) -> np.ndarray:
+        doc_len = check_token_slice(doc_id, start, length, self._lengths)
+        stop = doc_len if length is None else start + length
+        first = int(self._starts[doc_id])
+        return self._tokens[first + start : first + stop]
+
+    def label_mask(self, doc_id: int, start: int, length: int) -> np.ndarray:
+        """1.0 where labels [start, start + length) of the document count in the loss."""
+        check_token_slice(doc_id, start, length, self._lengths - 1)
+        first = int(self._starts[doc_id]) - doc_id
+        return self._masks[first + start : first + start + length]
+
+    def num_counted(self, doc_id: int) -> int:
+        """Labels of the document that count in the loss (the assistant's)."""
+        return int(self._counted[doc_id])
+
+    def content_fingerprint(self) -> list[str]:
+        """One fingerprint of what the run trains on, the rendered tokens and masks (so the
+        file and the tokenizer both), for a resume to compare (``dcp.train.resume``)."""
+        digest = hashlib.sha256(self._lengths.tobytes())
+        digest.update(self._tokens.tobytes())
+        digest.update(self._masks.tobytes())
+        return [digest.hexdigest()[:32]]
 
 
 def chat_batches(

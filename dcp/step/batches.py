@@ -26,6 +26,7 @@ from dcp.costmodel import (
 )
 from dcp.costmodel.spec import ModelSpec
 from dcp.data import build_document_dataset
+from dcp.data.base import MaskedDocumentDataset
 from dcp.data.sampler import GlobalBatch
 from dcp.mesh import Mesh
 from dcp.plan import STATIC_PER_BATCH, Plan
@@ -50,9 +51,13 @@ over (``with_fixed_static_config``)."""
 
 def build_dataset(data_cfg, *, vocab_size: int, max_seq_len: int | None = None):
     """The document dataset a ``DataConfig`` names, checked against the model: its vocabulary
-    and, with ``max_seq_len``, the longest training sequence the model was built for."""
-    config = data_cfg.synthetic if data_cfg.source == "synthetic" else data_cfg.indexed
-    dataset = build_document_dataset(config, vocab_size=vocab_size)
+    and, with ``max_seq_len``, the longest training sequence the model was built for (a chat
+    conversation longer is refused naming its line)."""
+    dataset = build_document_dataset(
+        data_cfg.dataset_config,
+        vocab_size=vocab_size,
+        max_tokens=None if max_seq_len is None else max_seq_len + 1,
+    )
     longest = longest_seq_len(dataset)
     if max_seq_len is not None and longest > max_seq_len:
         where = (
@@ -67,11 +72,15 @@ def build_dataset(data_cfg, *, vocab_size: int, max_seq_len: int | None = None):
 
 
 class DatasetSource:
-    """``SequenceSource`` over the documents of one ``GlobalBatch`` (seq id = index in batch)."""
+    """``LabelledSource`` over the documents of one ``GlobalBatch`` (seq id = index in batch):
+    the loss masks are the dataset's where its documents carry them
+    (``dcp.data.base.MaskedDocumentDataset``: SFT's chat conversations), else every label
+    counts; no per-label values."""
 
     def __init__(self, dataset, batch: GlobalBatch) -> None:
         self._dataset = dataset
         self._batch = batch
+        self._masked = isinstance(dataset, MaskedDocumentDataset)
 
     def seq_len(self, seq_id: int) -> int:
         return train_len(self._batch.lengths[seq_id])
@@ -79,6 +88,20 @@ class DatasetSource:
     def read(self, seq_id: int, start: int, stop: int) -> np.ndarray:
         doc = self._batch.doc_ids[seq_id]
         return np.asarray(self._dataset.get_tokens(doc, start, stop - start), dtype=np.int64)
+
+    def label_mask(self, seq_id: int, start: int, stop: int) -> np.ndarray:
+        if not self._masked:
+            return np.ones(stop - start, dtype=np.float32)
+        doc = self._batch.doc_ids[seq_id]
+        return np.asarray(self._dataset.label_mask(doc, start, stop - start), dtype=np.float32)
+
+    def label_values(self, seq_id: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        return {}
+
+    def num_counted(self, seq_id: int) -> int:
+        if not self._masked:
+            return self.seq_len(seq_id)
+        return self._dataset.num_counted(self._batch.doc_ids[seq_id])
 
 
 def launch_ranks_per_node() -> int | None:
@@ -265,21 +288,37 @@ class BatchPlanner:
             )
         return self._static_config
 
-    def plan(self, batch: GlobalBatch, *, pinned: dict[int, tuple] | None = None) -> PlannedBatch:
+    def plan(
+        self,
+        batch: GlobalBatch,
+        *,
+        pinned: dict[int, tuple] | None = None,
+        forward_only: bool = False,
+    ) -> PlannedBatch:
         """Plan ``batch`` (``plan_lengths`` of its training lengths)."""
-        return self.plan_lengths(seq_lengths(batch), pinned=pinned)
+        return self.plan_lengths(seq_lengths(batch), pinned=pinned, forward_only=forward_only)
 
     def plan_lengths(
-        self, lengths: list[int], *, pinned: dict[int, tuple] | None = None
+        self,
+        lengths: list[int],
+        *,
+        pinned: dict[int, tuple] | None = None,
+        forward_only: bool = False,
     ) -> PlannedBatch:
         """Plan a global batch of training ``lengths``, checked against the batch and the
         planner ranks before any rank runs it; ``pinned`` (the dcp planner's option) fixes some
-        sequences' configuration."""
+        sequences' configuration. ``forward_only`` (log-probs, evaluation): planned with the
+        memory of a forward-only micro-step (``CostModel.forward_only``), so smaller CP groups
+        fit, and returned as ``Plan.forward_only`` (no recompute)."""
         start = time.perf_counter()
         cost_model, version = self.cost_model, self.version  # one model for the whole plan
+        if forward_only:
+            cost_model = cost_model.forward_only()
         options = self.planner_options(lengths, pinned=pinned)
         plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, options=options)
         plan.validate(num_sequences=len(lengths), num_ranks=self.num_planner_ranks)
+        if forward_only:
+            plan = plan.forward_only()
         sim = simulate(plan, lengths, cost_model)
         mean_busy = sum(sim.busy_s) / len(sim.busy_s)
         imbalance = max(sim.busy_s) / mean_busy if mean_busy > 0 else 1.0

@@ -163,10 +163,12 @@ class DCPEngine:
         (fp32, ``len(doc) - 1`` each), in the caller's order, on the device of the first
         document when it is a tensor (else the CPU), the same on every rank. The batch runs as
         a forward-only plan (``Plan.forward_only``: each step without recompute, nothing kept
-        for a backward) with the model in eval mode; no gradient is touched. Every rank must
-        pass the same documents."""
+        for a backward), planned with a forward-only micro-step's memory
+        (``CostModel.forward_only``: longer documents fit smaller CP groups than in training),
+        with the model in eval mode; no gradient is touched. Every rank must pass the same
+        documents."""
         source = InMemorySource(documents)
         first = documents[0] if len(documents) else None
         device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-        plan = self.plan(source.lengths())
+        plan = self.steps.planner.plan_lengths(source.lengths(), forward_only=True).plan
         return batch_logprobs(self.runtime, plan, source=source, device=device)

@@ -103,27 +103,34 @@ def check_checkpoint_owner(
     )
 
 
-DATA_CONTENT_KEY = "data.indexed.prefixes"
-"""The key ``resume.allow_changes`` names to resume on data whose content changed."""
+DATA_CONTENT_KEYS = {"indexed": "data.indexed.prefixes", "chat": "data.chat.path"}
+"""Per ``data.source`` with a fingerprint: the key ``resume.allow_changes`` names to resume on
+data whose content changed (the one that names the files)."""
 
 
 def check_data_content(
-    old: Any, new: list[str], *, prefixes: Iterable[str], path, allow: Iterable[str]
+    old: Any,
+    new: list[str],
+    *,
+    sources: Iterable[str],
+    key: str,
+    path,
+    allow: Iterable[str],
 ) -> None:
-    """Raise ``ValueError`` when the data's content fingerprints (``new``, one per prefix of
-    ``prefixes``; ``IndexedDocumentDataset.content_fingerprint``) differ from the checkpoint's
-    (``old``), unless ``allow`` names ``DATA_CONTENT_KEY``. A checkpoint written before
-    fingerprints were saved (``old`` missing) is not checked; changed prefixes are the config
+    """Raise ``ValueError`` when the data's content fingerprints (``new``, one per file of
+    ``sources``: ``IndexedDocumentDataset.content_fingerprint`` per prefix,
+    ``ChatDataset.content_fingerprint`` for a chat file) differ from the checkpoint's (``old``),
+    unless ``allow`` names ``key`` (``DATA_CONTENT_KEYS``). A checkpoint written before
+    fingerprints were saved (``old`` missing) is not checked; changed files are the config
     check's to report."""
-    if not isinstance(old, list) or len(old) != len(new) or _covered(DATA_CONTENT_KEY, allow):
+    if not isinstance(old, list) or len(old) != len(new) or _covered(key, allow):
         return
-    changed = [p for p, a, b in zip(prefixes, old, new, strict=True) if a != b]
+    changed = [p for p, a, b in zip(sources, old, new, strict=True) if a != b]
     if changed:
         raise ValueError(
             f"the data changed since {path} was written: the content of {', '.join(changed)} "
-            "(.bin/.idx sizes or sampled bytes) differs, so the resumed run would continue on "
-            "other tokens; resume on the data the run trained on, or accept it with "
-            f"resume.allow_changes=[{DATA_CONTENT_KEY}]"
+            "differs, so the resumed run would continue on other tokens; resume on the data "
+            f"the run trained on, or accept it with resume.allow_changes=[{key}]"
         )
 
 
@@ -153,8 +160,9 @@ class ConfigCheck:
 
 
 class DataCheck:
-    """Checkpoint part ``data_fingerprint``: the corpus's content fingerprint; loading refuses
-    a checkpoint of other data (``check_data_content``). A synthetic dataset has none."""
+    """Checkpoint part ``data_fingerprint``: the corpus's content fingerprint (an indexed
+    corpus's files, a chat file's rendered tokens and masks); loading refuses a checkpoint of
+    other data (``check_data_content``). A synthetic dataset has none."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
@@ -166,10 +174,12 @@ class DataCheck:
         trainer = self.trainer
         if trainer.data_fingerprint is None:
             return
+        data = trainer.cfg.data
         check_data_content(
             state,
             trainer.data_fingerprint,
-            prefixes=trainer.cfg.data.indexed.prefixes,
+            sources=data.indexed.prefixes if data.source == "indexed" else (data.chat.path,),
+            key=DATA_CONTENT_KEYS[data.source],
             path=trainer._reading,
             allow=trainer.cfg.resume.allow_changes,
         )

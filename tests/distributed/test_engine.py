@@ -149,3 +149,68 @@ def test_sft_example_learns_the_assistants_answers(tmp_path):
     answers = [int(sum(c.loss_mask.sum() for c in next(batches))) for _ in counted]
     assert list(counted) == answers, (counted, answers)
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def forward_only_logprobs_run() -> dict:
+    """``engine.logprobs`` under a spec whose memory holds a 1,000-token document on one rank
+    forward only, not in training: its forward-only plan, and log-probs from it, from the
+    training plan and from each document scored alone (``packed_logits`` on this rank)."""
+    import torch
+
+    import dcp
+    from dcp.costmodel import load_cost_model, load_spec
+    from dcp.mesh import Mesh
+    from dcp.runtime.dispatch import InMemorySource
+    from dcp.runtime.evaluate import batch_logprobs, packed_logits
+
+    try:
+        dcp.init()
+        model = dcp.build_gpt_model(dcp.ModelConfig(num_layers=2, hidden_size=64, max_seq_len=1024))
+        spec = load_spec("cpu-tiny")
+        spec.pop("calibration")
+        forward = load_cost_model(spec, mesh=Mesh(2)).forward_only()
+        budget = forward.static_mem_bytes + forward.mem_bytes_per_token("none") * 1000
+        spec["calibration"] = {"mem_budget_bytes": budget}
+        engine = dcp.DCPEngine(
+            model, torch.optim.AdamW(model.parameters()), spec=spec, calibration="fixed"
+        )
+        rng = np.random.default_rng(7)
+        documents = [rng.integers(0, 257, size=n) for n in (1001, 991)]
+        lengths = [len(d) - 1 for d in documents]
+        training = engine.plan(lengths)
+        runtime = engine.runtime
+        ran, run_plan = [], runtime.forward  # the plan engine.logprobs runs
+        runtime.forward = lambda plan, source: run_plan(ran.append(plan) or plan, source)
+        got = engine.logprobs(documents)
+        runtime.forward = run_plan
+        source = InMemorySource(documents)
+        under_training_plan = batch_logprobs(
+            runtime, training, source=source, device=torch.device("cpu")
+        )
+        me = runtime.registry.planner_rank
+        alone = []
+        for doc in documents:
+            logits = packed_logits(model, [doc], ranks=(me,), registry=runtime.registry)[0]
+            labels = torch.as_tensor(doc[1:])
+            alone.append(torch.log_softmax(logits, -1).gather(1, labels[:, None])[:, 0])
+        return {
+            "training": [(s.ranks, s.seq_ids) for s in training.steps],
+            "forward": [(s.ranks, s.seq_ids, s.recompute.value) for s in ran[0].steps],
+            "vs_training_plan": max(
+                float((a - b).abs().max()) for a, b in zip(got, under_training_plan, strict=True)
+            ),
+            "vs_alone": max(float((a - b).abs().max()) for a, b in zip(got, alone, strict=True)),
+        }
+    finally:
+        cleanup()
+
+
+def test_logprobs_plan_forward_only_memory_and_equal_the_reference():
+    """A document that trains at CP 2 scores at CP 1: each on its own rank, and the log-probs
+    equal those of the training plan and of each document scored alone."""
+    out = run_on_ranks(2, forward_only_logprobs_run, timeout_s=300)
+    assert out[0] == out[1], out
+    got = out[0]
+    assert {len(ranks) for ranks, _ in got["training"]} == {2}, got
+    assert sorted(got["forward"]) == [((0,), (0,), "none"), ((1,), (1,), "none")], got
+    assert got["vs_training_plan"] <= 1e-5 and got["vs_alone"] <= 1e-5, got

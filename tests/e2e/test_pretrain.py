@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,3 +193,40 @@ def test_online_calibration_records_microsteps_and_refits(tmp_path):
 
     extra = open_checkpoint(run_dir / "checkpoints" / f"step_{STEPS:06d}").shared()["extra"]
     assert extra["calibration"]["version"] == versions[-1]
+
+
+def test_sft_config_trains_on_chat_data_and_resumes_to_the_same_losses(tmp_path):
+    """pretrain/configs/sft_cpu.yaml (``make demo-sft``) on 2 ranks: chat data, the loss on the
+    assistant's tokens; its checkpoint of step 3, moved to another directory and resumed there,
+    continues the uninterrupted run's losses exactly."""
+    from dcp.data.sft import write_demo_chats
+
+    chats = write_demo_chats(tmp_path / "chats.jsonl", num_chats=96)
+
+    def sft(runs_dir: Path) -> subprocess.Popen:
+        return start(
+            [
+                *(str(TORCHRUN), "--standalone", "--nproc-per-node", "2"),
+                *("-m", "pretrain.pretrain_gpt"),
+                "--config",
+                str(REPO / "pretrain/configs/sft_cpu.yaml"),
+                f"runs_dir={runs_dir}",
+                f"data.chat.path={chats}",
+                "train.steps=6",
+                "checkpoint.interval_steps=3",
+                "metrics.wandb_mode=disabled",
+                "metrics.progress_bar=false",
+                "planning.calibration=fixed",
+            ]
+        )
+
+    finish(sft(tmp_path / "full"))
+    full = metrics(tmp_path / "full" / "demo-sft")
+    assert [r["step"] for r in full] == list(range(1, 7))
+    assert full[-1]["loss"] < full[0]["loss"]
+    step3 = Path("demo-sft", "checkpoints", "step_000003")
+    shutil.copytree(tmp_path / "full" / step3, tmp_path / "again" / step3)
+    out = finish(sft(tmp_path / "again"))
+    assert "resumed from" in out and "(step 3)" in out, out[-3000:]
+    resumed = metrics(tmp_path / "again" / "demo-sft")
+    assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in full[3:]]

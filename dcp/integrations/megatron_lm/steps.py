@@ -173,10 +173,11 @@ class DCPForwardBackward:
 
     def _evaluate(self, model, batch: DocumentBatch):
         """Megatron's evaluation of one validation (or test) batch: its plan, forward only
-        (``Plan.forward_only``), the loss reported as in training. Megatron's ``evaluate`` sums
-        the reports over the data-parallel ranks and its ``eval_iters`` batches into the
-        per-token loss it prints. No step record, no calibration: the step count is training's."""
-        plan = self.steps.planner.plan(batch).plan.forward_only()
+        (planned with a forward-only micro-step's memory: ``BatchPlanner.plan``), the loss
+        reported as in training. Megatron's ``evaluate`` sums the reports over the data-parallel
+        ranks and its ``eval_iters`` batches into the per-token loss it prints. No step record,
+        no calibration: the step count is training's."""
+        plan = self.steps.planner.plan(batch, forward_only=True).plan
         where = f"evaluating {len(batch.doc_ids)} documents after step {self.step - 1}"
         with phase(where):
             result = self._run(model, plan, batch, forward_only=True)

@@ -153,3 +153,13 @@ def test_spec_mode_needs_the_longest_sequence():
     with pytest.raises(SystemExit) as exc:
         tool.main(["--spec", "h200x256+llama3-70b-tp4pp8"])
     assert exc.value.code == 2
+
+
+def test_a_chat_recipes_longest_sequence_is_the_models():
+    from dcp.schema import load_config
+    from dcp.train.config import PretrainConfig
+
+    # The synthetic section's cap (present, unused) is no cap of the chat data.
+    sft = REPO / "pretrain/configs/sft_cpu.yaml"
+    cfg = load_config(PretrainConfig, sft, ["data.synthetic.max_len=300"])
+    assert tool.longest_seq_len(cfg) == (1024, "model.max_seq_len=1024")

@@ -180,3 +180,21 @@ def test_context_extension_recipes_derive_the_model_from_config_json(tmp_path):
     )
     assert cfg.model.hidden_size == 128 and cfg.model.rotary_base == 40000
     assert cfg.data.indexed.max_doc_len == 2048
+
+
+def test_sft_cpu_yaml_reads_chat_data_and_every_chat_key_is_checked():
+    cfg = load_config(PretrainConfig, REPO / "pretrain/configs/sft_cpu.yaml")
+    assert cfg.data.source == "chat" and cfg.data.dataset_config is cfg.data.chat
+    assert cfg.data.chat.path == "data/demo_chats.jsonl" and cfg.data.chat.tokenizer == "byte"
+    assert from_dict(PretrainConfig, to_dict(cfg)) == cfg
+    sft = REPO / "pretrain/configs/sft_cpu.yaml"
+    for overrides, match in [
+        (["data.chat=null"], "set data.chat.path when data.source=chat"),
+        (["data.source=synthetic"], "leave data.chat unset otherwise"),
+        (["data.chat.tokenizer=sentencepiece"], "data.chat.tokenizer='sentencepiece'"),
+        (["data.chat.tokenizer=hf"], "tokenizer_path: required with tokenizer=hf"),
+        (["data.chat.tokenizer_path=/tmp"], "not taken by tokenizer=byte"),
+        (["data.chat.template=llama"], "template"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            load_config(PretrainConfig, sft, overrides)

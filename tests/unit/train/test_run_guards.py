@@ -175,6 +175,18 @@ def test_resume_refuses_trajectory_changes_unless_allowed():
     check_resume_config({**old, "planning": {"planner": "dcp"}}, free)
 
 
+def test_a_resume_on_chat_data_of_other_content_is_refused_unless_allowed():
+    from dcp.train.resume import DATA_CONTENT_KEYS, check_data_content
+
+    key = DATA_CONTENT_KEYS["chat"]
+    check_data_content(["a1"], ["a1"], sources=["chats.jsonl"], key=key, path="ck", allow=())
+    with pytest.raises(ValueError, match=r"content of chats\.jsonl differs.*data\.chat\.path"):
+        check_data_content(["a1"], ["b2"], sources=["chats.jsonl"], key=key, path="ck", allow=())
+    check_data_content(["a1"], ["b2"], sources=["chats.jsonl"], key=key, path="ck", allow=[key])
+    # A checkpoint without a fingerprint (written before they were saved) is not checked.
+    check_data_content(None, ["b2"], sources=["chats.jsonl"], key=key, path="ck", allow=())
+
+
 def test_the_layout_is_no_trajectory_change_a_resume_refuses():
     """A checkpoint loads at any world size, TP size and optimizer sharding (dcp.checkpoint
     reshards), so a resume that changes them is accepted."""
