@@ -31,6 +31,7 @@ from dcp.planning import THREE_LEVEL_OPTIONS, static_configs
 from dcp.planning.sweep import THREE_LEVEL
 from dcp.step.batches import BatchPlanner, build_dataset, longest_seq_len
 from dcp.train.config import PretrainConfig
+from dcp.train.side_by_side import alternating
 from dcp.train.trainer import Trainer
 
 BENCH_PLANNERS = ("static", "megatron", THREE_LEVEL, "dcp")
@@ -91,6 +92,8 @@ def run_planner(
         planning=dataclasses.replace(base_cfg.planning, planner=planner, **options),
         train=dataclasses.replace(base_cfg.train, steps=steps),
         checkpoint=dataclasses.replace(base_cfg.checkpoint, interval_steps=0, resume=False),
+        # Whole runs are compared here: no run times its batches again under static at its end.
+        compare_static=dataclasses.replace(base_cfg.compare_static, batches=0),
         metrics=dataclasses.replace(
             base_cfg.metrics, wandb_group=prefix, wandb_tags=(planner,), progress_bar=False
         ),
@@ -169,7 +172,7 @@ def run_benchmark(
     results: dict[str, dict] = {}
     records: dict[str, list[list[StepRecord]]] = {name: [] for _, name, _ in runs}
     for round_index in range(rounds):
-        for planner, name, options in runs if round_index % 2 == 0 else runs[::-1]:
+        for planner, name, options in alternating(runs, round_index):
             if name in results:  # failed in an earlier round
                 continue
             log(f"[bench] round {round_index + 1}: {name}")

@@ -219,6 +219,24 @@ def model_from_init(data: Mapping[str, Any]) -> dict[str, Any]:
     return {**data, "model": {**derived, **given}}
 
 
+# -- the end-of-run measurement against the best static configuration (dcp.train.side_by_side)
+@dataclass(kw_only=True, frozen=True)
+class CompareStaticConfig:
+    """At the end of the run, time some of its batches again under the best static plan and
+    under the run's own plans, alternating, on the same weights (docs/planner.md, 'What a run
+    measured against static')."""
+
+    batches: int = 0
+    """How many of the run's last batches to time again (0: none; then the end summary gives
+    only the cost model's prediction for the static configuration)."""
+    rounds: int = 2
+    """Times each of those batches runs under each plan (>= 1); the order alternates."""
+
+    def __post_init__(self) -> None:
+        check_range(self.batches, "compare_static.batches", ge=0, integer=True)
+        check_range(self.rounds, "compare_static.rounds", ge=1, integer=True)
+
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -241,6 +259,7 @@ class PretrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    compare_static: CompareStaticConfig = field(default_factory=CompareStaticConfig)
 
     renamed_sections: ClassVar[dict[str, str]] = {"dcp": "planning"}
     """Sections under an old name, still read (with a warning) for one release."""

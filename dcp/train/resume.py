@@ -36,6 +36,7 @@ FREE_KEYS = (
     "metrics",
     "distributed",
     "resume",
+    "compare_static",
     "planning.planner",
     "planning.spec",
     "planning.prefetch_plans",

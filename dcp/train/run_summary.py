@@ -1,12 +1,13 @@
 """The end of a run's console output: did the plans help?
 
-A run measures only itself. ``compare_with_fixed`` sets its measured mean step time next to two
-predictions of the cost model for the same batches: the run's own planner (re-planned on the
-cost model the run ended with, so both predictions come from one model) and the best fixed
-configuration, one CP size and one recompute level for every batch, packed by tokens as a static
-Megatron run is (``dcp.planning.fixed_static_config``, sized for the run's longest sequence).
-The fixed configuration is not run: its time is a prediction, and the lines say so and give the
-overrides that measure it.
+``compare_with_fixed`` sets the run's measured mean step time next to two predictions of the
+cost model for the same batches: the run's own planner (re-planned on the cost model the run
+ended with, so both predictions come from one model) and the best fixed configuration, one CP
+size and one recompute level for every batch, packed by tokens as a static Megatron run is
+(``dcp.planning.fixed_static_config``, sized for the run's longest sequence). That time is a
+prediction; where the run also timed some of its batches under the static plans
+(``compare_static``, ``dcp.train.side_by_side``) the measured lines follow, otherwise the lines
+give the overrides that measure it (none in a static run: it is the measurement).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dcp.observability.host import RunLoad
 from dcp.observability.record import StepRecord
 from dcp.planning import StaticOptions, fixed_static_config, plan_static
 from dcp.step.batches import BatchPlanner, seq_lengths
+from dcp.train.side_by_side import STATIC, SideBySide
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,8 +98,13 @@ def compare_with_fixed(
     )
 
 
-def summary_lines(c: FixedComparison, *, run_name: str) -> list[str]:
-    """The comparison as console lines."""
+def summary_lines(
+    c: FixedComparison, *, run_name: str, measured: SideBySide | None = None
+) -> list[str]:
+    """The comparison as console lines; ``measured``: the run's side-by-side measurement
+    against the best static plans (``dcp.train.side_by_side``), whose lines close them.
+    Otherwise the overrides that measure the fixed configuration close them, unless the run is
+    that static run."""
     model = (
         "the spec as given"
         if c.calibration_version == 0
@@ -120,11 +127,17 @@ def summary_lines(c: FixedComparison, *, run_name: str) -> list[str]:
         return lines
     cp, level = c.fixed_config
     ratio = c.fixed_step_time_s / c.predicted_step_time_s if c.predicted_step_time_s else 0.0
-    lines += [
+    lines.append(
         f"  predicted by the cost model, best fixed configuration (CP {cp}, recompute {level} "
-        f"for every batch): {c.fixed_step_time_s:.3f} s ({ratio:.2f}x the plans' prediction)",
-        "  the fixed configuration was not run; to measure it: planning.planner=static "
-        f"planning.static_cp_size={cp} planning.static_recompute={level} "
-        f"name={run_name}-static",
-    ]
+        f"for every batch): {c.fixed_step_time_s:.3f} s ({ratio:.2f}x the plans' prediction)"
+    )
+    if measured is not None:
+        return lines + measured.summary_lines()
+    if c.planner != STATIC:
+        lines.append(
+            "  the fixed configuration was not run; to measure it: compare_static.batches=3 "
+            "(side by side in this run), or as a run of its own: planning.planner=static "
+            f"planning.static_cp_size={cp} planning.static_recompute={level} "
+            f"name={run_name}-static"
+        )
     return lines

@@ -67,7 +67,14 @@ from dcp.train.agree import ReportedError, agree, one_line
 from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock
 from dcp.train.resume import CarriedCalibration, ConfigCheck, DataCheck, WandbRun
-from dcp.train.run_summary import compare_with_fixed, summary_lines
+from dcp.train.run_summary import FixedComparison, compare_with_fixed, summary_lines
+from dcp.train.side_by_side import (
+    SIDE_BY_SIDE_FILENAME,
+    STATIC,
+    SideBySide,
+    measure_side_by_side,
+    write_side_by_side,
+)
 from dcp.train.signals import StopRequest
 from dcp.weights.convert import check_hf_checkpoint, load_hf_weights
 
@@ -354,11 +361,65 @@ class Trainer:
         after the first step (a new ``StopRequest`` otherwise)."""
         try:
             records = self._loop(stop or StopRequest())
+            # Planning only, the same on every rank: the run against the best fixed
+            # configuration, predicted, then (compare_static) measured.
+            compared = self._compare_with_fixed(records)
+            measured = self._measure_against_static(records, compared)
         finally:
             self.close()
         if self.rank == 0 and self.cfg.metrics.progress_bar:
-            self._where_things_went(records)
+            self._where_things_went(compared, measured)
         return records
+
+    def _compare_with_fixed(self, records: list[StepRecord]) -> FixedComparison | None:
+        """``compare_with_fixed`` over this session's steps (``None`` when it would not be
+        shown or used)."""
+        if not (self.cfg.metrics.progress_bar or self.cfg.compare_static.batches):
+            return None
+        # A fresh sampler replays the run's batches (a resumed run's start after start_step).
+        batches = GlobalBatchSampler(self.dataset.doc_lengths, self.cfg.data.sampler)
+        return compare_with_fixed(
+            records, itertools.islice(batches, self.start_step, None), self.planner
+        )
+
+    def _measure_against_static(
+        self, records: list[StepRecord], compared: FixedComparison | None
+    ) -> SideBySide | None:
+        """Time the run's last batches again under the best fixed configuration's plans and its
+        own (``compare_static``; ``dcp.train.side_by_side``), on every rank, once the run has
+        trained all its steps; rank 0 writes the result to the run directory. ``None`` when
+        off, stopped early, a static run, or no fixed configuration holds the data."""
+        wanted = self.cfg.compare_static
+        if not wanted.batches or compared is None or self.stopped:
+            return None
+        if compared.planner == STATIC:
+            if self.rank == 0:
+                logger.info("compare_static: not measured (this run is the static run)")
+            return None
+        if compared.fixed_config is None:
+            if self.rank == 0:
+                logger.warning("compare_static: not measured (%s)", compared.reason)
+            return None
+        if self.rank == 0:
+            logger.info(
+                "compare_static: timing the last %d batches again under the best static plans "
+                "and this run's, %d times each",
+                min(wanted.batches, records[-1].step),
+                wanted.rounds,
+            )
+        measured = measure_side_by_side(
+            planner=self.planner,
+            runtime=self.runtime,
+            dataset=self.dataset,
+            sampler_config=self.cfg.data.sampler,
+            last_step=records[-1].step,
+            num_batches=wanted.batches,
+            rounds=wanted.rounds,
+            static_config=compared.fixed_config,
+        )
+        if self.rank == 0:
+            write_side_by_side(self.run_dir, measured)
+        return measured
 
     def _loop(self, stop: StopRequest) -> list[StepRecord]:
         cfg = self.cfg
@@ -446,15 +507,19 @@ class Trainer:
             self.metrics.note(self.stopped)
         return stopping
 
-    def _where_things_went(self, records: list[StepRecord]) -> None:
-        """The end of the console output: the run against the best fixed configuration, where
-        everything went, and what to run next."""
-        # A fresh sampler replays the run's batches (a resumed run's start after start_step).
-        batches = GlobalBatchSampler(self.dataset.doc_lengths, self.cfg.data.sampler)
-        compared = compare_with_fixed(
-            records, itertools.islice(batches, self.start_step, None), self.planner
+    def _where_things_went(
+        self, compared: FixedComparison | None, measured: SideBySide | None
+    ) -> None:
+        """The end of the console output: the run against the best fixed configuration
+        (``measured`` side by side, when it was), where everything went, and what to run
+        next."""
+        lines = (
+            []
+            if compared is None
+            else summary_lines(compared, run_name=self.cfg.name, measured=measured)
         )
-        lines = [] if compared is None else summary_lines(compared, run_name=self.cfg.name)
+        if measured is not None:
+            lines.append(f"side by side: {self.run_dir / SIDE_BY_SIDE_FILENAME}")
         lines += [
             f"metrics:     {self.run_dir / METRICS_FILENAME}",
             f"micro-steps: {self.run_dir / RECORDS_FILENAME}",

@@ -90,13 +90,21 @@ def test_distributed_optimizer_state_is_sharded(dtype):
 
 def resume_exactly(root: str) -> dict:
     """Three steps straight vs two steps, a sharded checkpoint, a fresh runtime (another seed)
-    restored from it, one step."""
+    restored from it, one step. The straight run also times both plans again after its second
+    step, as a run's end-of-run comparison with static does (``dcp.train.side_by_side``): its
+    third step must still equal the restored one's, bit for bit."""
     from dcp.checkpoint import CheckpointSaver, apply, open_checkpoint, resolve_checkpoint
     from dcp.mesh import Mesh
+    from dcp.train.side_by_side import time_plans
 
     try:
         straight = _runtime()
-        losses = _train(straight, range(3))
+        losses = _train(straight, range(2))
+        before = _state_copy(straight)
+        plans = {"dcp": Plan.from_dict(PLANS[0]), "static": Plan.from_dict(PLANS[1])}
+        timed = time_plans(straight, [(plans, InMemorySource(DOCS))], rounds=2)
+        untouched = _same(before, _state_copy(straight))
+        losses += _train(straight, range(2, 3))
         first = _runtime()
         _train(first, range(2))
         parts = _checkpoint_parts(first, step=2)
@@ -126,15 +134,47 @@ def resume_exactly(root: str) -> dict:
             "shard_bytes": shard_bytes,
             "params": params,
             "rank": dist.get_rank(),
+            "timed": timed,
+            "untouched": untouched,
         }
     finally:
         cleanup()
+
+
+def _state_copy(runtime) -> list:
+    """A copy of what a checkpoint of ``runtime`` holds on this rank: weights, optimizer state
+    (fp32 main parameters, moments, param groups) and RNG state."""
+    parts = _checkpoint_parts(runtime, step=runtime.step)
+    return [
+        [t.tensor.clone() for t in parts["tensors"]],
+        [{k: v.clone() for k, v in p.tensors.items()} for p in parts["pieces"]],
+        parts["optimizer_groups"],
+        parts["rng"],
+        runtime.step,
+    ]
+
+
+def _same(a, b) -> bool:
+    """Equal, tensors element for element (nested lists and dicts)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def test_sharded_optimizer_state_resumes_bit_exactly(tmp_path):
     for out in run_on_ranks(2, resume_exactly, str(tmp_path), timeout_s=240):
         assert out["resumed_loss"] == out["losses"][2], out
         assert out["same_weights"], out
+        # Timing both plans again changed nothing: not the weights nor the optimizer state
+        # (checked directly), nor the gradients the next step starts from (its loss and
+        # weights equal the restored run's, above). Two timings per plan, the slowest rank's.
+        assert out["untouched"], out
+        assert sorted(out["timed"]) == ["dcp", "static"], out
+        assert all(len(t) == 2 and min(t) > 0 for t in out["timed"].values()), out
         # This rank's optimizer pieces hold its part (fp32 param + m + v = 12 B/param over 2
         # ranks), not the whole buffers its tensors are views of.
         assert out["shard_bytes"] <= 0.6 * 12 * out["params"], out

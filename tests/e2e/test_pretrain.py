@@ -41,6 +41,7 @@ OVERRIDES = [
     "metrics.progress_bar=false",
     # Bit-exact comparisons between runs: online refits would make plans depend on timings.
     "planning.calibration=fixed",
+    "compare_static.batches=0",  # on only where it is tested (``uninterrupted``)
 ]
 
 
@@ -93,8 +94,12 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
+    """The reference run; it ends with the console summary and times its last 2 batches again
+    against the best static plans (the console is kept as ``console.txt`` beside it)."""
     tmp = tmp_path_factory.mktemp("runs")
-    finish(launch(tmp, "full", "metrics.wandb_mode=offline"))
+    extra = ("metrics.wandb_mode=offline", "metrics.progress_bar=true", "compare_static.batches=2")
+    out = finish(launch(tmp, "full", *extra))
+    (tmp / "console.txt").write_text(out)
     return tmp / "full"
 
 
@@ -121,6 +126,32 @@ def test_run_writes_metrics_config_and_wandb(uninterrupted):
     assert "sha" in doc["run_info"]["git"]
     offline_runs = list((uninterrupted / "wandb").glob("offline-run-*"))
     assert offline_runs, "W&B offline mode wrote no run"
+
+
+def test_the_summary_sets_measured_against_predicted_gain_over_static(uninterrupted):
+    """The end summary's side-by-side lines and their record; metrics.jsonl holds the training
+    steps alone (that the timing leaves the state bit-exact: tests/distributed/
+    test_optimizer.py)."""
+    console = (uninterrupted.parent / "console.txt").read_text()
+    record = json.loads((uninterrupted / "side_by_side.json").read_text())
+    assert record["steps"] == [STEPS - 1, STEPS]
+    assert record["planner"] == "dcp" and record["rounds"] == 2
+    assert sorted(record["measured_s"]) == ["dcp", "static"]
+    assert all(len(t) == 4 and min(t) > 0 for t in record["measured_s"].values()), record
+    cp, level = record["static_config"]
+    ratio = sum(record["measured_s"]["static"]) / sum(record["measured_s"]["dcp"])
+    assert record["measured_ratio"] == pytest.approx(ratio)
+    assert (
+        f"measured side by side in this run: the batches of steps {STEPS - 1}-{STEPS} timed "
+        "again 2x under each plan, alternating, forward+backward on the final weights"
+    ) in console
+    assert f"best static (CP {cp}, recompute {level} for every batch): " in console
+    assert (
+        f"  static / dcp: measured {record['measured_ratio']:.2f}x, predicted by the cost model "
+        f"{record['predicted_ratio']:.2f}x (same batches)"
+    ) in console
+    assert "to measure it" not in console
+    assert [r["step"] for r in metrics(uninterrupted)] == list(range(1, STEPS + 1))
 
 
 def test_kill_and_resume_reproduces_losses(uninterrupted, tmp_path):

@@ -17,6 +17,7 @@ from dcp.planning import StaticOptions, fixed_static_config, plan_static
 from dcp.step.batches import BatchPlanner, seq_lengths
 from dcp.step.config import PlanningConfig
 from dcp.train.run_summary import compare_with_fixed, summary_lines
+from dcp.train.side_by_side import SideBySide
 
 LENGTHS = np.random.default_rng(0).integers(40, 4097, size=400)
 SPEC = "cpu-tiny+cpu-mem-demo"  # the demo's: long documents need CP 2 or recompute
@@ -92,7 +93,10 @@ def test_the_run_is_set_against_the_best_fixed_configuration_on_its_batches():
     assert lines[2].startswith("  predicted by the cost model (the spec as given), this run's")
     assert f"best fixed configuration (CP {best[0]}, recompute {best[1]} for" in lines[3]
     assert lines[3].startswith("  predicted by the cost model, best fixed configuration")
-    assert lines[4].startswith("  the fixed configuration was not run; to measure it: ")
+    assert lines[4].startswith(
+        "  the fixed configuration was not run; to measure it: compare_static.batches=3 (side "
+        "by side in this run), or as a run of its own: "
+    )
     assert f"planning.static_cp_size={best[0]} planning.static_recompute={best[1]}" in lines[4]
 
 
@@ -120,3 +124,29 @@ def test_a_busy_host_is_named_next_to_the_measured_time():
         _records(planner, range(1, 5), lambda s: 3.0, 2.1), _batches(), planner
     )
     assert summary_lines(quiet, run_name="demo")[1].endswith(": 3.000 s")
+
+
+def test_a_static_run_is_not_told_to_measure_itself_and_a_measured_run_shows_it():
+    static = BatchPlanner(
+        PlanningConfig(spec=SPEC, calibration="fixed", planner="static"),
+        mesh=Mesh(2),
+        max_seq_len=int(LENGTHS.max()),
+    )
+    c = compare_with_fixed(_records(static, range(1, 5), lambda s: 1.0), _batches(), static)
+    assert c.planner == "static"
+    lines = summary_lines(c, run_name="demo-static")
+    assert lines[-1].startswith("  predicted by the cost model, best fixed configuration")
+    assert not any("to measure it" in line or "name=demo-static-static" in line for line in lines)
+    planner = BatchPlanner(PlanningConfig(spec=SPEC, calibration="fixed"), mesh=Mesh(2))
+    c = compare_with_fixed(_records(planner, range(1, 5), lambda s: 1.0), _batches(), planner)
+    measured = SideBySide(
+        planner="dcp",
+        static_config=c.fixed_config,
+        steps=(3, 4),
+        rounds=2,
+        measured_s={"dcp": [1.0, 1.0], "static": [1.5, 1.5]},
+        predicted_s={"dcp": [1.0, 1.0], "static": [1.2, 1.2]},
+    )
+    lines = summary_lines(c, run_name="demo", measured=measured)
+    assert lines[-3:] == measured.summary_lines()
+    assert not any("to measure it" in line for line in lines)
