@@ -22,11 +22,11 @@ and then CP = 2 without recompute is never measured, so the fit can never learn 
 the first step after each refit the batch's longest sequence is pinned to one configuration no
 kept record (of the refit window) has measured for a sequence of at least half its length (a
 full recompute of only the least N layers that fit counts as a configuration of its own), among
-those the current model
-rates within ``EXPLORE_MARGIN`` of its best (in rank-seconds) and that fit in memory; the
-planner places the rest of the batch around it. It is useful work, not an extra micro-step;
-its cost is at most one sequence run in a possibly slower configuration, counted in the step's
-time like any other. The choice depends only on the shared records, so every rank makes it.
+those the current model rates within ``EXPLORE_MARGIN`` of its best (in rank-seconds) and that
+fit in memory; the planner places the rest of the batch around it. It is useful work, not an
+extra micro-step; its cost is at most one sequence run in a possibly slower configuration,
+counted in the step's time like any other. The choice depends only on the shared records, so
+every rank makes it.
 """
 
 from __future__ import annotations
@@ -266,9 +266,9 @@ class OnlineCalibrator:
         cfg = self.cfg
         if not self.online or step % cfg.refit_interval_steps:
             return None
-        oldest = step - cfg.refit_window_steps
+        oldest = first_kept_step(step, cfg)
         holdout_from = step - cfg.refit_holdout_steps
-        train = [r for r in self.records if oldest < r.step <= holdout_from]
+        train = [r for r in self.records if oldest <= r.step <= holdout_from]
         heldout = [r for r in self.records if r.step > holdout_from]
         if not heldout:
             return None
