@@ -2,8 +2,9 @@
     --config pretrain/configs/tiny_cpu.yaml [key.sub=value ...]
 
 Exit codes: 0 done (or stopped cleanly by SIGTERM, SIGUSR1, SIGINT or SIGHUP after saving a
-checkpoint: ``dcp.train.signals``), 2 a config, data, checkpoint or run-directory problem (one
-line; a retry would fail the same way), 1 anything else. torchrun reports any failing worker as
+checkpoint: ``dcp.train.signals``), 2 a config, data, checkpoint or run-directory problem, or a
+rendezvous that could not start (a busy MASTER_PORT, a rank left alone: one line; a retry would
+fail the same way), 1 anything else. torchrun reports any failing worker as
 1: the worker's own code is in the exit record ``pretrain.supervise`` reads
 (``dcp.train.exit_record``).
 """
@@ -26,7 +27,7 @@ from dcp.schema import load_config
 from dcp.train.agree import ONE_LINE_ERRORS, RankFailure, agree, exit_code, one_line
 from dcp.train.config import DistributedConfig, PretrainConfig
 from dcp.train.exit_record import write_exit_record
-from dcp.train.launcher import die_with_launcher
+from dcp.train.launcher import die_with_launcher, rendezvous_failure
 from dcp.train.signals import StopRequest
 from dcp.train.trainer import Trainer
 from dcp.versions import require_supported_versions
@@ -57,11 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     # initialises NCCL's communicator now, not at the first collective, and splits subgroups
     # from it (``ncclCommSplit``) as they are made (torch.distributed's init_process_group).
     cuda = torch.cuda.is_available()
-    dist.init_process_group(
-        backend="nccl" if cuda else "gloo",
-        timeout=timedelta(seconds=startup),
-        device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None,
-    )
+    try:
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo",
+            timeout=timedelta(seconds=startup),
+            device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None,
+        )
+    except Exception as exc:
+        # A busy MASTER_PORT, a rank left alone: one line naming the address and the fix.
+        message = rendezvous_failure(
+            exc, timeout_s=startup, timeout_key="distributed.startup_timeout_s"
+        )
+        if message is None:
+            raise
+        return _fail(rank, f"error: {message}", code=2)
     try:
         # Before anything else uses torch; agreed, so a node with another image is named too.
         agree("checking the torch version", require_supported_versions)

@@ -21,7 +21,7 @@ import sys
 import warnings
 
 from dcp import console  # DCP
-from dcp.train.launcher import die_with_launcher  # DCP
+from dcp.train.launcher import die_with_launcher, rendezvous_failure  # DCP
 from dcp.versions import require_supported_versions  # DCP
 
 
@@ -72,7 +72,22 @@ def main() -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # DCP: a busy MASTER_PORT, a rank left alone, in one line
+        message = rendezvous_failure(
+            exc, timeout_s=_timeout_s(), timeout_key="--distributed-timeout-minutes"
+        )
+        if message is None:
+            raise
+        print(f"[rank{os.environ.get('RANK', '0')}] error: {message}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _timeout_s() -> float:
+    """Megatron's process-group timeout (``--distributed-timeout-minutes``), in seconds."""
+    from megatron.training import get_args
+
+    return 60.0 * get_args().distributed_timeout_minutes
 
 
 def train() -> None:

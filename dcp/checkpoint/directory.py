@@ -18,7 +18,9 @@ A ``step_*`` directory counts (``is_complete``) when its manifest is well formed
 it lists is a regular file of the listed size; the newest such directory is the one a run
 resumes from, whatever ``latest`` says (it is logged when the two differ). The directory must be
 on a filesystem every rank sees. A ``step_*`` directory is only ever made by renaming a finished
-save, so one that does not count is damaged (``incomplete_reason`` says how).
+save, so one that does not count is damaged (``incomplete_reason`` says how). Pruning
+(``checkpoint.keep_last``) keeps only checkpoints that also verify without reading a tensor:
+their manifest and ``shared.json`` match their digests (``unverified_reason``).
 
 Every byte a load uses is covered by a digest: each tensor's (RNG state included) and the RNG
 state's plain numbers by the index, ``shared.json``'s and the manifest's own
@@ -39,7 +41,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from dcp.files import FileContentError, load_json, read_text
+from dcp.files import FileContentError, load_json, read_bytes, read_text
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ LEGACY_VERSIONS = (1, 2)
 MAX_MANIFEST_BYTES = 256 << 20
 """A manifest indexes every tensor slice and optimizer piece: at 1,024 ranks and a 405B model
 a few tens of MiB."""
+MAX_SHARED_BYTES = 64 << 20
+"""``shared.json``: sampler position, scheduler, config, calibration."""
 _STEP_DIR = re.compile(r"step_(\d+)")  # fullmatch: "$" would also pass a trailing newline
 
 
@@ -146,7 +150,10 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
 def incomplete_reason(path: str | os.PathLike[str]) -> str | None:
     """Why ``path`` is not a finished checkpoint (``is_complete``), or None when it is one."""
     p = Path(path)
-    manifest = read_manifest(p)
+    return _incomplete(p, read_manifest(p))
+
+
+def _incomplete(p: Path, manifest: dict[str, Any] | None) -> str | None:
     if manifest is None:
         return f"{MANIFEST} is missing, unreadable or not a checkpoint manifest"
     for file, size in manifest["files"].items():
@@ -156,6 +163,33 @@ def incomplete_reason(path: str | os.PathLike[str]) -> str | None:
             return f"{file} is missing"
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             return f"{file} is not a regular file of {size} bytes"
+    return None
+
+
+def unverified_reason(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` is no checkpoint to keep as a fallback, or None: not complete
+    (``incomplete_reason``), or its manifest or shared state differ from their digests (a
+    checkpoint damaged in place, its sizes intact). Tensors are not read: a load checks each as
+    it reads it, and reading every kept checkpoint's shards at each save would cost as much as
+    the saves themselves."""
+    p = Path(path)
+    manifest = read_manifest(p)
+    reason = _incomplete(p, manifest)
+    if reason is not None:
+        return reason
+    digest = manifest.get(MANIFEST_DIGEST)  # absent: written before it (so is the next one)
+    if digest is not None and digest != manifest_digest(manifest):
+        return f"{MANIFEST}: its content differs from its digest (corrupt)"
+    shared = manifest.get("shared_sha256")
+    if shared is not None:
+        try:
+            data = read_bytes(
+                p / SHARED, what="checkpoint shared state", max_bytes=MAX_SHARED_BYTES
+            )
+        except FileContentError as exc:
+            return str(exc)
+        if hashlib.sha256(data).hexdigest() != shared:
+            return f"{SHARED}: its content differs from the checkpoint's digest (corrupt)"
     return None
 
 
@@ -187,11 +221,24 @@ def find_latest(root: str | os.PathLike[str]) -> Path | None:
 
 
 def prune(root: Path, *, keep_last: int, keep: Path) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints (never ``keep``), and the
-    temporary directories of saves that are not running (those older than ``keep``)."""
-    complete = [p for _, p in step_dirs(root) if is_complete(p)]
+    """Delete all but the newest ``keep_last`` checkpoints that verify (``unverified_reason``;
+    never ``keep``), and the temporary directories of saves that are not running (those older
+    than ``keep``). A ``step_*`` directory that does not verify takes no kept slot and is not
+    deleted either: it is left for inspection, with a warning."""
     if keep_last > 0:
-        for old in complete[:-keep_last]:
+        verified = []
+        for _, path in step_dirs(root):
+            reason = unverified_reason(path)
+            if reason is None:
+                verified.append(path)
+            else:
+                logger.warning(
+                    "%s is damaged (%s): not counted among the %d checkpoints kept, nor deleted",
+                    path,
+                    reason,
+                    keep_last,
+                )
+        for old in verified[:-keep_last]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
     keep_step = int(_STEP_DIR.fullmatch(keep.name).group(1))

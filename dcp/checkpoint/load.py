@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dcp.checkpoint.directory import SHARED, is_complete, read_manifest
+from dcp.checkpoint.directory import MAX_SHARED_BYTES, SHARED, is_complete, read_manifest
 from dcp.checkpoint.index import OPTIMIZER_STATES, Index, ModelEntry, OptimizerEntry
 from dcp.checkpoint.legacy import LegacyCheckpoint
 from dcp.checkpoint.restore import CorruptCheckpointError, RankState, canonical_params
@@ -47,9 +47,6 @@ from dcp.weights.canonical import (
 from dcp.weights.tensor_parallel import cut, join, split_spec, tp_coordinates
 
 logger = logging.getLogger(__name__)
-
-MAX_SHARED_BYTES = 64 << 20
-"""``shared.json``: sampler position, scheduler, config, calibration."""
 
 
 def open_checkpoint(path: str | os.PathLike[str]):

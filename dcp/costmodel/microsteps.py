@@ -12,7 +12,9 @@ contract (extended only compatibly; readers ignore keys they do not know)::
      "recompute_layers": int | null}  # with "full": layers recomputed; optional (absent or
                                       # null: all of them, as before the key existed)
 
-``dcp.costmodel.online`` refits a cost model from these records. Pure Python, no torch.
+``dcp.costmodel.online`` refits a cost model from these records. Readers stream the file (a bound
+per line, ``dcp.files``) and keep only the steps they ask for, within a values budget
+(``MAX_KEPT_VALUES``). Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcp.files import SHAPE_ERRORS, iter_lines, parse_json
+from dcp.files import SHAPE_ERRORS, FileContentError, check_tree, iter_lines, parse_json, publish
 from dcp.plan import RECOMPUTE_LEVELS, Recompute, check_choice
 
 _REQUIRED = ("step", "ranks", "seq_lens", "recompute", "time_s")
@@ -144,30 +147,101 @@ class MicroStepRecord:
         )
 
 
-def read_records(path: str | Path) -> list[MicroStepRecord]:
-    """All records of a JSONL file, in file order; blank lines are skipped. A truncated last
-    line (what a crash or a full disk leaves: every complete line ends with a newline) is
-    skipped with a warning; any other malformed record raises ``ValueError`` naming the file
-    and its 1-based line."""
-    path = Path(path)
-    records = []
+MAX_KEPT_VALUES = 1 << 23
+"""Values (numbers, strings, list elements: ``dcp.files.check_tree``) of the records one reader
+keeps: memory grows with them (about 100 bytes each), not with the file's bytes. A record holds
+about 15 plus its ranks and lengths: 8 M values are a 200-step refit window at ~2,000
+micro-steps a step."""
+
+
+def _stream(path: Path) -> Iterator[tuple[int, str, dict, MicroStepRecord]]:
+    """``(1-based line, its text, its JSON object, record)`` of every record of ``path``, one line
+    in memory at a time (each at most ``dcp.files.MAX_LINE_BYTES``). Blank lines are skipped; a
+    truncated last line (what a crash or a full disk leaves: every complete line ends with a
+    newline) is skipped with a warning; any other malformed record raises ``ValueError`` naming
+    the file and its line."""
     for number, line in iter_lines(path, what="micro-step records file"):
         if not line.strip():
             continue
         try:
-            records.append(MicroStepRecord.from_dict(parse_json(line, source="the line")))
+            data = parse_json(line, source="the line")
+            record = MicroStepRecord.from_dict(data)
         except SHAPE_ERRORS as exc:
             if not line.endswith("\n"):
                 logger.warning("%s:%d: skipping truncated last line (%s)", path, number, exc)
                 continue
             raise ValueError(f"{path} line {number}: {' '.join(str(exc).split())}") from None
-    return records
+        yield number, line, data, record
+
+
+class _Kept:
+    """Records a reader keeps from ``path``, refused in one line once their values
+    (``check_tree``: what keeping them costs) pass ``max_values``."""
+
+    def __init__(self, path: Path, max_values: int | None) -> None:
+        self.path = path
+        self.max_values = MAX_KEPT_VALUES if max_values is None else max_values
+        self.records: list[MicroStepRecord] = []
+        self.values = 0
+
+    def add(self, number: int, data: dict, record: MicroStepRecord) -> None:
+        self.values += check_tree(data, source=self.path)
+        if self.values > self.max_values:
+            raise FileContentError(
+                f"{self.path}: the records kept hold more than {self.max_values:,} values by "
+                f"line {number:,}, more than a reader keeps; keep fewer steps "
+                "(planning.refit_window_steps) or split the file by steps"
+            )
+        self.records.append(record)
+
+
+def read_records(
+    path: str | Path, *, since_step: int = 0, max_values: int | None = None
+) -> list[MicroStepRecord]:
+    """The records of steps ``since_step`` and later, in file order, streamed (``_stream``: a
+    bound per line, a truncated last line skipped, a malformed one refused naming its line);
+    more than ``max_values`` values kept (default ``MAX_KEPT_VALUES``) is refused naming the
+    file."""
+    path = Path(path)
+    kept = _Kept(path, max_values)
+    for number, _, data, record in _stream(path):
+        if record.step >= since_step:
+            kept.add(number, data, record)
+    return kept.records
+
+
+def truncate_records(
+    path: str | Path, *, last_step: int, since_step: int, max_values: int | None = None
+) -> list[MicroStepRecord]:
+    """Rewrite ``path`` to hold only its records of steps up to ``last_step`` (a resumed run
+    redoes the later ones; blank lines and a truncated last line go too), streamed through a
+    temporary sibling that replaces it whole (``dcp.files.publish``); returns those of steps
+    ``since_step`` and later, as ``read_records`` keeps them."""
+    path = Path(path)
+    kept = _Kept(path, max_values)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w") as out:
+            for number, line, data, record in _stream(path):
+                if record.step > last_step:
+                    continue
+                out.write(line)  # a complete line: it ends with its newline
+                if record.step >= since_step:
+                    kept.add(number, data, record)
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return kept.records
+
+
+def _line(record: MicroStepRecord) -> str:
+    return json.dumps(record.to_dict(), separators=(",", ":")) + "\n"
 
 
 def append_records(path: str | Path, records: Iterable[MicroStepRecord]) -> None:
     """Append ``records`` as JSON lines: one write and one flush per call, so a call's lines land
     together rather than line by line (parent directories are created)."""
-    text = "".join(json.dumps(r.to_dict(), separators=(",", ":")) + "\n" for r in records)
+    text = "".join(_line(r) for r in records)
     if not text:
         return
     path = Path(path)

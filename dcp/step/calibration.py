@@ -10,17 +10,23 @@ the newest ``refit_holdout_steps`` steps are held out, and a refit that predicts
 the current model is rejected and logged. The accepted spec and its version go into checkpoints,
 so a resumed run plans with the model it had.
 
+Only the records a refit can still read are kept (``first_kept_step``: the last
+``refit_window_steps`` steps; none with a fixed model), by a running run after each step and by a
+resumed one reading the file (``restore_records``, streamed), so a resumed run calibrates as the
+uninterrupted one would, and memory holds the window, never the run's history.
+
 Exploration (``planning.explore``): a fit only learns about the configurations the planner chose. A
 wrong prior that calls recompute free makes every long sequence run at CP = 1 with recompute,
 and then CP = 2 without recompute is never measured, so the fit can never learn it was faster
 (recompute's cost and attention's are confounded when every long sequence recomputes). So on
 the first step after each refit the batch's longest sequence is pinned to one configuration no
-record has measured for a sequence of at least half its length (a full recompute of only the
-least N layers that fit counts as a configuration of its own), among those the current model
-rates within ``EXPLORE_MARGIN`` of its best (in rank-seconds) and that fit in memory; the
-planner places the rest of the batch around it. It is useful work, not an extra micro-step;
-its cost is at most one sequence run in a possibly slower configuration, counted in the step's
-time like any other. The choice depends only on the shared records, so every rank makes it.
+kept record (of the refit window) has measured for a sequence of at least half its length (a
+full recompute of only the least N layers that fit counts as a configuration of its own), among
+those the current model rates within ``EXPLORE_MARGIN`` of its best (in rank-seconds) and that
+fit in memory; the planner places the rest of the batch around it. It is useful work, not an
+extra micro-step; its cost is at most one sequence run in a possibly slower configuration,
+counted in the step's time like any other. The choice depends only on the shared records, so
+every rank makes it.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-from dcp.costmodel import CostModel, MicroStepRecord, append_records, fit_records, read_records
+from dcp.costmodel import CostModel, MicroStepRecord, append_records, fit_records
+from dcp.costmodel.microsteps import truncate_records
 from dcp.costmodel.online import record_time_s
 from dcp.costmodel.pipeline import (
     planning_view,
@@ -112,18 +119,28 @@ def choose_exploration(
     return {index: min(unseen)[2:]}
 
 
-def restore_records(run_dir: Path, start_step: int) -> list[MicroStepRecord]:
-    """The records of steps up to ``start_step`` from ``run_dir``'s file, which is rewritten to
-    hold just those (later lines belong to steps this run will redo; a truncated last line is
-    dropped). Local file work only: rank 0 runs it, then shares the result."""
+def first_kept_step(step: int, dcp_cfg) -> int:
+    """The oldest step whose records calibration still reads after ``step``: refits look back
+    ``refit_window_steps`` steps (``maybe_refit``), and a fixed model reads none. Older records
+    are dropped, by a running run and by a resumed one alike (module docstring)."""
+    if dcp_cfg.calibration != "online":
+        return step + 1
+    return step - dcp_cfg.refit_window_steps + 1
+
+
+def restore_records(run_dir: Path, start_step: int, dcp_cfg) -> list[MicroStepRecord]:
+    """The records calibration reads after ``start_step`` (``first_kept_step`` on, under the
+    planning config ``dcp_cfg``) from ``run_dir``'s file, which is rewritten to hold those of
+    steps up to ``start_step`` (later lines belong to steps this run will redo; a truncated last
+    line is dropped), streamed: memory holds the refit window, never the file. Local file work
+    only: rank 0 runs it, then shares the result."""
     path = Path(run_dir) / RECORDS_FILENAME
-    records: list[MicroStepRecord] = []
     if start_step > 0 and path.exists():
-        records = [r for r in read_records(path) if r.step <= start_step]
+        since = first_kept_step(start_step, dcp_cfg)
+        return truncate_records(path, last_step=start_step, since_step=since)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("")
-    append_records(path, records)
-    return records
+    return []
 
 
 class OnlineCalibrator:
@@ -232,19 +249,26 @@ class OnlineCalibrator:
         plan, lengths = planned.plan, planned.lengths
         self.observe(step, plan, lengths, slowest_times_s, stage_layers=stage_layers)
         refit = self.maybe_refit(step, model)
+        self._forget_before(first_kept_step(step, self.cfg))
         if refit is None or not refit.accepted:
             return False
         planner.set_spec(self.spec, version=refit.version)
         return True
+
+    def _forget_before(self, step: int) -> None:
+        """Drop the records of steps before ``step``: no refit reads them again, and a run
+        resumed here reads only the later ones (``restore_records``)."""
+        if self.records and self.records[0].step < step:
+            self.records = [r for r in self.records if r.step >= step]
 
     def maybe_refit(self, step: int, current: CostModel) -> RefitOutcome | None:
         """Refit after ``step`` when it is due; the same decision on every rank."""
         cfg = self.cfg
         if not self.online or step % cfg.refit_interval_steps:
             return None
-        oldest = step - cfg.refit_window_steps
+        oldest = first_kept_step(step, cfg)
         holdout_from = step - cfg.refit_holdout_steps
-        train = [r for r in self.records if oldest < r.step <= holdout_from]
+        train = [r for r in self.records if oldest <= r.step <= holdout_from]
         heldout = [r for r in self.records if r.step > holdout_from]
         if not heldout:
             return None

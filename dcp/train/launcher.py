@@ -1,4 +1,5 @@
-"""Workers die with their launcher, unless they are finishing a stop.
+"""Workers and their launcher: they die with it, unless they are finishing a stop; a start that
+fails in torch's rendezvous is one line (``rendezvous_failure``).
 
 torchrun (torch 2.11 to 2.15) starts each command worker with ``Popen(...,
 start_new_session=True)`` (``torch/distributed/elastic/multiprocessing/subprocess_handler``) and
@@ -41,6 +42,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -111,3 +113,45 @@ def _prctl_pdeathsig(sig: int) -> bool:
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def rendezvous_failure(exc: BaseException, *, timeout_s: float, timeout_key: str) -> str | None:
+    """One line for a process-group start that failed in torch's rendezvous, or None when
+    ``exc`` is not such a failure (a ``torch.distributed.DistError`` while no group exists).
+
+    With ``env://`` (``init_process_group``'s default) rank 0 serves a TCP store at
+    ``MASTER_ADDR:MASTER_PORT`` and waits ``timeout_s`` for ``WORLD_SIZE`` ranks; the others
+    connect to it. A port in use, a rank left alone or a store nobody serves end there with
+    torch's ``DistNetworkError``/``DistStoreError`` (``torch/distributed/rendezvous.py``,
+    ``TCPStore``), named here with the address, the world waited for and the fix. Under
+    torchrun the workers are clients of the store its agent serves, and the agent meets those
+    failures itself before any worker starts (docs/operations.md). ``timeout_key``: the setting
+    that raises ``timeout_s``."""
+    import torch.distributed as dist  # here: the rest of this module runs before torch loads
+
+    if not isinstance(exc, dist.DistError) or dist.is_initialized():
+        return None
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "EADDRINUSE" in first or "address already in use" in first:
+        return (
+            f"MASTER_ADDR:MASTER_PORT {where} is in use by another process (another job on this "
+            f"node, or one still ending), so rank {rank} cannot serve the rendezvous of the "
+            f"job's {world} ranks there: start with a free MASTER_PORT"
+        )
+    if "waiting for clients" in first:
+        joined = re.search(r"(\d+)/\d+ clients joined", first)
+        came = f"{joined.group(1)} came" if joined else first
+        return (
+            f"rank {rank} waited {timeout_s:g} s at {where} for the job's {world} ranks and "
+            f"{came}: start every rank with the same MASTER_ADDR, MASTER_PORT and "
+            f"WORLD_SIZE={world}, or raise {timeout_key}"
+        )
+    if "trying to connect" in first:
+        return (
+            f"rank {rank} of {world} found no rendezvous at {where} within {timeout_s:g} s (rank "
+            "0 not started, or started with another MASTER_ADDR:MASTER_PORT): start every rank "
+            f"with rank 0's address and port, or raise {timeout_key}"
+        )
+    return f"the process group of {world} ranks could not start at {where}: {first}"

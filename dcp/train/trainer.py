@@ -166,7 +166,7 @@ class Trainer:
             self.start_step = 0
         restored = agree(
             f"reading {RECORDS_FILENAME}",
-            lambda: restore_records(self.run_dir, self.start_step),
+            lambda: restore_records(self.run_dir, self.start_step, self.planner.cfg),
             only_rank0=True,
         )
         self.steps = PlannedSteps.start(

@@ -295,3 +295,28 @@ def test_resume_guards_changed_settings_and_corrupt_checkpoints(reference, tmp_p
     assert "is corrupt on some rank; falling back to an older one" in out
     assert f"(step {STEPS - 2})" in out, out[-3000:]
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 3))
+
+
+def test_a_rank_left_alone_at_the_rendezvous_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    """A worker started without torchrun (``env://`` rendezvous) whose job's other rank never
+    comes: rank 0 waits ``distributed.startup_timeout_s`` in torch's store, then says so in one
+    line naming MASTER_ADDR:MASTER_PORT, the world waited for and the fix (no c10d traceback)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = command(tmp_path, "alone", "distributed.startup_timeout_s=2")
+    cmd = [sys.executable, *cmd[cmd.index("-m") :]]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    proc = start(cmd)
+    out = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 2, out[-3000:]
+    assert (
+        f"[rank0] error: rank 0 waited 2 s at 127.0.0.1:{port} for the job's 2 ranks and 1 "
+        "came: start every rank with the same MASTER_ADDR" in out
+    ), out[-3000:]
+    assert "Traceback" not in out and "DistStoreError" not in out, out[-3000:]

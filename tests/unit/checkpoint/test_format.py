@@ -419,3 +419,24 @@ def test_only_exact_step_directory_names_count(tmp_path):
     for name in ("step_5", "step_6\n", "step_7x", "xstep_8"):
         (tmp_path / name).mkdir()
     assert step_dirs(tmp_path) == [(5, tmp_path / "step_5")]
+
+
+def test_keep_last_counts_only_checkpoints_whose_manifest_and_shared_state_verify(tmp_path, caplog):
+    """A checkpoint damaged in place (its sizes intact, so ``is_complete``) is no fallback: it
+    takes no kept slot, so ``keep_last`` good ones remain; it is left for inspection, named."""
+    for step in (2, 4):
+        _save(tmp_path, step, _module(0), keep_last=2)
+    _flip_same_size(tmp_path / "step_000004" / "manifest.json", b'"step":4', b'"step":5')
+    _save(tmp_path, 6, _module(0), keep_last=2)
+    _flip_same_size(tmp_path / "step_000006" / "shared.json", b'"step": 6', b'"step": 7')
+    with caplog.at_level("WARNING"):
+        _save(tmp_path, 8, _module(0), keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step_000002", "step_000004", "step_000006", "step_000008"]
+    assert "step_000004 is damaged (manifest.json: its content differs from its digest" in (
+        caplog.text
+    )
+    assert "step_000006 is damaged (shared.json: its content differs" in caplog.text
+    _save(tmp_path, 10, _module(0), keep_last=2)  # now two good ones are newer than step 2
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step_000004", "step_000006", "step_000008", "step_000010"]

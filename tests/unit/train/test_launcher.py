@@ -1,19 +1,22 @@
 """A torchrun worker dies with its agent (``die_with_launcher``): the kernel kills it when the
 process that started it is gone, so it never trains on alone after its agent was killed; once
-a stop signal reached it, it finishes the stop without its agent (``outlive_launcher``)."""
+a stop signal reached it, it finishes the stop without its agent (``outlive_launcher``). A start
+that fails in torch's rendezvous is one line (``rendezvous_failure``)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from dcp.train.launcher import die_with_launcher
+from dcp.train.launcher import die_with_launcher, rendezvous_failure
 
 REPO = Path(__file__).resolve().parents[3]
 # The "agent": starts a worker that arms (or not) the death signal, reports both pids, waits.
@@ -120,3 +123,45 @@ def test_a_worker_blocked_in_a_call_still_dies_with_its_launcher():
     blocked in a call for seconds (the watch runs in a thread of its own)."""
     report = _worker_after_launcher_killed(2, BLOCKED_WORKER, TORCHELASTIC_RUN_ID="run")
     assert report == ("armed", False)
+
+
+def _failed_start(monkeypatch, *, rank: int, world: int, port: int) -> BaseException:
+    """What ``init_process_group`` (env://, gloo, a 1 s timeout) raises for this rank."""
+    import torch.distributed as dist
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in {**env, "RANK": str(rank), "WORLD_SIZE": str(world)}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(dist.DistError) as caught:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=1))
+    assert not dist.is_initialized()
+    return caught.value
+
+
+def test_a_failed_rendezvous_is_one_line_naming_the_address_and_the_fix(monkeypatch):
+    """torch's own errors, raised for real: a busy MASTER_PORT, a rank 0 left alone, a rank
+    with no rank 0 to reach; anything else is not a rendezvous failure."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        exc = _failed_start(monkeypatch, rank=0, world=2, port=port)
+    key = "distributed.startup_timeout_s"
+    line = rendezvous_failure(exc, timeout_s=1, timeout_key=key)
+    assert line == (
+        f"MASTER_ADDR:MASTER_PORT 127.0.0.1:{port} is in use by another process (another job on "
+        "this node, or one still ending), so rank 0 cannot serve the rendezvous of the job's 2 "
+        "ranks there: start with a free MASTER_PORT"
+    )
+    exc = _failed_start(monkeypatch, rank=0, world=2, port=port)  # the port is free now
+    line = rendezvous_failure(exc, timeout_s=1, timeout_key=key)
+    assert line == (
+        f"rank 0 waited 1 s at 127.0.0.1:{port} for the job's 2 ranks and 1 came: start every "
+        "rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE=2, or raise "
+        "distributed.startup_timeout_s"
+    )
+    exc = _failed_start(monkeypatch, rank=1, world=2, port=port)
+    line = rendezvous_failure(exc, timeout_s=1, timeout_key=key)
+    assert line.startswith(f"rank 1 of 2 found no rendezvous at 127.0.0.1:{port} within 1 s")
+    assert "\n" not in line and line.endswith(f"or raise {key}")
+    assert rendezvous_failure(ValueError("x"), timeout_s=1, timeout_key=key) is None
