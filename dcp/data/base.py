@@ -7,6 +7,17 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 
+def length_stats(lengths: np.ndarray) -> dict:
+    """The length counts every dataset's ``stats`` starts with (a trainer logs them)."""
+    return {
+        "num_docs": int(lengths.size),
+        "num_tokens": int(lengths.sum()),
+        "min_len": int(lengths.min()),
+        "median_len": float(np.median(lengths)),
+        "max_len": int(lengths.max()),
+    }
+
+
 @runtime_checkable
 class DocumentDataset(Protocol):
     """What sampler, dispatch and trainer use; the synthetic and indexed datasets provide it."""

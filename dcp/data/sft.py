@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dcp.data.base import check_token_slice
+from dcp.data.base import check_token_slice, length_stats
 from dcp.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from dcp.files import FileContentError, iter_lines, parse_json, write_atomic
 
@@ -170,11 +170,7 @@ class ChatDataset:
         """Counts a trainer logs (the keys of the other datasets', and the counted labels)."""
         lengths = self._lengths
         return {
-            "num_docs": int(lengths.size),
-            "num_tokens": int(lengths.sum()),
-            "min_len": int(lengths.min()),
-            "median_len": float(np.median(lengths)),
-            "max_len": int(lengths.max()),
+            **length_stats(lengths),
             "counted_labels": int(self._counted.sum()),
             "labels": int(lengths.sum() - lengths.size),
         }

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcp.data.base import check_token_slice
+from dcp.data.base import check_token_slice, length_stats
 from dcp.schema import MAX_SEED, check_range, wider
 
 LENGTH_DISTS: tuple[str, ...] = ("lognormal", "uniform", "fixed", "choice")
@@ -185,13 +185,8 @@ class SyntheticDocumentDataset:
     @property
     def stats(self) -> dict:
         """Counts a trainer logs next to the data config (the same keys the indexed dataset has)."""
-        lengths = self._lengths
         return {
-            "num_docs": int(lengths.size),
-            "num_tokens": int(lengths.sum()),
-            "min_len": int(lengths.min()),
-            "median_len": float(np.median(lengths)),
-            "max_len": int(lengths.max()),
+            **length_stats(self._lengths),
             "empty_docs_skipped": 0,
             "docs_split": 0,
             "extra_chunks": 0,
