@@ -266,6 +266,8 @@ class PipelineCosts:
         rank of its group (``lengths``: the batch's; the backward includes the recompute): the
         sum over the stage's chunks (``chunk_step_times``)."""
         chunks = self.chunk_step_times(step, lengths)
+        if self.virtual_stages == 1:
+            return chunks
         p = self.num_stages
         return tuple(
             tuple(sum(times[k] for times in chunks[s::p]) for k in range(3)) for s in range(p)
@@ -291,6 +293,8 @@ class PipelineCosts:
         backward: the sum over the stage's chunks (under full recompute with V > 1 each chunk
         counts a layer's working set, an upper bound: one runs at a time)."""
         chunks = self.chunk_activation_bytes(step, lengths)
+        if self.virtual_stages == 1:
+            return chunks
         return tuple(sum(chunks[s :: self.num_stages]) for s in range(self.num_stages))
 
     def planning_model(self, *, in_flight: bool = True) -> CostModel:
@@ -320,10 +324,15 @@ class PipelineCosts:
         }
         merged["logits_bytes_per_token"] = 0.0
         widest = max(self.stages, key=lambda stage: stage.num_layers)
+        # A micro-step's recompute_layers N counts per model chunk (megatron's block recompute
+        # runs in each chunk): the view's N / layers is a rank's recomputed share when its
+        # layers are a chunk's (the widest; with V = 1 the stage).
+        chunk_layers = max(chunk.num_layers for chunk in self.chunks)
         what = "in flight" if in_flight else "alone"
         return dataclasses.replace(
             widest,
             coefficients=Coefficients(**merged),
+            model=dataclasses.replace(widest.model, num_layers=chunk_layers),
             name=f"{self.cost_model.name} (pipeline view, micro-steps {what})",
         )
 

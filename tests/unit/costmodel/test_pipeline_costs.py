@@ -303,3 +303,14 @@ def test_the_planning_view_holds_the_interleaved_micro_steps_in_flight():
     assert _costs(4, 2).planning_model().mem_bytes_per_token("none") > (
         _costs(4, 1).planning_model().mem_bytes_per_token("none")
     )
+
+
+def test_the_planning_views_recompute_layers_count_per_chunk():
+    """A micro-step's ``recompute_layers`` count per model chunk (megatron's block recompute
+    per chunk): the view's layers are a chunk's, so N = a chunk's layers is a full recompute."""
+    plain, interleaved = _costs(4, 1).planning_model(), _costs(4, 2).planning_model()
+    assert (plain.num_layers, interleaved.num_layers) == (8, 4)
+    full = interleaved.mem_bytes_per_token("full")
+    assert interleaved.mem_bytes_per_token("full", 4) == pytest.approx(full)
+    assert interleaved.mem_bytes_per_token("full", 2) > full
+    assert plain.mem_bytes_per_token("full", 4) > plain.mem_bytes_per_token("full")
