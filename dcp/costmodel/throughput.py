@@ -249,7 +249,8 @@ def row_pipeline(row: PublishedRow, cost_model: CostModel) -> PipelineCosts:
 
 def row_recompute(row: PublishedRow, cost_model: CostModel) -> tuple[str, int | None, bool]:
     """(recompute level, layers, fits): the row's own, or the least the memory rule fits
-    (under PP: on the fullest stage with its 1F1B micro-batches in flight, layers per stage)."""
+    (under PP: on the fullest stage with its 1F1B micro-batches in flight, layers per model
+    chunk)."""
     if row.pp > 1:
         cost_model = row_pipeline(row, cost_model).planning_model()
     lengths = [row.seq_len] * row.micro_batch
@@ -310,10 +311,12 @@ def dp_reduction_s(row: PublishedRow, cost_model: CostModel) -> float:
     n = cost_model.num_ranks
     if n == 1:
         return 0.0
+    level, layers, _ = row_recompute(row, cost_model)
     step = MicroStep(
         ranks=tuple(range(row.cp)),
         seq_ids=tuple(range(row.micro_batch)),
-        recompute=row_recompute(row, cost_model)[0],
+        recompute=level,
+        recompute_layers=layers,
     )
     lengths = [row.seq_len] * row.micro_batch
     if row.pp > 1:
@@ -323,7 +326,7 @@ def dp_reduction_s(row: PublishedRow, cost_model: CostModel) -> float:
         forward_s, backward_s, _ = costs.chunk_step_times(step, lengths)[0]
     else:
         params = part_param_count(cost_model, cost_model.num_layers, first=True, last=True)
-        micro_s = cost_model.step_time_s(lengths, row.cp, step.recompute)
+        micro_s = cost_model.step_time_s(lengths, row.cp, level, recompute_layers=layers)
         forward_s, backward_s = FORWARD_SHARE * micro_s, (1.0 - FORWARD_SHARE) * micro_s
     options = cost_model.options
     ring_bytes = params / options.tensor_parallel_size * _DTYPE_BYTES[options.dtype] * (n - 1) / n
