@@ -432,11 +432,28 @@ class CostModel:
         gpus = [s * stage_gpus + t for s in range(pp) for t in range(tp)]
         return len({g // self.cluster.gpus_per_node for g in gpus})
 
+    def experts_note(self) -> str | None:
+        """One line on how a mixture-of-experts model is priced, for the tools that print a
+        prediction (None for a dense model)."""
+        model = self.model
+        if model is None or model.num_experts is None:
+            return None
+        ep = self.options.expert_parallel_size if self.options is not None else 1
+        return (
+            f"simulated mixture of experts: {model.num_moe_layers} MoE layers of "
+            f"{model.num_experts} experts, top-{model.moe_router_topk}, EP {ep}; routing taken "
+            "as uniform over the experts, all-to-alls not overlapped, no published MoE row "
+            "checks these terms (docs/design.md, 'Experts in the cost model')"
+        )
+
     def topology(self) -> str:
         """What a planner rank is: ``8 planner ranks per stage, each TP 8 x PP 4 = 32 GPUs on 4
-        nodes (256 GPUs, 8 per node)``."""
+        nodes (256 GPUs, 8 per node)``, and the EP groups when there are some."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        ep = self.options.expert_parallel_size if self.options is not None else 1
         ranks = f"{self.num_ranks} planner ranks" + (" per stage" if pp > 1 else "")
+        if ep > 1:
+            ranks += f" in EP groups of {ep}"
         shape = f"TP {tp}" + (f" x PP {pp}" if pp > 1 else "")
         gpus = tp * pp
         each = f"each {shape} = {gpus} GPUs" if gpus > 1 else "each 1 GPU"

@@ -232,3 +232,22 @@ def test_model_layers_keeps_a_dense_model_dense():
         vocab_size=100,
     )
     assert model.layers(range(2, 4)) == dataclasses.replace(model, num_layers=2)
+
+
+def test_tools_plan_labels_a_mixture_of_experts_prediction_simulated(tmp_path, capsys):
+    from tools import plan as plan_cli
+
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text("[1000, 20000, 300, 65536, 5000]")
+    out = tmp_path / "plan.json"
+    for spec in (f"h200x32+{QWEN}", "h200x32+llama3-8b"):
+        assert plan_cli.main(["--lengths", str(lengths), "--spec", spec, "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        moe = spec.endswith(QWEN)
+        assert (
+            "simulated mixture of experts: 48 MoE layers of 128 experts, top-8, EP 8" in err
+        ) == moe
+    assert (
+        "32 planner ranks in EP groups of 8, each 1 GPU"
+        in load_cost_model(f"h200x32+{QWEN}").topology()
+    )
