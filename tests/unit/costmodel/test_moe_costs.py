@@ -251,3 +251,36 @@ def test_tools_plan_labels_a_mixture_of_experts_prediction_simulated(tmp_path, c
         "32 planner ranks in EP groups of 8, each 1 GPU"
         in load_cost_model(f"h200x32+{QWEN}").topology()
     )
+
+
+def test_online_refit_holds_the_exchange_fixed_and_recovers_the_rest():
+    """A MoE run's micro-step records include the EP exchange; the refit holds it fixed (as the
+    TP collectives) and recovers every fitted coefficient exactly from records that include
+    it."""
+    from dcp.costmodel import CostModel, fit_records, load_spec
+    from tests.unit.costmodel.test_online_fit import (
+        PRIOR,
+        _assert_coefficients,
+        _truth_calibration,
+        synthetic_records,
+    )
+
+    experts = "+num_experts=4+moe_router_topk=2+moe_ffn_hidden_size=96+expert_parallel_size=2"
+    exchange = {"ep_comm_s_per_token": 3e-5, "ep_latency_s": 0.004}
+
+    def with_exchange(spec: dict) -> dict:
+        return {**spec, "calibration": {**spec.get("calibration", {}), **exchange}}
+
+    truth_spec = load_spec("cpu-tiny-uncalibrated" + experts)
+    truth_spec["calibration"] = _truth_calibration()
+    # The refit keeps the prior's logits / linear ratio, which the experts change.
+    analytic = CostModel.from_spec(truth_spec | {"calibration": {}}).coefficients
+    truth_spec["calibration"]["logits_s_per_token"] = (
+        analytic.logits_s_per_token / analytic.linear_s_per_token
+    ) * truth_spec["calibration"]["linear_s_per_token"]
+    truth = CostModel.from_spec(with_exchange(truth_spec))
+    assert truth.tp_time_s([1024], 1, "full") > truth.tp_time_s([1024], 1, "none") > 0
+    prior = with_exchange(load_spec(PRIOR + experts))
+    fit = fit_records(synthetic_records(truth), prior=prior, prior_weight=0.0)
+    _assert_coefficients(fit.cost_model, truth, rel=1e-9)
+    assert fit.cost_model.coefficients.ep_comm_s_per_token == exchange["ep_comm_s_per_token"]
