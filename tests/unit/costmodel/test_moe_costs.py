@@ -220,6 +220,15 @@ def test_pipeline_stages_carry_their_own_moe_layers():
     whole = cm.coefficients.ep_comm_s_per_token
     assert sum(s.coefficients.ep_comm_s_per_token for s in stages) == pytest.approx(whole)
     assert stages[1].model.num_moe_layers == 4
+    # Interleaved: rank 0 holds chunk 0 (layer 0, dense) and chunk 16 (two MoE layers).
+    interleaved = PipelineCosts.of(cm, virtual_stages=2)
+    assert [(s.model.num_layers, s.model.num_moe_layers) for s in interleaved.stages[:2]] == [
+        (3, 2),
+        (4, 2),
+    ]
+    for parts in (interleaved.chunks, interleaved.stages):
+        assert sum(p.coefficients.ep_comm_s_per_token for p in parts) == pytest.approx(whole)
+    assert interleaved.planning_model().coefficients.ep_comm_s_per_token > 0
 
 
 def test_model_layers_keeps_a_dense_model_dense():
