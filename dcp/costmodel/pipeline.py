@@ -7,7 +7,8 @@ one formula (``CostModel._time_terms``), so no second formula exists:
 
 - the per-layer terms (linear layers, attention, CP ring traffic and hop latency, activation
   bytes) by the stage's share of the layers, L_s / L; the sequence-parallel collectives by the
-  stage's share of them (10 per layer, and the embedding's and the output layer's own);
+  stage's share of them (10 per layer, and the embedding's and the output layer's own); the
+  MoE token exchange by the stage's share of the MoE layers;
 - the output layer and loss (time and logits bytes) on the last stage only;
 - full recompute keeps one layer's working set whatever the layer count, so a stage's ``full``
   bytes are ``share·full + (1 - share)·none / L``;
@@ -144,38 +145,50 @@ class PipelineCosts:
             raise ValueError("a pipeline needs a cost model built from a spec with a model")
         num_stages = cost_model.pipeline_parallel_size
         chunk_counts = chunk_layer_counts(model.num_layers, num_stages, virtual_stages)
-        counts = tuple(sum(chunk_counts[s::num_stages]) for s in range(num_stages))
         # A stage, a chunk, and the planner's view are models without pipelining of their own.
         flat = dataclasses.replace(options, pipeline_parallel_size=1)
 
-        def part(name: str, layers: int, *, first: bool, last: bool, fixed_share: float):
+        # The layers of each chunk, and of each stage (its chunks s, s + P, ...).
+        starts = [sum(chunk_counts[:c]) for c in range(len(chunk_counts))]
+        chunk_layers = [range(a, a + n) for a, n in zip(starts, chunk_counts, strict=True)]
+        stage_layers = [
+            [i for ids in chunk_layers[s::num_stages] for i in ids] for s in range(num_stages)
+        ]
+
+        def part(name: str, layer_ids, *, first: bool, last: bool, fixed_share: float):
+            shape = model.layers(layer_ids)
             return CostModel(
                 coefficients=_part_coefficients(
-                    cost_model, layers, first=first, last=last, fixed_share=fixed_share
+                    cost_model,
+                    shape.num_layers,
+                    moe_layers=shape.num_moe_layers,
+                    first=first,
+                    last=last,
+                    fixed_share=fixed_share,
                 ),
                 num_ranks=cost_model.num_ranks,
                 ranks_per_node=cost_model.ranks_per_node,
                 name=f"{cost_model.name} {name}",
-                model=dataclasses.replace(model, num_layers=layers),
+                model=shape,
                 options=flat,
             )
 
         last_stage, last_chunk = num_stages - 1, len(chunk_counts) - 1
         stages = tuple(
-            part(f"stage {s}", n, first=s == 0, last=s == last_stage, fixed_share=1.0)
-            for s, n in enumerate(counts)
+            part(f"stage {s}", ids, first=s == 0, last=s == last_stage, fixed_share=1.0)
+            for s, ids in enumerate(stage_layers)
         )
         chunks = stages
         if virtual_stages > 1:
             chunks = tuple(
                 part(
                     f"chunk {c}",
-                    n,
+                    ids,
                     first=c == 0,
                     last=c == last_chunk,
                     fixed_share=1.0 / virtual_stages,
                 )
-                for c, n in enumerate(chunk_counts)
+                for c, ids in enumerate(chunk_layers)
             )
         c = cost_model.coefficients
         # Stages are megatron's outermost rank axis: a stage's peer is a stage-size of GPUs away.
@@ -332,7 +345,7 @@ class PipelineCosts:
         return dataclasses.replace(
             widest,
             coefficients=Coefficients(**merged),
-            model=dataclasses.replace(widest.model, num_layers=chunk_layers),
+            model=widest.model.layers(range(chunk_layers)),
             name=f"{self.cost_model.name} (pipeline view, micro-steps {what})",
         )
 
@@ -379,15 +392,22 @@ def part_param_count(cost_model: CostModel, layers: int, *, first: bool, last: b
 
 
 def _part_coefficients(
-    cost_model: CostModel, stage_layers: int, *, first: bool, last: bool, fixed_share: float
+    cost_model: CostModel,
+    stage_layers: int,
+    *,
+    moe_layers: int,
+    first: bool,
+    last: bool,
+    fixed_share: float,
 ) -> Coefficients:
-    """The coefficients of a stage or chunk of ``stage_layers`` layers (module docstring):
-    ``first`` holds the embedding, ``last`` the output layer; ``fixed_share`` of the fixed
-    per-micro-step costs."""
+    """The coefficients of a stage or chunk of ``stage_layers`` layers, ``moe_layers`` of them
+    mixture-of-experts layers (module docstring): ``first`` holds the embedding, ``last`` the
+    output layer; ``fixed_share`` of the fixed per-micro-step costs."""
     c = cost_model.coefficients
     model, options = cost_model.model, cost_model.options
     layers = model.num_layers
     share = stage_layers / layers
+    moe_share = moe_layers / model.num_moe_layers if model.num_moe_layers else 0.0
 
     per_layer = sum(TP_GATHERS_SCATTERS_PER_LAYER)
     outside = 0
@@ -425,6 +445,8 @@ def _part_coefficients(
         tp_comm_s_per_token=c.tp_comm_s_per_token * tp_share,
         tp_latency_s=c.tp_latency_s * tp_share,
         recompute_tp_frac=recompute_tp,
+        ep_comm_s_per_token=c.ep_comm_s_per_token * moe_share,
+        ep_latency_s=c.ep_latency_s * moe_share,
         cp_bytes_per_token=c.cp_bytes_per_token * share,
         cp_hop_latency_s=c.cp_hop_latency_s * share,
         static_mem_bytes=c.static_mem_bytes * params / total,
