@@ -132,13 +132,22 @@ def test_pp2_parity_partial_recompute_per_stage():
 def test_pp2_vp2_parity():
     """PP 2 x VP 2 on 4 ranks: each stage holds two one-layer chunks (virtual stages 0-3, the
     second chunk of stage 0 fed by the first of stage 1), CP 1 and CP 2 interleaved, every
-    recompute level; evaluation and the post-training batch too."""
+    recompute level and one layer of each stage's two (its first chunk's); evaluation and the
+    post-training batch too."""
     ref = run_on_ranks(1, reference_run, DOCS, model=FOUR_LAYERS)[0]
+    mixed = plan(
+        step([0], [0]),
+        partial([0, 1], [3], 1),
+        step([1], [1], "selective"),
+        step([0, 1], [2, 4]),
+        step([0], [5, 6], "full"),
+        partial([1], [7], 1),
+    )
     got = run_on_ranks(
         4,
         pp_run,
         DOCS,
-        [PLANS["cp1_cp2_interleaved"]],
+        [mixed],
         pipeline_parallel_size=2,
         virtual_pipeline_parallel_size=2,
         model=FOUR_LAYERS,
@@ -151,14 +160,21 @@ def test_pp2_vp2_parity():
 
 def test_pp4_vp2_parity_8_ranks():
     """PP 4 x VP 2 on 8 ranks (2 planner ranks per stage): eight one-layer virtual stages,
-    the wrap from stage 3 to stage 0 at both planner ranks, CP 1 and 2, every recompute level."""
+    the wrap from stage 3 to stage 0 at both planner ranks, CP 1 and 2, every recompute level
+    and one layer of each stage's two."""
     eight = {"num_layers": 8}
     ref = run_on_ranks(1, reference_run, DOCS, model=eight)[0]
+    mixed = plan(
+        partial([0, 1], [3, 1], 1),
+        step([0], [0], "selective"),
+        step([1], [2, 4, 5], "none"),
+        step([0, 1], [6, 7], "full"),
+    )
     got = run_on_ranks(
         8,
         pp_run,
         DOCS,
-        [PLANS["mixed_recompute"]],
+        [mixed],
         pipeline_parallel_size=4,
         virtual_pipeline_parallel_size=2,
         model=eight,
