@@ -687,9 +687,9 @@ def check_virtual_stages(cfg: ModelConfig, stages: int, virtual_stages: int) -> 
         )
     if cfg.num_layers % (stages * virtual_stages):
         raise ValueError(
-            f"model.num_layers={cfg.num_layers} must be a multiple of pipeline_parallel_size x "
-            f"virtual_pipeline_parallel_size = {stages} x {virtual_stages} (every virtual stage "
-            "holds as many layers)"
+            f"model.num_layers={cfg.num_layers} must be a multiple of parallel."
+            f"pipeline_parallel_size x parallel.virtual_pipeline_parallel_size = {stages} x "
+            f"{virtual_stages} (every virtual stage holds as many layers)"
         )
 
 

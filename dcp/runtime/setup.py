@@ -26,11 +26,13 @@ def init(
     timeout_s: float | None = None,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    virtual_pipeline_parallel_size: int = 1,
 ) -> None:
     """Prepare this process for DCP (idempotent): on a GPU machine select the device of
     ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
     megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
-    megatron's parallel state with ``tensor_parallel_size`` and ``pipeline_parallel_size``, its
+    megatron's parallel state with ``tensor_parallel_size``, ``pipeline_parallel_size`` and
+    ``virtual_pipeline_parallel_size``, its
     groups created with ``timeout_s`` (default: torch's). A torch outside the supported range
     raises ``dcp.versions.UnsupportedVersion`` first."""
     require_supported_versions()
@@ -55,6 +57,7 @@ def init(
         timeout_s=timeout_s,
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
+        virtual_pipeline_parallel_size=virtual_pipeline_parallel_size,
     )
 
 
