@@ -532,3 +532,35 @@ def test_the_executor_catches_a_deadlock():
         run_buffered(_steps([0], [0]), 2, 1)  # buffered sends cannot deadlock here
     finally:
         globals()["rank_events"] = saved
+
+
+def test_interleaved_order_follows_megatron_cores_tables():
+    """For slot counts that are multiples of P (megatron's condition, where DCP adds no empty
+    slots), each stage's ``chunk_order`` is megatron-core's interleaved 1F1B: its
+    ``get_schedule_table`` (forwards; backwards with the chunks reversed) and the warm-up of
+    its ``get_pp_rank_microbatches``, then one forward and one backward in turn."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import (
+        get_pp_rank_microbatches,
+        get_schedule_table,
+    )
+
+    for num_stages, chunks, groups in [(2, 2, 1), (2, 2, 3), (3, 2, 2), (4, 3, 2), (4, 2, 1)]:
+        num_slots = num_stages * groups
+        plan = _steps(*([[0]] * num_slots))
+        order = chunk_order(plan, num_stages, virtual_stages=chunks)
+        table = get_schedule_table(num_slots, chunks, num_stages)
+        for stage in range(num_stages):
+            group = SimpleNamespace(size=lambda n=num_stages: n, rank=lambda s=stage: s)
+            p2p = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=chunks)
+            total, _, warmup, _ = get_pp_rank_microbatches(
+                num_slots, chunks, num_stages, p2p_communicator=p2p
+            )
+            forwards = [(FORWARD, chunk, m) for m, chunk in table]
+            backwards = [(BACKWARD, chunks - 1 - chunk, m) for m, chunk in table]
+            steady = [
+                op for i in range(total - warmup) for op in (forwards[warmup + i], backwards[i])
+            ]
+            want = forwards[:warmup] + steady + backwards[total - warmup :]
+            assert list(order[stage]) == want, (num_stages, chunks, groups, stage)
