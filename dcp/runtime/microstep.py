@@ -115,25 +115,6 @@ def masked_loss(
     return torch.where(batch.loss_mask > 0, token_loss, 0.0).sum()
 
 
-def chunk_recompute(
-    step: MicroStep, *, chunk: int, chunk_layers: int, num_chunks: int
-) -> tuple[Recompute, int | None]:
-    """The recompute level and ``recompute_layers`` model chunk ``chunk`` (of ``num_chunks``,
-    ``chunk_layers`` layers each) runs ``step`` with. A plan's N counts the stage's layers, as
-    without virtual stages (the planner's memory check and the calibration records read it
-    so): the stage recomputes its first N layers in chunk order, chunk v its first
-    min(max(N - v c, 0), c), which is none at all once the N are used up. (Megatron's own
-    ``recompute_num_layers`` would count each chunk's layers.) ``None`` layers: all of the
-    chunk's."""
-    n = step.stage_recompute_layers(chunk_layers * num_chunks)
-    if n is None:
-        return step.recompute, None
-    mine = min(max(n - chunk * chunk_layers, 0), chunk_layers)
-    if mine == 0:
-        return Recompute.NONE, None
-    return step.recompute, None if mine == chunk_layers else mine
-
-
 def model_stage_layers(model) -> int:
     """Transformer layers this rank's model (its pipeline stage) holds; under virtual stages,
     each of its chunks (megatron's ``num_layers_per_pipeline_rank`` of a chunk's block)."""
@@ -272,13 +253,14 @@ class MicroStepExecutor:
 
     def step_switched(self, step: MicroStep, *, what: str, chunk: int = 0):
         """``switched`` for plan step ``step``: its CP group, its recompute level and layers on
-        this rank's stage (under virtual stages, chunk ``chunk``'s part of them:
-        ``chunk_recompute``)."""
-        recompute, layers = chunk_recompute(
-            step, chunk=chunk, chunk_layers=self.stage_layers, num_chunks=len(self.chunks)
-        )
+        this rank's stage (under virtual stages, on each chunk: megatron's
+        ``recompute_num_layers`` counts a chunk's layers)."""
         return self.switched(
-            step.ranks, what=what, recompute=recompute, recompute_layers=layers, chunk=chunk
+            step.ranks,
+            what=what,
+            recompute=step.recompute,
+            recompute_layers=step.stage_recompute_layers(self.stage_layers),
+            chunk=chunk,
         )
 
     def forward(

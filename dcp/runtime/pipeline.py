@@ -28,11 +28,11 @@ planner's memory check counts). ``recompute_layers`` counts the layers of this s
 
 Under virtual stages (V model chunks per stage, ``dcp.model.ModelChunks``) every event names its
 chunk: a forward or backward runs that chunk, switched to the step's CP group and recompute
-level (a ``recompute_layers`` N still counts the stage's layers: its first N in chunk order,
-``dcp.runtime.microstep.chunk_recompute``), and a message goes to the stage the event names
-(chunk v of stage P - 1 sends to chunk v + 1 of stage 0). The embedding is chunk 0 of stage 0,
-the loss chunk V - 1 of stage P - 1. A step's shard is read once per stage and kept until its
-last chunk's backward (or last forward, without a backward).
+level (``recompute_layers`` then counts the chunk's layers, as megatron's does per chunk), and a
+message goes to the stage the event names (chunk v of stage P - 1 sends to chunk v + 1 of stage
+0). The embedding is chunk 0 of stage 0, the loss chunk V - 1 of stage P - 1. A step's
+shard is read once per stage and kept until its last chunk's backward (or last forward, without
+a backward).
 
 The loss, counted labels and padding are counted on the last stage only (the others hold no
 loss), so the step's reduction over every rank adds each once; the divisor is the batch's counted

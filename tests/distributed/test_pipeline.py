@@ -130,11 +130,12 @@ def test_pp2_parity_partial_recompute_per_stage():
 
 
 def test_pp2_vp2_parity():
-    """PP 2 x VP 2 on 4 ranks: each stage holds two one-layer chunks (virtual stages 0-3, the
-    second chunk of stage 0 fed by the first of stage 1), CP 1 and CP 2 interleaved, every
-    recompute level and one layer of each stage's two (its first chunk's); evaluation and the
-    post-training batch too."""
-    ref = run_on_ranks(1, reference_run, DOCS, model=FOUR_LAYERS)[0]
+    """PP 2 x VP 2 on 4 ranks: an 8-layer model, each stage two chunks of two layers (virtual
+    stages 0-3, the second chunk of stage 0 fed by the first of stage 1), CP 1 and CP 2
+    interleaved, every recompute level and the first layer of each chunk (``recompute_layers``
+    counts a chunk's layers); evaluation and the post-training batch too."""
+    eight = {"num_layers": 8}
+    ref = run_on_ranks(1, reference_run, DOCS, model=eight)[0]
     mixed = plan(
         step([0], [0]),
         partial([0, 1], [3], 1),
@@ -150,31 +151,24 @@ def test_pp2_vp2_parity():
         [mixed],
         pipeline_parallel_size=2,
         virtual_pipeline_parallel_size=2,
-        model=FOUR_LAYERS,
+        model=eight,
         post=True,
         timeout_s=300,
     )[0]
-    assert got["chunk_layers"] == [[0], [2]]  # stage 0 holds virtual stages 0 and 2
+    assert got["chunk_layers"] == [[0, 1], [4, 5]]  # stage 0 holds virtual stages 0 and 2
     assert_parity(ref, got, what="PP 2 x VP 2")
 
 
 def test_pp4_vp2_parity_8_ranks():
     """PP 4 x VP 2 on 8 ranks (2 planner ranks per stage): eight one-layer virtual stages,
-    the wrap from stage 3 to stage 0 at both planner ranks, CP 1 and 2, every recompute level
-    and one layer of each stage's two."""
+    the wrap from stage 3 to stage 0 at both planner ranks, CP 1 and 2, every recompute level."""
     eight = {"num_layers": 8}
     ref = run_on_ranks(1, reference_run, DOCS, model=eight)[0]
-    mixed = plan(
-        partial([0, 1], [3, 1], 1),
-        step([0], [0], "selective"),
-        step([1], [2, 4, 5], "none"),
-        step([0, 1], [6, 7], "full"),
-    )
     got = run_on_ranks(
         8,
         pp_run,
         DOCS,
-        [mixed],
+        [PLANS["mixed_recompute"]],
         pipeline_parallel_size=4,
         virtual_pipeline_parallel_size=2,
         model=eight,
