@@ -349,13 +349,30 @@ def rank_events(
 class StepCosts:
     """What the pipeline needs of each micro-step of one batch, computed once per distinct
     micro-step: its (forward, backward, exposed CP communication) seconds and activation bytes
-    on each stage, and its stage-to-stage transfer time (``PipelineCosts``)."""
+    on each stage (and on each virtual stage: ``chunk_times``, ``chunk_activations``), and its
+    stage-to-stage transfer time (``PipelineCosts``)."""
 
     def __init__(self, costs: PipelineCosts, lengths: Sequence[int]) -> None:
         self.costs = costs
         self.lengths = [int(x) for x in lengths]
         self._times: dict[MicroStep, tuple[tuple[float, float, float], ...]] = {}
         self._acts: dict[MicroStep, tuple[float, ...]] = {}
+        self._chunk_times: dict[MicroStep, tuple[tuple[float, float, float], ...]] = {}
+        self._chunk_acts: dict[MicroStep, tuple[float, ...]] = {}
+
+    def chunk_times(self, step: MicroStep) -> tuple[tuple[float, float, float], ...]:
+        """``times`` per virtual stage j = v P + s (the stages themselves when V = 1)."""
+        out = self._chunk_times.get(step)
+        if out is None:
+            out = self._chunk_times[step] = self.costs.chunk_step_times(step, self.lengths)
+        return out
+
+    def chunk_activations(self, step: MicroStep) -> tuple[float, ...]:
+        """``activations`` per virtual stage j = v P + s (the stages themselves when V = 1)."""
+        out = self._chunk_acts.get(step)
+        if out is None:
+            out = self._chunk_acts[step] = self.costs.chunk_activation_bytes(step, self.lengths)
+        return out
 
     def times(self, step: MicroStep) -> tuple[tuple[float, float, float], ...]:
         out = self._times.get(step)
@@ -395,20 +412,29 @@ def stage_peak_bytes(
 ) -> StageMemory:
     """Each (stage, planner rank)'s peak memory under ``pipeline_order`` (it depends on the
     order only, not on timing): its static bytes plus, at each of its forwards, the activation
-    bytes of its micro-steps in flight. ``order``: the plan's ``pipeline_order``, if made."""
+    bytes of its micro-steps in flight. ``order``: the plan's ``pipeline_order``, if made.
+    Under virtual stages (``costs.virtual_stages`` > 1) the order is ``chunk_order`` and each
+    (chunk, micro-step) in flight holds its chunk's bytes; ``order`` is then not taken."""
     step_costs = step_costs or StepCosts(costs, lengths)
-    order = order or pipeline_order(plan, costs.num_stages)
-    acts = [step_costs.activations(step) for step in plan.steps]
+    p, v = costs.num_stages, costs.virtual_stages
+    if v == 1:
+        order = order or pipeline_order(plan, p)
+        ops = [[(kind, 0, m) for kind, m in stage_ops] for stage_ops in order]
+    else:
+        if order is not None:
+            raise ValueError("order is pipeline_order's, without virtual stages")
+        ops = chunk_order(plan, p, virtual_stages=v)
+    acts = [step_costs.chunk_activations(step) for step in plan.steps]
     ranks = [step.ranks for step in plan.steps]
     num_ranks = costs.cost_model.num_ranks
     budget = costs.cost_model.mem_budget_bytes
-    peak = np.zeros((costs.num_stages, num_ranks))
+    peak = np.zeros((p, num_ranks))
     worst, worst_over = None, 0.0
-    for s, stage_ops in enumerate(order):
+    for s, stage_ops in enumerate(ops):
         static = costs.stages[s].static_mem_bytes
         live, top = [0.0] * num_ranks, [0.0] * num_ranks
-        for kind, m in stage_ops:
-            held = acts[m][s]
+        for kind, chunk, m in stage_ops:
+            held = acts[m][chunk * p + s]
             if kind == BACKWARD:
                 for r in ranks[m]:
                     live[r] -= held
