@@ -40,7 +40,7 @@ def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-UNSUPPORTED_AXES = ("expert_parallel_size", "virtual_pipeline_parallel_size")
+UNSUPPORTED_AXES = ("expert_parallel_size",)
 """Axes the mesh has a place for but DCP does not run yet: only 1 is accepted."""
 
 
@@ -59,7 +59,8 @@ class Mesh:
     expert_parallel_size: int = 1
     """Expert parallelism: not supported yet, only 1."""
     virtual_pipeline_parallel_size: int = 1
-    """Model chunks per pipeline stage (interleaved schedule): not supported yet, only 1."""
+    """Model chunks per pipeline stage (the interleaved schedule, ``dcp.planning.pipeline``):
+    chunk v of stage s holds virtual stage v × PP + s's layers; more than 1 needs PP > 1."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -73,6 +74,11 @@ class Mesh:
                     "and runtime have no place for this axis"
                 )
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.virtual_pipeline_parallel_size > 1 and pp == 1:
+            raise ValueError(
+                f"virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size} needs "
+                "pipeline_parallel_size > 1 (virtual stages interleave model chunks over stages)"
+            )
         if self.world_size % (tp * pp):
             raise ValueError(
                 f"tensor_parallel_size={tp} times pipeline_parallel_size={pp} must divide "
@@ -96,18 +102,26 @@ class Mesh:
         return cls(**data)
 
     def to_dict(self) -> dict[str, int]:
-        """The checkpoint's ``"layout"`` object: world, TP and PP sizes (the axes not supported
-        yet are 1 and not written, so the format stays the one earlier checkpoints have)."""
-        return {
+        """The checkpoint's ``"layout"`` object: world, TP and PP sizes, and the virtual stages
+        when there are some (the axes at 1 beyond those are not written, so the format stays
+        the one earlier checkpoints have)."""
+        out = {
             "world_size": self.world_size,
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
         }
+        if self.virtual_pipeline_parallel_size > 1:
+            out["virtual_pipeline_parallel_size"] = self.virtual_pipeline_parallel_size
+        return out
 
     def describe(self) -> str:
-        """``TP t`` or ``TP t x PP p``: how the mesh splits its ranks."""
-        pp = self.pipeline_parallel_size
-        return f"TP {self.tensor_parallel_size}" + (f" x PP {pp}" if pp > 1 else "")
+        """``TP t``, ``TP t x PP p`` or ``TP t x PP p x VP v``: how the mesh splits its ranks."""
+        pp, vp = self.pipeline_parallel_size, self.virtual_pipeline_parallel_size
+        return (
+            f"TP {self.tensor_parallel_size}"
+            + (f" x PP {pp}" if pp > 1 else "")
+            + (f" x VP {vp}" if vp > 1 else "")
+        )
 
     @property
     def stage_size(self) -> int:

@@ -26,11 +26,13 @@ def init(
     timeout_s: float | None = None,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    virtual_pipeline_parallel_size: int = 1,
 ) -> None:
     """Prepare this process for DCP (idempotent): on a GPU machine select the device of
     ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
     megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
-    megatron's parallel state with ``tensor_parallel_size`` and ``pipeline_parallel_size``, its
+    megatron's parallel state with ``tensor_parallel_size``, ``pipeline_parallel_size`` and
+    ``virtual_pipeline_parallel_size``, its
     groups created with ``timeout_s`` (default: torch's). A torch outside the supported range
     raises ``dcp.versions.UnsupportedVersion`` first."""
     require_supported_versions()
@@ -55,6 +57,7 @@ def init(
         timeout_s=timeout_s,
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
+        virtual_pipeline_parallel_size=virtual_pipeline_parallel_size,
     )
 
 
@@ -63,10 +66,12 @@ def init_megatron_parallel(
     timeout_s: float | None = None,
     tensor_parallel_size: int | None = None,
     pipeline_parallel_size: int | None = None,
+    virtual_pipeline_parallel_size: int | None = None,
 ) -> int:
-    """Initialise megatron's parallel_state with ``tensor_parallel_size`` and
-    ``pipeline_parallel_size`` (default 1 each) and CP = 1 (idempotent; a second call asking
-    for other sizes raises). Returns the TP size in effect."""
+    """Initialise megatron's parallel_state with ``tensor_parallel_size``,
+    ``pipeline_parallel_size`` and ``virtual_pipeline_parallel_size`` (default 1 each) and
+    CP = 1 (idempotent; a second call asking for other sizes raises). Returns the TP size in
+    effect."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -89,17 +94,30 @@ def init_megatron_parallel(
                 f"megatron's parallel state is already initialised with PP = {stages}, not "
                 f"{pipeline_parallel_size}"
             )
+        chunks = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+        if virtual_pipeline_parallel_size is not None and virtual_pipeline_parallel_size != chunks:
+            raise ValueError(
+                f"megatron's parallel state is already initialised with VP = {chunks}, not "
+                f"{virtual_pipeline_parallel_size}"
+            )
         return current
     tp = 1 if tensor_parallel_size is None else tensor_parallel_size
     pp = 1 if pipeline_parallel_size is None else pipeline_parallel_size
+    vp = 1 if virtual_pipeline_parallel_size is None else virtual_pipeline_parallel_size
     # The world must split into TP groups and stages.
-    mesh = Mesh(dist.get_world_size(), tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    mesh = Mesh(
+        dist.get_world_size(),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        virtual_pipeline_parallel_size=vp,
+    )
     extra = {}
     if timeout_s is not None:
         extra["distributed_timeout_minutes"] = max(1, math.ceil(timeout_s / 60))
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         context_parallel_size=1,
         # A gloo twin of every data-parallel group serves only megatron's dp-zero checkpoint
         # formats, which DCP does not use: at 1,024 ranks each is start-up time and sockets.
@@ -125,6 +143,7 @@ def init_megatron_mesh(mesh: Mesh) -> None:
         init_megatron_parallel(
             tensor_parallel_size=mesh.tensor_parallel_size,
             pipeline_parallel_size=mesh.pipeline_parallel_size,
+            virtual_pipeline_parallel_size=mesh.virtual_pipeline_parallel_size,
         )
     except ValueError as exc:
         raise ValueError(
@@ -134,11 +153,13 @@ def init_megatron_mesh(mesh: Mesh) -> None:
 
 
 def model_mesh(model) -> Mesh:
-    """The mesh a megatron-core model was built for: its config's TP and PP sizes
-    (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``) over this job's ranks."""
+    """The mesh a megatron-core model was built for: its config's TP, PP and VP sizes
+    (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+    ``virtual_pipeline_model_parallel_size``) over this job's ranks."""
     config = model.config
     return Mesh(
         dist.get_world_size(),
         tensor_parallel_size=config.tensor_model_parallel_size,
         pipeline_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_parallel_size=config.virtual_pipeline_model_parallel_size or 1,
     )
