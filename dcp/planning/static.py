@@ -126,6 +126,12 @@ def fixed_static_config(
     return best
 
 
+def config_label(plan: Plan) -> str:
+    """A static plan's configuration as reports name it: ``cp<c>/<recompute>``."""
+    extra = plan.extra
+    return f"cp{extra['cp_size']}/{extra['recompute']}{extra.get('recompute_layers', '')}"
+
+
 def _kept_max_seq_len(cost_model: CostModel, max_seq_len: int) -> int:
     """The longest sequence a run that drops what no configuration can hold is sized for."""
     cost_model = planning_view(cost_model)
