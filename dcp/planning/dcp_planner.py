@@ -33,7 +33,7 @@ from dcp.planning.common import check_lengths, find_oversize, pow2_sizes
 from dcp.planning.joins import _Job, _merge_same_block, _PackConfigs, _shared_jobs
 from dcp.planning.pipeline_planner import arrange
 from dcp.planning.simulator import simulate
-from dcp.planning.static import StaticOptions, config_label, plan_static, static_configs
+from dcp.planning.static import BLOCK, StaticOptions, config_label, plan_static, static_configs
 
 _TARGET_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35)
 # A packable sequence longer than this share of the target makespan is placed before the
@@ -178,7 +178,7 @@ def _static_candidate(
 ) -> Plan | None:
     """The fastest static plan (``plan_static``: as a static run packs it, and its tuned oracle)
     over the configurations ``options`` allows (CP sizes up to ``max_cp_size``, its recompute
-    levels and ``full``), as a ``dcp`` plan
+    levels and ``full``, block recompute only with ``partial_recompute``), as a ``dcp`` plan
     noting ``extra["static_config"]``; ``None`` when pins fix sequences, no configuration
     holds the batch or static planning drops other sequences than DCP (``dropped``), and without
     ``share_cp_groups`` (a static run packs long sequences together, which that option rules
@@ -186,6 +186,8 @@ def _static_candidate(
     if options.pinned or not options.share_cp_groups:
         return None
     allowed = set(options.recompute_levels) | {Recompute.FULL.value}
+    if options.partial_recompute:
+        allowed.add(BLOCK)
     longest = int(check_lengths(lengths).max())
     best = None
     for cp, level in static_configs(cost_model, longest):

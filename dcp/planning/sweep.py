@@ -30,7 +30,7 @@ from dcp.planning.offload import offload_what_if
 from dcp.planning.pipeline import check_plan_memory
 from dcp.planning.pipeline_planner import longest_first
 from dcp.planning.simulator import SimResult, simulate
-from dcp.planning.static import StaticOptions, plan_static, static_configs
+from dcp.planning.static import StaticOptions, config_label, plan_static, static_configs
 from dcp.planning.workloads import WORKLOADS, get_workload, make_batch
 
 Log = Callable[[str], None]
@@ -163,19 +163,19 @@ def evaluate(
             continue
         runs, plan_ms, bubbles = {}, [], {}
         for cp, level in static_configs(cost_model, max_seq_len):
-            key = f"cp{cp}/{level}"
-            runs[key], bubbles[key] = [], []
             options = StaticOptions(
                 cp_size=cp, recompute=level, max_seq_len=max_seq_len, tuned=tuned
             )
+            times, config_bubbles = [], []
             for b in batches:
                 start = time.perf_counter()
                 plan = plan_static(b, cost_model=cost_model, options=options)
                 plan_ms.append((time.perf_counter() - start) * 1e3)
                 on_plan()
                 sim = _checked_sim(plan, b, cost_model)
-                runs[key].append(sim.makespan_s)
-                bubbles[key].append(sim.bubble_fraction)
+                times.append(sim.makespan_s)
+                config_bubbles.append(sim.bubble_fraction)
+            runs[config_label(plan)], bubbles[config_label(plan)] = times, config_bubbles
         config, times = _best_fixed(runs)
         row[planner] = {"step_time_s": times, "config": config, "plan_ms": plan_ms}
         if piped:
