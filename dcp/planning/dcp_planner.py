@@ -164,17 +164,21 @@ def plan_dcp(
         plan = _plan_pipelined(lengths, cost_model, options)
     else:
         plan = _flat_plan(lengths, cost_model, options)
-    static = _static_candidate(lengths, cost_model, options, dropped=plan.dropped)
-    if static is None:
-        return plan
     lens = [int(x) for x in lengths]
-    if simulate(static, lens, cost_model).makespan_s < simulate(plan, lens, cost_model).makespan_s:
+    plan_s = simulate(plan, lens, cost_model).makespan_s
+    static = _static_candidate(lengths, cost_model, options, dropped=plan.dropped, beat_s=plan_s)
+    if static is not None and simulate(static, lens, cost_model).makespan_s < plan_s:
         return static
     return plan
 
 
 def _static_candidate(
-    lengths: Sequence[int], cost_model: CostModel, options: DCPOptions, *, dropped: tuple[int, ...]
+    lengths: Sequence[int],
+    cost_model: CostModel,
+    options: DCPOptions,
+    *,
+    dropped: tuple[int, ...],
+    beat_s: float,
 ) -> Plan | None:
     """The fastest static plan (``plan_static``: as a static run packs it, and its tuned oracle)
     over the configurations ``options`` allows (CP sizes up to ``max_cp_size``, its recompute
@@ -182,16 +186,23 @@ def _static_candidate(
     noting ``extra["static_config"]``; ``None`` when pins fix sequences, no configuration
     holds the batch or static planning drops other sequences than DCP (``dropped``), and without
     ``share_cp_groups`` (a static run packs long sequences together, which that option rules
-    out)."""
+    out). A CP size whose lower bound (any plan on groups of that size) is not below ``beat_s``
+    is not planned: none of its configurations can win, and planning them all costs seconds on
+    a thousand GPUs."""
     if options.pinned or not options.share_cp_groups:
         return None
     allowed = set(options.recompute_levels) | {Recompute.FULL.value}
     if options.partial_recompute:
         allowed.add(BLOCK)
     longest = int(check_lengths(lengths).max())
-    best = None
+    kept = np.delete(check_lengths(lengths), list(dropped))
+    best, bounds = None, {}
     for cp, level in static_configs(cost_model, longest):
         if level not in allowed or (options.max_cp_size or cp) < cp:
+            continue
+        if cp not in bounds:
+            bounds[cp] = lower_bound_s(kept, cost_model, cp_sizes=[cp])
+        if bounds[cp] >= beat_s:
             continue
         for tuned in (False, True):
             config = StaticOptions(
