@@ -213,18 +213,19 @@ class _Batch:
         self.tokens = np.zeros(num_ranks)
         self.work = np.zeros(num_ranks)
         self.count = 0
+        self.used = 0
+        """Ranks in some CP group (the rest, from this rank on, are idle)."""
         self.ids: list[list[int]] = []
         self.lens: list[list[int]] = []
-
-    @property
-    def used(self) -> int:
-        """Ranks in some CP group (the rest, from this rank on, are idle)."""
-        return int(self.size[: self.count].sum())
+        self.by_size: dict[int, np.ndarray] = {}
+        """Per CP size, its groups' indices in creation order."""
 
     def open(self, cp: int, sid: int, length: int) -> None:
         g = self.count
         self.count += 1
+        self.used += cp
         self.size[g], self.tokens[g], self.work[g] = cp, length / cp, length * length / cp
+        self.by_size[cp] = np.append(self.by_size.get(cp, np.empty(0, dtype=np.int64)), g)
         self.ids.append([sid])
         self.lens.append([length])
 
@@ -258,24 +259,27 @@ def _next_group(
     limit = length * cap * (1.0 + _WORKLOAD_CAP_DELTA)
     leftovers = []
     for sid, length in remaining[1:]:
-        n = batch.count
-        size, tokens, work = batch.size[:n], batch.tokens[:n], batch.work[:n]
+        work = batch.work[: batch.count]
         top = int(np.argmax(work))
         highest = float(work[top])
-        # The largest workload outside each group (idle ranks have none).
-        others = np.full(n, highest)
-        others[top] = float(np.max(np.delete(work, top), initial=0.0))
+        # The largest workload outside the top group (idle ranks have none).
+        work[top] = -np.inf
+        second = max(float(np.max(work)), 0.0)
+        work[top] = highest
         free = num_ranks - batch.used
         best = None  # (peak, CP group index, or -CP for a new group)
         cp = gpus_needed(length, cap, min_cp)
         while cp <= num_ranks:
             added = length * length / cp
-            peaks = np.maximum(others, work + added)
-            ok = (size == cp) & (tokens + length / cp <= cap) & (peaks <= limit)
-            if ok.any():
-                g = int(np.flatnonzero(ok)[np.argmin(peaks[ok])])
-                if best is None or peaks[g] < best[0]:
-                    best = (float(peaks[g]), g)
+            groups = batch.by_size.get(cp)
+            if groups is not None:
+                others = np.where(groups == top, second, highest)
+                peaks = np.maximum(others, batch.work[groups] + added)
+                ok = (batch.tokens[groups] + length / cp <= cap) & (peaks <= limit)
+                if ok.any():
+                    k = int(np.flatnonzero(ok)[np.argmin(peaks[ok])])
+                    if best is None or peaks[k] < best[0]:
+                        best = (float(peaks[k]), int(groups[k]))
             if free >= cp:
                 peak = max(highest, added)
                 if peak <= limit and (best is None or peak < best[0]):
@@ -305,6 +309,7 @@ def _widen_smallest(batch: _Batch) -> bool:
         return False
     g = int(np.flatnonzero(batch.size[:n] == smallest)[0])
     batch.size[g] += extra
+    batch.used += extra
     batch.work[g] = sum(x * x for x in batch.lens[g]) / int(batch.size[g])
     return True
 
