@@ -74,10 +74,12 @@ RECOMPUTE_LEVELS: tuple[str, ...] = tuple(level.value for level in Recompute)
 """The ``Recompute`` levels as plain strings, cheapest memory last."""
 STATIC_PER_BATCH = "static_per_batch"
 """The static baseline re-choosing its (CP size, recompute) for every batch."""
-PLANNERS: tuple[str, ...] = ("dcp", "static", "megatron", STATIC_PER_BATCH)
-"""DCP's planner, the two baselines it is measured against (``static``: one configuration for
-the run; ``megatron``: Megatron's Hybrid-CP) and the static variant choosing per batch
-(``dcp.planning``)."""
+MEGATRON_DEV = "megatron-dev"
+"""Megatron-LM dev's dynamic-CP scheduler, re-implemented (``dcp.planning.megatron_dev``)."""
+PLANNERS: tuple[str, ...] = ("dcp", "static", "megatron", STATIC_PER_BATCH, MEGATRON_DEV)
+"""DCP's planner, the baselines it is measured against (``static``: one configuration for the
+run; ``megatron``: megatron-core's Hybrid-CP; ``megatron-dev``: Megatron-LM dev's dynamic CP) and
+the static variant choosing per batch (``dcp.planning``)."""
 ON_OVERSIZE: tuple[str, ...] = ("error", "drop")
 """A sequence no plan can fit: raise naming it, or drop it (listed in ``Plan.dropped``)."""
 _TYPED_META: tuple[str, ...] = ("barriers", "unaligned_steps", "dropped", "num_dropped")

@@ -1,8 +1,9 @@
-"""End-to-end benchmark: the same run planned by static CP, Megatron Hybrid-CP and DCP (with and
-without its finer options).
+"""End-to-end benchmark: the same run planned by static CP, Megatron Hybrid-CP, Megatron dev's
+dynamic CP and DCP (with and without its finer options).
 
     python -m tools.bench_e2e [--config pretrain/configs/bench_cpu.yaml] [--steps 8] \\
-        [--warmup 1] [--rounds 2] [--nproc 2] [--planners static,megatron,dcp-3level,dcp] \\
+        [--warmup 1] [--rounds 2] [--nproc 2] \\
+        [--planners static,megatron,megatron-dev,dcp-3level,dcp] \\
         [key.sub=value ...]
 
 Started without torchrun it re-launches itself under ``torchrun --standalone`` with ``--nproc``
@@ -12,15 +13,18 @@ sets ``parallel.tensor_parallel_size`` / ``parallel.pipeline_parallel_size`` (``
 parallel.pipeline_parallel_size=2``: 2 stages x 2 planner ranks); the launch must match (a clear
 error otherwise). Each planner trains a fresh model (same
 seed) on the same global batches (same sampler seed) through the real trainer; ``static`` runs
-every fixed (CP size, recompute) configuration that holds the run's longest sequence and the
-fastest is the baseline. ``--rounds`` passes run
+every fixed (CP size, recompute) configuration that holds the run's longest sequence (Megatron's
+block recompute included: ``dcp.planning.static_configs``) and the fastest is the baseline;
+``megatron-dev`` is Megatron-LM dev's dynamic-CP scheduler re-implemented
+(``dcp.planning.megatron_dev``, its default mode). ``--rounds`` passes run
 all planners in alternating (forward, reversed) order and pool their throughput, so machine-speed
 drift during the benchmark does not favour whoever runs first. Each run writes
 ``runs/<prefix>-<name>/metrics.jsonl`` (W&B runs share the group ``<prefix>``, so they
 overlay). Rank 0 prints a table, the ``tools.wandb_dashboard`` command that builds a W&B
 workspace over these runs, and, as the last line of stdout, one JSON object:
 
-    speedup_vs_static, speedup_vs_megatron   DCP tokens/s over each baseline's (after warm-up)
+    speedup_vs_static, speedup_vs_megatron,  DCP tokens/s over each baseline's (after warm-up)
+    speedup_vs_megatron_dev
     speedup_vs_dcp_3level                     ... over DCP's planner with partial recompute and
                                               shared CP groups off (planning.partial_recompute,
                                               planning.share_cp_groups = false)
@@ -126,7 +130,7 @@ def report(results: dict[str, dict], args) -> dict:
         f"{'pred err':>8} {'µsteps':>7} {'recomp':>7} {'peak GB':>8} {'final loss':>10}"
     )
     print(header)
-    order = ["dcp", "dcp-3level", "static", "megatron"] + sorted(
+    order = ["dcp", "dcp-3level", "static", "megatron", "megatron-dev"] + sorted(
         n for n in results if n.startswith("static-")
     )
     for name in [n for n in order if n in results]:
@@ -143,7 +147,13 @@ def report(results: dict[str, dict], args) -> dict:
             f"{row['recompute_fraction']:7.2f} {row['peak_mem_gb']:8.2f} {row['losses'][-1]:10.4f}"
         )
     speedups = {
-        k: summary[k] for k in ("speedup_vs_static", "speedup_vs_megatron", "speedup_vs_dcp_3level")
+        k: summary[k]
+        for k in (
+            "speedup_vs_static",
+            "speedup_vs_megatron",
+            "speedup_vs_megatron_dev",
+            "speedup_vs_dcp_3level",
+        )
     }
     for line in summary["load_warnings"]:
         print(line)

@@ -10,7 +10,9 @@ global batches:
 
 - ``static``: Megatron's own schedule over packed micro-batches, once for every fixed
   (``--context-parallel-size``, recompute) that holds a ``--seq-length`` document within the
-  spec's memory (``dcp.planning.static_configs``); the fastest is the baseline;
+  spec's memory (``dcp.planning.static_configs``: Megatron's block recompute of the least
+  layers that hold it, ``--recompute-method block --recompute-num-layers N``, included); the
+  fastest is the baseline;
 - ``megatron``: megatron-core's Hybrid-CP scheduler (``BalancedCPScheduler``, reproduced in
   ``dcp.planning.megatron``) run by DCP's executor in Megatron's loop (``--dcp --dcp-planner
   megatron``). Megatron's own ``--hybrid-context-parallel`` does not run end to end in
@@ -60,6 +62,21 @@ RECOMPUTE_FLAGS = {
     ],
 }
 """Megatron's flags for DCP's recompute levels (``megatron_patches.recompute`` sets the same)."""
+
+
+def block_flags(num_layers: int) -> list[str]:
+    """Megatron's flags for block recompute of each stage's first ``num_layers`` layers (a static
+    run's ``block`` setting, ``dcp.planning.static.BLOCK``)."""
+    return [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        str(num_layers),
+    ]
+
+
 HYBRID_CP_LABEL = "megatron (Hybrid-CP schedule, DCP executor)"
 
 
@@ -109,8 +126,10 @@ def megatron_value(argv: list[str], flag: str, default: str | None = None) -> st
 def run_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(run name, extra Megatron flags) of every run of one round."""
     from dcp.costmodel import load_cost_model
+    from dcp.costmodel.pipeline import planning_view
     from dcp.mesh import Mesh
     from dcp.planning import static_configs
+    from dcp.planning.static import BLOCK, block_layers
 
     base = base_args(args)
     seq_length = int(megatron_value(base, "--seq-length"))
@@ -120,10 +139,15 @@ def run_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         pipeline_parallel_size=int(megatron_value(base, "--pipeline-model-parallel-size", "1")),
     )
     cost_model = load_cost_model(args.spec, mesh=mesh)
-    statics = [
-        (f"static-cp{cp}-{level}", ["--context-parallel-size", str(cp), *RECOMPUTE_FLAGS[level]])
-        for cp, level in static_configs(cost_model, seq_length)
-    ]
+    view = planning_view(cost_model)
+    statics = []
+    for cp, setting in static_configs(cost_model, seq_length):
+        if setting == BLOCK:
+            layers = block_layers(view, seq_length, cp)
+            name, flags = f"static-cp{cp}-block{layers}", block_flags(layers)
+        else:
+            name, flags = f"static-cp{cp}-{setting}", RECOMPUTE_FLAGS[setting]
+        statics.append((name, ["--context-parallel-size", str(cp), *flags]))
     if not statics:
         raise ValueError(
             f"no static configuration holds a {seq_length}-token document on {args.spec}"

@@ -14,8 +14,10 @@ The spec's ``options.tensor_parallel_size`` sets TP: plan ranks are planner rank
 ``max_cp_size=8``, ``recompute=full``); values are parsed as JSON when they can be. Writes
 ``{"planner", "predicted_step_time_s", "steps"}`` (plus ``meta`` when the plan has barriers,
 dropped sequences or planner notes) to ``--out`` or stdout; a summary goes to stderr, with the
-predicted model TFLOP/s per GPU and MFU (``dcp.costmodel.flops``) and, for a mixture-of-experts
-spec (``qwen3-30b-a3b``, ``deepseek-v3``), a line saying how its experts are priced (simulated).
+predicted model TFLOP/s per GPU and MFU (``dcp.costmodel.flops``), the static configuration whose
+plan ``dcp`` kept where it found none better (``meta.static_config``), the source a baseline
+re-implements (``meta.follows``) and, for a mixture-of-experts spec (``qwen3-30b-a3b``,
+``deepseek-v3``), a line saying how its experts are priced (simulated).
 
 ``--measurements FILE``: micro-step records of a run (``runs/<name>/microsteps.jsonl``, see
 ``dcp.costmodel.microsteps``); the cost model is refitted on them with ``--spec`` as the prior
@@ -144,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         f"(lower bound {bound:.4f} s), planned in {plan_ms:.1f} ms",
         file=sys.stderr,
     )
+    if "static_config" in plan.extra:
+        print(
+            f"{args.planner}: kept the best static configuration's plan "
+            f"({plan.extra['static_config']}): none of its own predicted less",
+            file=sys.stderr,
+        )
+    if "follows" in plan.extra:
+        print(f"{args.planner}: follows {plan.extra['follows']}", file=sys.stderr)
     if cost_model.model is not None and cost_model.cluster is not None:
         speed = cluster_throughput(
             batch_flops(trained, cost_model.model),

@@ -1,4 +1,5 @@
-"""Compare the DCP planner with static CP and Megatron Hybrid-CP on simulated H200 clusters.
+"""Compare the DCP planner with static CP, Megatron Hybrid-CP and Megatron dev's dynamic CP on
+simulated H200 clusters.
 
     python -m tools.simulate [--model llama3-8b] [--clusters 8,32,64,256,1024]
                              [--workloads lognormal,...] [--batches 2] [--out-dir runs/simulate]

@@ -1,9 +1,10 @@
 """The end-to-end comparison behind ``python -m tools.bench_e2e``: the same run trained by
-static CP, Megatron Hybrid-CP and DCP (and DCP's three-level planner), through the real trainer,
-on the same batches and seeds.
+static CP, Megatron Hybrid-CP, Megatron dev's dynamic CP and DCP (and DCP's three-level planner),
+through the real trainer, on the same batches and seeds.
 
 Static runs every fixed (CP size, recompute) configuration that holds the run's longest
-sequence (as a static Megatron setup must be sized) and the fastest is the baseline. Rounds run
+sequence (as a static Megatron setup must be sized; block recompute included) and the fastest is
+the baseline. Rounds run
 every planner in alternating (forward, reversed) order and pool their throughput, so machine
 speed drift during a benchmark does not favour whoever runs first. Must run under
 torch.distributed (every rank calls ``run_benchmark``).
@@ -27,6 +28,7 @@ from dcp.costmodel import load_cost_model
 from dcp.costmodel.flops import FLOP_CONVENTION
 from dcp.observability.host import RunLoad, load_warnings
 from dcp.observability.record import StepRecord
+from dcp.plan import MEGATRON_DEV
 from dcp.planning import THREE_LEVEL_OPTIONS, static_configs
 from dcp.planning.sweep import THREE_LEVEL
 from dcp.step.batches import BatchPlanner, build_dataset, longest_seq_len
@@ -34,7 +36,7 @@ from dcp.train.config import PretrainConfig
 from dcp.train.side_by_side import alternating
 from dcp.train.trainer import Trainer
 
-BENCH_PLANNERS = ("static", "megatron", THREE_LEVEL, "dcp")
+BENCH_PLANNERS = ("static", "megatron", MEGATRON_DEV, THREE_LEVEL, "dcp")
 """The order planners run in (dcp.plan.PLANNERS, baselines first). ``dcp-3level`` is DCP's
 planner with its finer options off (``THREE_LEVEL_OPTIONS``: the planner before partial
 recompute and shared CP groups), on the same batches."""
@@ -217,6 +219,7 @@ def bench_summary(results: dict[str, dict], *, steps: int, warmup: int, rounds: 
     return {
         "speedup_vs_static": ratio(dcp, static),
         "speedup_vs_megatron": ratio(dcp, results.get("megatron")),
+        "speedup_vs_megatron_dev": ratio(dcp, results.get(MEGATRON_DEV)),
         "speedup_vs_dcp_3level": ratio(dcp, results.get(THREE_LEVEL)),
         # Model TFLOP/s per GPU and MFU of the bf16 peak (dcp.costmodel.flops.FLOP_CONVENTION).
         "dcp_tflops_per_gpu": dcp.get("tflops_per_gpu") if dcp else None,

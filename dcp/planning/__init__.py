@@ -1,6 +1,6 @@
 """Planning: one global batch's sequence lengths + a cost model -> a ``Plan``.
 
-Torch-free. ``plan_batch`` dispatches by name to DCP's planner, one of the two baselines it is
+Torch-free. ``plan_batch`` dispatches by name to DCP's planner, one of the baselines it is
 measured against or the static variant choosing per batch, each with its own frozen options class
 (``PLANNER_REGISTRY``); ``simulate``
 executes a plan on the cost model and ``lower_bound_s`` says how far from optimal any plan is.
@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from dcp.costmodel import CostModel
-from dcp.plan import PLANNERS, STATIC_PER_BATCH, Plan, check_choice
+from dcp.plan import MEGATRON_DEV, PLANNERS, STATIC_PER_BATCH, Plan, check_choice
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
+from dcp.planning.megatron_dev import MegatronDevOptions, plan_megatron_dev
 from dcp.planning.simulator import SimResult, simulate
 from dcp.planning.static import (
     StaticOptions,
@@ -27,7 +28,7 @@ from dcp.planning.static import (
     static_configs,
 )
 
-PlannerOptions = DCPOptions | StaticOptions | MegatronOptions
+PlannerOptions = DCPOptions | StaticOptions | MegatronOptions | MegatronDevOptions
 """The options of any planner."""
 
 
@@ -42,6 +43,7 @@ PLANNER_REGISTRY: dict[str, PlannerEntry] = {
     "static": PlannerEntry(plan_static, StaticOptions),
     "megatron": PlannerEntry(plan_megatron, MegatronOptions),
     STATIC_PER_BATCH: PlannerEntry(plan_static_per_batch, StaticOptions),
+    MEGATRON_DEV: PlannerEntry(plan_megatron_dev, MegatronDevOptions),
 }
 """Each planner name of ``dcp.plan.PLANNERS``: its function and options class."""
 assert tuple(PLANNER_REGISTRY) == PLANNERS, "dcp.plan.PLANNERS and the registry must agree"
@@ -49,6 +51,7 @@ assert tuple(PLANNER_REGISTRY) == PLANNERS, "dcp.plan.PLANNERS and the registry 
 __all__ = [
     "PLANNER_REGISTRY",
     "DCPOptions",
+    "MegatronDevOptions",
     "MegatronOptions",
     "PlannerOptions",
     "SimResult",
@@ -59,6 +62,7 @@ __all__ = [
     "plan_batch",
     "plan_dcp",
     "plan_megatron",
+    "plan_megatron_dev",
     "plan_static",
     "plan_static_per_batch",
     "planner_options",

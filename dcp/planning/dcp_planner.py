@@ -33,6 +33,7 @@ from dcp.planning.common import check_lengths, find_oversize, pow2_sizes
 from dcp.planning.joins import _Job, _merge_same_block, _PackConfigs, _shared_jobs
 from dcp.planning.pipeline_planner import arrange
 from dcp.planning.simulator import simulate
+from dcp.planning.static import BLOCK, StaticOptions, config_label, plan_static, static_configs
 
 _TARGET_FACTORS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35)
 # A packable sequence longer than this share of the target makespan is placed before the
@@ -156,10 +157,68 @@ def plan_dcp(
     plan (``THREE_LEVEL_OPTIONS``); the fastest on the simulator is kept (ties: the first), so
     turning an option on never makes a plan slower. Under pipeline parallelism (the spec's
     ``options.pipeline_parallel_size`` > 1) the plan is then arranged for the pipeline
-    (``dcp.planning.pipeline_planner``)."""
+    (``dcp.planning.pipeline_planner``). Last, the best static configuration's plan for the
+    batch is a candidate too (``_static_candidate``), so DCP never predicts more than a
+    configuration it could have chosen."""
     if cost_model.pipeline_parallel_size > 1:
-        return _plan_pipelined(lengths, cost_model, options)
-    return _flat_plan(lengths, cost_model, options)
+        plan = _plan_pipelined(lengths, cost_model, options)
+    else:
+        plan = _flat_plan(lengths, cost_model, options)
+    lens = [int(x) for x in lengths]
+    plan_s = simulate(plan, lens, cost_model).makespan_s
+    static = _static_candidate(lengths, cost_model, options, dropped=plan.dropped, beat_s=plan_s)
+    if static is not None and simulate(static, lens, cost_model).makespan_s < plan_s:
+        return static
+    return plan
+
+
+def _static_candidate(
+    lengths: Sequence[int],
+    cost_model: CostModel,
+    options: DCPOptions,
+    *,
+    dropped: tuple[int, ...],
+    beat_s: float,
+) -> Plan | None:
+    """The fastest static plan (``plan_static``: as a static run packs it, and its tuned oracle)
+    over the configurations ``options`` allows (CP sizes up to ``max_cp_size``, its recompute
+    levels and ``full``, block recompute only with ``partial_recompute``), as a ``dcp`` plan
+    noting ``extra["static_config"]``; ``None`` when pins fix sequences, no configuration
+    holds the batch or static planning drops other sequences than DCP (``dropped``), and without
+    ``share_cp_groups`` (a static run packs long sequences together, which that option rules
+    out). A CP size whose lower bound (any plan on groups of that size) is not below ``beat_s``
+    is not planned: none of its configurations can win, and planning them all costs seconds on
+    a thousand GPUs."""
+    if options.pinned or not options.share_cp_groups:
+        return None
+    allowed = set(options.recompute_levels) | {Recompute.FULL.value}
+    if options.partial_recompute:
+        allowed.add(BLOCK)
+    longest = int(check_lengths(lengths).max())
+    kept = np.delete(check_lengths(lengths), list(dropped))
+    best, bounds = None, {}
+    for cp, level in static_configs(cost_model, longest):
+        if level not in allowed or (options.max_cp_size or cp) < cp:
+            continue
+        if cp not in bounds:
+            bounds[cp] = lower_bound_s(kept, cost_model, cp_sizes=[cp])
+        if bounds[cp] >= beat_s:
+            continue
+        for tuned in (False, True):
+            config = StaticOptions(
+                cp_size=cp, recompute=level, tuned=tuned, on_oversize=options.on_oversize
+            )
+            try:
+                plan = plan_static(lengths, cost_model=cost_model, options=config)
+            except ValueError:  # the batch's longest kept sequence needs more than this config
+                continue
+            if plan.dropped != dropped:
+                continue
+            if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
+                best = plan
+    if best is None:
+        return None
+    return replace(best, planner="dcp", extra={**best.extra, "static_config": config_label(best)})
 
 
 def _flat_plan(

@@ -18,7 +18,8 @@ schedules with its own packing-aware grouping (``default_dynamic_cp``:
 ``next_hdp_group_packing_aware``, which also caps a CP group's packed tokens per rank); it is in
 no megatron-core release, so the baseline keeps the release's ``BalancedCPScheduler`` and splits a
 CP group's pack that exceeds the cap into consecutive micro-steps (counted in
-``extra["split_micro_batches"]``).
+``extra["split_micro_batches"]``); the ``megatron-dev`` baseline (``dcp.planning.megatron_dev``)
+re-implements the ``dev`` scheduler itself.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ model does; without ``cp_size``/``recompute`` it returns the fastest such config
 (the batch is then the whole run). A training run fixes its configuration once, over its own
 batches (``fixed_static_config``); ``plan_static_per_batch`` is the variant that re-chooses for
 every batch, under its own planner name. ``tuned=True`` is the static oracle, stronger than any
-static Megatron run. Under pipeline parallelism each replica's micro-batches run megatron's
-1F1B (``_plan_static_pipelined``). See docs/planner.md, 'Baselines'.
+static Megatron run. Besides the recompute levels, a run may use Megatron's block recompute
+(``BLOCK``). Under pipeline parallelism each replica's micro-batches run megatron's 1F1B
+(``_plan_static_pipelined``). See docs/planner.md, 'Baselines'.
 """
 
 from __future__ import annotations
@@ -25,15 +26,29 @@ from dcp.costmodel import CostModel
 from dcp.costmodel.pipeline import PipelineCosts, planning_view
 from dcp.plan import (
     ON_OVERSIZE,
-    RECOMPUTE_LEVELS,
     STATIC_PER_BATCH,
     MicroStep,
     Plan,
+    Recompute,
     check_choice,
     check_int,
 )
 from dcp.planning.common import pow2_sizes, split_oversize
 from dcp.planning.simulator import simulate, simulate_pipeline
+
+BLOCK = "block"
+"""A static run's block recompute: a full recompute of only the first N layers of every stage,
+the least N that holds the run's longest sequence (megatron's ``recompute_method="block"``,
+``recompute_num_layers=N``, as NVIDIA's recipes set it); its micro-steps are ``full`` with
+``recompute_layers=N``."""
+STATIC_RECOMPUTE: tuple[str, ...] = (
+    Recompute.NONE.value,
+    Recompute.SELECTIVE.value,
+    BLOCK,
+    Recompute.FULL.value,
+)
+"""What a static run's one recompute setting may be, cheapest first: the recompute levels and
+``BLOCK`` (which recomputes less than ``full``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +58,8 @@ class StaticOptions:
     cp_size: int | None = None
     """The run's one CP size (>= 1; None: the fastest feasible for the batch)."""
     recompute: str | None = None
-    """The run's one recompute level (None: the fastest feasible for the batch)."""
+    """The run's one recompute setting, one of ``STATIC_RECOMPUTE`` (None: the fastest feasible
+    for the batch)."""
     max_seq_len: int | None = None
     """The run's longest sequence, which the configuration must hold (>= 1; None: this
     batch's longest)."""
@@ -60,7 +76,7 @@ class StaticOptions:
             if value is not None:
                 object.__setattr__(self, name, check_int(value, name, ge=1))
         if self.recompute is not None:
-            check_choice(self.recompute, RECOMPUTE_LEVELS, "recompute")
+            check_choice(self.recompute, STATIC_RECOMPUTE, "recompute")
         if not isinstance(self.tuned, bool):
             raise ValueError(f"tuned must be true or false, got {self.tuned!r}")
         check_choice(self.on_oversize, ON_OVERSIZE, "on_oversize")
@@ -74,19 +90,52 @@ def static_configs(
     recompute: str | None = None,
 ) -> list[tuple[int, str]]:
     """Every (CP size, recompute) a static run sized for ``max_seq_len`` can use, smallest CP and
-    cheapest recompute first; ``cp_size``/``recompute``, where given, keep only matching ones.
-    The candidates of every static choice: the benchmark's fixed runs, ``fixed_static_config``
-    and ``plan_static``. Under pipeline parallelism a configuration must hold as many such
-    micro-batches as a stage has in flight (``planning_view``)."""
+    cheapest recompute (``STATIC_RECOMPUTE``) first; ``cp_size``/``recompute``, where given, keep
+    only matching ones. ``BLOCK`` is a configuration where it recomputes fewer layers than
+    ``full`` (``block_layers``). The candidates of every static choice: the benchmark's fixed
+    runs, ``fixed_static_config`` and ``plan_static``. Under pipeline parallelism a configuration
+    must hold as many such micro-batches as a stage has in flight (``planning_view``)."""
     cost_model = planning_view(cost_model)
-    return [
-        (cp, lv)
-        for cp in pow2_sizes(cost_model.num_ranks)
-        for lv in RECOMPUTE_LEVELS
-        if (cp_size is None or cp == cp_size)
-        and (recompute is None or lv == recompute)
-        and cost_model.fits([max_seq_len], cp, lv)
-    ]
+    configs = []
+    for cp in pow2_sizes(cost_model.num_ranks):
+        for lv in STATIC_RECOMPUTE:
+            if cp_size not in (None, cp) or recompute not in (None, lv):
+                continue
+            if lv == BLOCK:
+                fits = block_layers(cost_model, max_seq_len, cp) is not None
+            else:
+                fits = cost_model.fits([max_seq_len], cp, lv)
+            if fits:
+                configs.append((cp, lv))
+    return configs
+
+
+def block_layers(cost_model: CostModel, max_seq_len: int, cp_size: int) -> int | None:
+    """``BLOCK``'s N on ``cost_model`` (a pipeline's planning view: N per stage): the least
+    number of layers whose full recompute holds a ``max_seq_len``-token micro-batch on
+    ``cp_size`` ranks; ``None`` where that is every layer or none holds it (then ``full`` is
+    the run's choice) or the cost model has no model spec."""
+    layers = cost_model.num_layers
+    if layers is None:
+        return None
+    need = int(cost_model.min_recompute_layers(np.array([max_seq_len]), cp_size)[0])
+    return need if need < layers else None
+
+
+def config_label(plan: Plan) -> str:
+    """A static plan's configuration as reports name it: ``cp<c>/<recompute>``, with ``BLOCK``'s
+    N appended (``cp8/block18``)."""
+    extra = plan.extra
+    return f"cp{extra['cp_size']}/{extra['recompute']}{extra.get('recompute_layers', '')}"
+
+
+def _step_recompute(
+    cost_model: CostModel, setting: str, max_seq_len: int, cp_size: int
+) -> tuple[str, int | None]:
+    """A static setting as micro-steps run it: (recompute level, ``recompute_layers``)."""
+    if setting == BLOCK:
+        return Recompute.FULL.value, block_layers(cost_model, max_seq_len, cp_size)
+    return setting, None
 
 
 def fixed_static_config(
@@ -171,12 +220,15 @@ def plan_static(
     if not configs:
         raise _no_config_error(cost_model, max_seq_len, cp_size=cp_size, recompute=recompute)
     best = None
-    for cp, level in configs:
+    for cp, setting in configs:
+        level, layers = _step_recompute(cost_model, setting, max_seq_len, cp)
         capacities = {max_seq_len}
         if tuned:
-            capacities.add(cp * cost_model.max_tokens_per_rank(level))
+            capacities.add(cp * cost_model.max_tokens_per_rank(level, layers))
         for capacity in sorted(capacities):
-            plan = _static_for_config(lens, keep, cost_model, cp, level, capacity, tuned)
+            plan = _static_for_config(
+                lens, keep, cost_model, cp, level, capacity, tuned, recompute_layers=layers
+            )
             if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
                 best = plan
     assert best is not None
@@ -221,12 +273,19 @@ def _static_for_config(
     level: str,
     cap: int,
     tuned: bool,
+    *,
+    recompute_layers: int | None = None,
 ) -> Plan:
+    """The plan of one configuration: CP size ``cp``, recompute ``level`` (with
+    ``recompute_layers``: ``BLOCK``), micro-batches of up to ``cap`` tokens."""
+    layers = recompute_layers
     replicas = cost_model.num_ranks // cp
     kept = lens[keep].astype(np.float64)
     if tuned:
         # Marginal cost of each sequence in a micro-batch (solo time minus the step constant).
-        cost = cost_model.solo_step_time_s(kept, cp, level) - cost_model.step_constant_s(level)
+        cost = cost_model.solo_step_time_s(kept, cp, level, layers) - cost_model.step_constant_s(
+            level, layers
+        )
     else:
         cost = kept
     order = np.argsort(-cost, kind="stable")
@@ -239,7 +298,9 @@ def _static_for_config(
     bins = [b for b in bins if b]
     if tuned:
         times = [
-            cost_model.step_time_s([int(kept[i]) for i in b], cp, level, tuple(range(cp)))
+            cost_model.step_time_s(
+                [int(kept[i]) for i in b], cp, level, tuple(range(cp)), recompute_layers=layers
+            )
             for b in bins
         ]
     else:
@@ -259,13 +320,16 @@ def _static_for_config(
         ranks = tuple(range(j * cp, (j + 1) * cp))
         for b in owned_bins:
             seq_ids = tuple(sorted(int(keep[i]) for i in bins[b]))
-            steps.append(MicroStep(ranks=ranks, seq_ids=seq_ids, recompute=level))
+            steps.append(
+                MicroStep(ranks=ranks, seq_ids=seq_ids, recompute=level, recompute_layers=layers)
+            )
     plan = Plan(
         steps=tuple(steps),
         planner="static",
         extra={
             "cp_size": cp,
-            "recompute": level,
+            "recompute": level if layers is None else BLOCK,
+            **({"recompute_layers": layers} if layers is not None else {}),
             "capacity_tokens": cap,
             "micro_batches_per_replica": per_replica,
             "tuned": tuned,

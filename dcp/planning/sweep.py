@@ -1,5 +1,5 @@
-"""The simulated comparison of DCP with the static baseline, the tuned static oracle and Megatron
-Hybrid-CP on H200 cluster presets (``python -m tools.simulate``).
+"""The simulated comparison of DCP with the static baseline, the tuned static oracle, Megatron
+Hybrid-CP and Megatron dev's dynamic CP on H200 cluster presets (``python -m tools.simulate``).
 
 All numbers are *simulated* on the cost model (no GPU runs): for each cluster and workload, the
 step time per planner (mean over batches), DCP's speedups, DCP / lower bound and plan times. The
@@ -21,16 +21,17 @@ import numpy as np
 from dcp.costmodel import CostModel, load_cost_model, load_spec
 from dcp.costmodel.flops import batch_flops, cluster_throughput, peaks
 from dcp.costmodel.pipeline import PipelineCosts, describe, planning_view
-from dcp.plan import PLANNERS, RECOMPUTE_LEVELS, STATIC_PER_BATCH, Plan
+from dcp.plan import MEGATRON_DEV, PLANNERS, RECOMPUTE_LEVELS, STATIC_PER_BATCH, Plan
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
 from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
 from dcp.planning.megatron import MegatronOptions, plan_megatron
+from dcp.planning.megatron_dev import DP_BALANCED, MegatronDevOptions, plan_megatron_dev
 from dcp.planning.offload import offload_what_if
 from dcp.planning.pipeline import check_plan_memory
 from dcp.planning.pipeline_planner import longest_first
 from dcp.planning.simulator import SimResult, simulate
-from dcp.planning.static import StaticOptions, plan_static, static_configs
+from dcp.planning.static import StaticOptions, config_label, plan_static, static_configs
 from dcp.planning.workloads import WORKLOADS, get_workload, make_batch
 
 Log = Callable[[str], None]
@@ -56,7 +57,7 @@ SWEEP_PLANNERS: tuple[str, ...] = (
     ORACLE,
     THREE_LEVEL,
 )
-PIPELINE_PLANNERS: tuple[str, ...] = ("dcp", LONGEST_FIRST, "static", "megatron")
+PIPELINE_PLANNERS: tuple[str, ...] = ("dcp", LONGEST_FIRST, "static", "megatron", MEGATRON_DEV)
 """What the sweep compares under pipeline parallelism by default."""
 PIPELINE_RECIPES: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("llama3-70b-tp4pp8", (32, 64, 128, 256)),
@@ -163,19 +164,19 @@ def evaluate(
             continue
         runs, plan_ms, bubbles = {}, [], {}
         for cp, level in static_configs(cost_model, max_seq_len):
-            key = f"cp{cp}/{level}"
-            runs[key], bubbles[key] = [], []
             options = StaticOptions(
                 cp_size=cp, recompute=level, max_seq_len=max_seq_len, tuned=tuned
             )
+            times, config_bubbles = [], []
             for b in batches:
                 start = time.perf_counter()
                 plan = plan_static(b, cost_model=cost_model, options=options)
                 plan_ms.append((time.perf_counter() - start) * 1e3)
                 on_plan()
                 sim = _checked_sim(plan, b, cost_model)
-                runs[key].append(sim.makespan_s)
-                bubbles[key].append(sim.bubble_fraction)
+                times.append(sim.makespan_s)
+                config_bubbles.append(sim.bubble_fraction)
+            runs[config_label(plan)], bubbles[config_label(plan)] = times, config_bubbles
         config, times = _best_fixed(runs)
         row[planner] = {"step_time_s": times, "config": config, "plan_ms": plan_ms}
         if piped:
@@ -211,9 +212,44 @@ def evaluate(
         if piped:
             row["megatron"]["bubble_fraction"] = bubbles.get(config, [])
             row["megatron"]["split_micro_batches"] = split.get(config, 0)
+    if MEGATRON_DEV in planners:
+        row[MEGATRON_DEV] = _megatron_dev(cost_model, batches, max_seq_len, on_plan)
     _summarise(row, planners)
     _add_throughput(row, batches, cost_model)
     return row
+
+
+def _megatron_dev(
+    cost_model: CostModel, batches: list[list[int]], max_seq_len: int, on_plan: Callable[[], None]
+) -> dict:
+    """Megatron dev's scheduler in its best fixed configuration for the run: either mode, one
+    recompute level (``dyn/<level>``), and for ``dp_balanced`` one CP size that holds
+    ``max_seq_len`` (``dpb/cp<c>/<level>``)."""
+    configs = {f"dyn/{lv}": MegatronDevOptions(recompute=lv) for lv in RECOMPUTE_LEVELS}
+    for cp, level in static_configs(cost_model, max_seq_len):
+        if level in RECOMPUTE_LEVELS:
+            options = MegatronDevOptions(mode=DP_BALANCED, cp_size=cp, recompute=level)
+            configs[f"dpb/cp{cp}/{level}"] = options
+    runs, bubbles, plan_ms = {}, {}, []
+    for key, options in configs.items():
+        times, config_bubbles = [], []
+        try:
+            for b in batches:
+                start = time.perf_counter()
+                plan = plan_megatron_dev(b, cost_model=cost_model, options=options)
+                plan_ms.append((time.perf_counter() - start) * 1e3)
+                on_plan()
+                sim = _checked_sim(plan, b, cost_model)
+                times.append(sim.makespan_s)
+                config_bubbles.append(sim.bubble_fraction)
+        except ValueError:
+            continue  # this configuration cannot hold a batch
+        runs[key], bubbles[key] = times, config_bubbles
+    config, times = _best_fixed(runs)
+    entry = {"step_time_s": times, "config": config, "plan_ms": plan_ms}
+    if cost_model.pipeline_parallel_size > 1:
+        entry["bubble_fraction"] = bubbles.get(config, [])
+    return entry
 
 
 def _add_throughput(row: dict, batches: list[list[int]], cost_model: CostModel) -> None:

@@ -18,9 +18,16 @@ from dcp.costmodel import CostModel
 from dcp.costmodel.flops import describe_peaks, describe_throughput
 from dcp.costmodel.load import departures_from_gpu_preset, gpu_preset_of
 from dcp.costmodel.throughput import describe_check, preset_check
+from dcp.plan import MEGATRON_DEV
 from dcp.planning.sweep import BASELINES, LONGEST_FIRST
 
-_SHORT = {"dcp": "dcp", LONGEST_FIRST: "lngst1st", "static": "static", "megatron": "megatr"}
+_SHORT = {
+    "dcp": "dcp",
+    LONGEST_FIRST: "lngst1st",
+    "static": "static",
+    "megatron": "megatr",
+    MEGATRON_DEV: "mdev",
+}
 """Planner names short enough for a column head of the pipeline table."""
 
 
@@ -42,8 +49,9 @@ def format_table(results: dict) -> str:
     nan = float("nan")
     head = (
         f"{'cluster':>9} {'workload':>10} {'seqs':>6} {'dcp s':>7} {'static s':>8} "
-        f"{'(config)':>14} {'oracle s':>8} {'megatr s':>8} {'(rc)':>9} {'x stat':>6} "
-        f"{'x orcl':>6} {'x meg':>6} {'x 3lv':>6} {'dcp/LB':>6} {'plan ms':>7} "
+        f"{'(config)':>14} {'oracle s':>8} {'megatr s':>8} {'(rc)':>9} {'mdev s':>8} "
+        f"{'(config)':>16} {'x stat':>6} {'x orcl':>6} {'x meg':>6} {'x mdev':>6} {'x 3lv':>6} "
+        f"{'dcp/LB':>6} {'plan ms':>7} "
         f"{'dcp TF/s':>8} {'MFU':>5}"
     )
     tp = results.get("tensor_parallel_size", 1)
@@ -69,9 +77,11 @@ def format_table(results: dict) -> str:
                 f"{mean('dcp', 7)} {mean('static')} {row.get('static', {}).get('config', ''):>14} "
                 f"{mean('static-oracle')} {mean('megatron')} "
                 f"{row.get('megatron', {}).get('config', ''):>9} "
+                f"{mean(MEGATRON_DEV)} {row.get(MEGATRON_DEV, {}).get('config', ''):>16} "
                 f"{row.get('speedup_vs_static', nan):6.2f} "
                 f"{row.get('speedup_vs_static-oracle', nan):6.2f} "
                 f"{row.get('speedup_vs_megatron', nan):6.2f} "
+                f"{row.get(f'speedup_vs_{MEGATRON_DEV}', nan):6.2f} "
                 f"{row.get('speedup_vs_dcp-3level', nan):6.2f} "
                 f"{row.get('dcp_over_lower_bound', nan):6.3f} "
                 f"{max(row['dcp']['plan_ms']) if 'dcp' in row else nan:7.1f}"
@@ -80,9 +90,10 @@ def format_table(results: dict) -> str:
         g = cluster["summary"]
         lines.append(
             f"{cluster['preset']:>9} {'GEOMEAN':>10} {'':>6} {'':>7} {'':>8} {'':>14} {'':>8} "
-            f"{'':>8} {'':>9} {g.get('geomean_speedup_vs_static', nan):6.2f} "
+            f"{'':>8} {'':>9} {'':>8} {'':>16} {g.get('geomean_speedup_vs_static', nan):6.2f} "
             f"{g.get('geomean_speedup_vs_static-oracle', nan):6.2f} "
             f"{g.get('geomean_speedup_vs_megatron', nan):6.2f} "
+            f"{g.get(f'geomean_speedup_vs_{MEGATRON_DEV}', nan):6.2f} "
             f"{g.get('geomean_speedup_vs_dcp-3level', nan):6.2f} "
             f"{g.get('geomean_dcp_over_lower_bound', nan):6.3f}"
         )
@@ -112,11 +123,11 @@ def format_pipeline_table(results: dict) -> str:
     """The sweep of a model with pipeline parallelism: step times and bubble fractions."""
     nan = float("nan")
     tp, pp = results.get("tensor_parallel_size", 1), results["pipeline_parallel_size"]
-    names = [p for p in ("dcp", LONGEST_FIRST, "static", "megatron") if p in results["planners"]]
+    names = [p for p in _SHORT if p in results["planners"]]
     head = f"{'cluster':>10} {'workload':>10} {'seqs':>6}" + "".join(
         f" {_SHORT[p] + ' s':>10} {'bubble':>6}" for p in names
     )
-    head += f" {'(static)':>14} {'(meg rc)':>9}" + "".join(
+    head += f" {'(static)':>14} {'(meg rc)':>9} {'(mdev)':>16}" + "".join(
         f" {'x ' + _SHORT[p]:>8}" for p in names[1:]
     )
     head += f" {'dcp/LB':>6} {'dcp TF/s':>8} {'MFU':>5}"
@@ -144,6 +155,7 @@ def format_pipeline_table(results: dict) -> str:
                     cells += f" {'-':>10} {'-':>6}"
             cells += f" {row.get('static', {}).get('config', ''):>14}"
             cells += f" {row.get('megatron', {}).get('config', ''):>9}"
+            cells += f" {row.get(MEGATRON_DEV, {}).get('config', ''):>16}"
             cells += "".join(
                 f" {row[f'speedup_vs_{p}']:8.2f}" if f"speedup_vs_{p}" in row else f" {'-':>8}"
                 for p in names[1:]
@@ -154,7 +166,7 @@ def format_pipeline_table(results: dict) -> str:
                 f"{_throughput_cells(row.get('dcp', {}))}"
             )
         g = cluster["summary"]
-        pad = " " * (11 * len(names) + 6 * len(names) + 26)
+        pad = " " * (11 * len(names) + 6 * len(names) + 43)
         speedups = "".join(f" {g.get(f'geomean_speedup_vs_{p}', nan):8.2f}" for p in names[1:])
         lines.append(f"{cluster['preset']:>10} {'GEOMEAN':>10} {'':>6}{pad}{speedups}")
     overall = results["overall"]
@@ -175,6 +187,7 @@ def write_chart(results: dict, path: Path) -> None:
         "static": "vs best static",
         "static-oracle": "vs tuned static (oracle)",
         "megatron": "vs Megatron Hybrid-CP",
+        MEGATRON_DEV: "vs Megatron dev dynamic CP",
         "dcp-3level": "vs DCP three-level recompute",
         LONGEST_FIRST: "vs the same steps, longest first",
     }

@@ -29,9 +29,10 @@ from dcp.data import build_document_dataset
 from dcp.data.base import MaskedDocumentDataset
 from dcp.data.sampler import GlobalBatch
 from dcp.mesh import Mesh
-from dcp.plan import STATIC_PER_BATCH, Plan
+from dcp.plan import MEGATRON_DEV, STATIC_PER_BATCH, Plan
 from dcp.planning import (
     DCPOptions,
+    MegatronDevOptions,
     MegatronOptions,
     PlannerOptions,
     StaticOptions,
@@ -270,6 +271,8 @@ class BatchPlanner:
                 max_seq_len=longest,
                 on_oversize=cfg.on_oversize,
             )
+        if cfg.planner == MEGATRON_DEV:
+            return MegatronDevOptions(on_oversize=cfg.on_oversize)
         assert cfg.planner == "megatron", cfg.planner
         return MegatronOptions(on_oversize=cfg.on_oversize)
 

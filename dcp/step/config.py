@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS, check_choice
+from dcp.plan import ON_OVERSIZE, PLANNERS, check_choice
+from dcp.planning.static import STATIC_RECOMPUTE
 from dcp.schema import check_range
 
 CALIBRATION_MODES = ("online", "fixed")
@@ -33,8 +34,10 @@ class PlanningConfig:
     run's first batches, chosen once before the run and written to its config.yaml);
     static_per_batch: a CP size to keep (null: the fastest per batch)."""
     static_recompute: str | None = None
-    """planner=static: the run's fixed recompute level (null: chosen once, as for
-    ``static_cp_size``); static_per_batch: a level to keep (null: the fastest per batch)."""
+    """planner=static: the run's fixed recompute setting, a level or ``block`` (Megatron's block
+    recompute of the least layers that hold the run's longest sequence; null: chosen once, as
+    for ``static_cp_size``); static_per_batch: a setting to keep (null: the fastest per
+    batch)."""
     calibration: str = "online"
     """``online``: refit the cost model on the run's own measured micro-steps every
     ``refit_interval_steps`` and plan with it (plans then depend on measured times, so reruns
@@ -62,7 +65,7 @@ class PlanningConfig:
         check_choice(self.planner, PLANNERS, "planning.planner")
         check_choice(self.on_oversize, ON_OVERSIZE, "planning.on_oversize")
         if self.static_recompute is not None:
-            check_choice(self.static_recompute, RECOMPUTE_LEVELS, "planning.static_recompute")
+            check_choice(self.static_recompute, STATIC_RECOMPUTE, "planning.static_recompute")
         if not self.spec:
             raise ValueError("planning.spec must name a preset or a spec JSON path")
         check_choice(self.calibration, CALIBRATION_MODES, "planning.calibration")

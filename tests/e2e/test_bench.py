@@ -50,19 +50,20 @@ def test_bench_prints_table_and_json_contract(tmp_path):
     for key in (
         "speedup_vs_static",
         "speedup_vs_megatron",
+        "speedup_vs_megatron_dev",
         "speedup_vs_dcp_3level",
         "max_abs_loss_diff",
         "step_time_prediction_error",
     ):
         assert key in summary, key
     runs = summary["planners"]
-    assert {"static", "megatron", "dcp-3level", "dcp"} <= set(runs)
+    assert {"static", "megatron", "megatron-dev", "dcp-3level", "dcp"} <= set(runs)
     variants = [r for name, r in runs.items() if name.startswith("static-")]
     assert variants, "no fixed static configuration was run"
     # The static baseline is the fastest fixed configuration.
     best = max((r for r in variants if "error" not in r), key=lambda r: r["tokens_per_s"])
     assert runs["static"]["planner"] == best["planner"]
-    for name in ("static", "dcp", "dcp-3level"):
+    for name in ("static", "dcp", "dcp-3level", "megatron-dev"):
         assert "error" not in runs[name], runs[name]
         assert len(runs[name]["losses"]) == 3
         assert (tmp_path / f"t-{runs[name]['planner']}" / "metrics.jsonl").is_file()
@@ -71,6 +72,7 @@ def test_bench_prints_table_and_json_contract(tmp_path):
     tps = {name: runs[name]["tokens_per_s"] for name in ("static", "megatron", "dcp-3level", "dcp")}
     assert summary["speedup_vs_static"] == tps["dcp"] / tps["static"]
     assert summary["speedup_vs_megatron"] == tps["dcp"] / tps["megatron"]
+    assert summary["speedup_vs_megatron_dev"] == tps["dcp"] / runs["megatron-dev"]["tokens_per_s"]
     assert summary["speedup_vs_dcp_3level"] == tps["dcp"] / tps["dcp-3level"]
     # The three-level run really ran with the finer options off (its config.yaml says so).
     config = (tmp_path / "t-dcp-3level" / "config.yaml").read_text()

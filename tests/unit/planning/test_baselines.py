@@ -18,6 +18,7 @@ from dcp.planning import (
     simulate,
     static_configs,
 )
+from dcp.planning.static import BLOCK, block_layers
 from dcp.planning.workloads import make_batch
 
 
@@ -32,11 +33,40 @@ def batch() -> list[int]:
     return np.clip(rng.lognormal(np.log(4096), 1.4, 150), 128, 131072).astype(int).tolist()
 
 
+def _holds(cm: CostModel, max_seq_len: int, cp: int, setting: str) -> bool:
+    if setting == BLOCK:
+        return cm.fits([max_seq_len], cp, "full", block_layers(cm, max_seq_len, cp))
+    return cm.fits([max_seq_len], cp, setting)
+
+
 def test_static_configs_hold_the_max_length(cm):
     configs = static_configs(cm, 131072)
-    assert configs and all(cm.fits([131072], cp, level) for cp, level in configs)
+    assert configs and all(_holds(cm, 131072, cp, level) for cp, level in configs)
     assert (1, "none") not in configs  # 128K never fits one rank
     assert (32, "none") in configs
+
+
+def test_block_recompute_is_the_least_layers_that_hold_the_run(cm, batch):
+    """Megatron's block recompute as NVIDIA's recipes set it: the least N full-recompute layers
+    that hold the run's longest sequence, for the whole run; never slower than ``full``."""
+    blocks = [cp for cp, setting in static_configs(cm, 131072) if setting == BLOCK]
+    assert blocks
+    for cp in blocks:
+        n = block_layers(cm, 131072, cp)
+        assert 1 <= n < cm.num_layers
+        assert cm.fits([131072], cp, "full", n)
+        assert n == 1 or not cm.fits([131072], cp, "full", n - 1)
+        options = StaticOptions(cp_size=cp, recompute=BLOCK, max_seq_len=131072)
+        plan = plan_static(batch, cost_model=cm, options=options)
+        assert {(s.recompute, s.recompute_layers) for s in plan.steps} == {("full", n)}
+        assert plan.extra["recompute"] == BLOCK and plan.extra["recompute_layers"] == n
+        full = dataclasses.replace(options, recompute="full")
+        slower = plan_static(batch, cost_model=cm, options=full).predicted_step_time_s
+        assert plan.predicted_step_time_s < slower
+    # Where N would be every layer, block is full itself and no configuration of its own.
+    for cp, setting in static_configs(cm, 131072):
+        if setting == "full" and cp not in blocks:
+            assert block_layers(cm, 131072, cp) is None
 
 
 @pytest.mark.parametrize("tuned", [False, True])
@@ -45,8 +75,9 @@ def test_static_plan_is_one_fixed_config(cm, batch, tuned):
     plan = plan_static(batch, cost_model=cm, options=options)
     plan.validate(num_sequences=len(batch), num_ranks=cm.num_ranks)
     cm.check_plan_memory(plan, batch)
-    cp, level = plan.extra["cp_size"], plan.extra["recompute"]
-    assert cm.fits([131072], cp, level)
+    cp, setting = plan.extra["cp_size"], plan.extra["recompute"]
+    assert _holds(cm, 131072, cp, setting)
+    level = "full" if setting == BLOCK else setting
     assert {s.cp_size for s in plan.steps} == {cp} and {s.recompute for s in plan.steps} == {level}
     # DP replicas are the aligned blocks; none runs more than the common micro-batch count.
     per_replica = plan.extra["micro_batches_per_replica"]

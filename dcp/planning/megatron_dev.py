@@ -1,0 +1,389 @@
+"""Megatron-LM dev's dynamic-CP scheduler as a ``Plan`` (planner ``megatron-dev``).
+
+Re-implemented from its published algorithm (``MEGATRON_DEV_SOURCE``), not imported: it is in no
+megatron-core release. Megatron-LM's ``--sequence-packing-scheduler`` has two modes (``MODES``):
+
+- ``default_dynamic_cp`` (``DefaultDynamicCPScheduler``): sequences longest first; each
+  micro-batch is one group spanning all DP×CP ranks, built by ``next_hdp_group_packing_aware``:
+  the longest remaining sequence opens a CP group of ``dcp_gpus_needed`` ranks (the next power
+  of two of length / ``max_seqlen_per_dp_cp_rank``, at least ``min_cp_size``); each further
+  sequence, trying that CP size and every power of two above it, joins an existing group of that
+  size with room (per-rank tokens at most the cap) or opens one on the free ranks, whichever
+  gives the least maximum rank workload (attention only: length² / CP) within 1.05 × tallest ×
+  cap; a sequence that fits nowhere waits for the next micro-batch. Then no rank may idle: the
+  smallest groups double their CP size (pushing later ranks down) until every rank holds work,
+  else the whole DP×CP domain takes the longest sequences that fit it.
+- ``dp_balanced`` (``DpBalancedScheduler``): one CP size for the run; sequences in their order
+  packed up to ``max_seqlen_per_dp_cp_rank × CP`` tokens, the number of packs raised to a
+  multiple of the DP size by moving single sequences off the last packs, and pack ``i·DP + d``
+  run by DP replica ``d`` in micro-batch ``i``.
+
+Every rank runs one micro-batch per group, so a group's CP groups become one micro-step each
+(its sub-samples packed, one recompute setting for the run), groups in order, no barrier between
+them (there is none in the no-pipelining or 1F1B schedules); under pipeline parallelism the
+groups are the 1F1B schedule's micro-batches and the cap is what a rank holds with a stage's
+micro-batches in flight (``planning_view``). Left out: ``align_sample_id_groups`` (it only
+splits groups for interleaved virtual stages, which DCP's cost model does not price) and
+``thd_max_packed_sequences`` (no cap on sequences per pack: megatron's default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcp.costmodel import CostModel
+from dcp.costmodel.pipeline import planning_view
+from dcp.plan import (
+    MEGATRON_DEV,
+    ON_OVERSIZE,
+    RECOMPUTE_LEVELS,
+    MicroStep,
+    Plan,
+    check_choice,
+    check_int,
+)
+from dcp.planning.common import pow2_sizes, split_oversize
+from dcp.planning.simulator import simulate
+
+MEGATRON_DEV_SOURCE = (
+    "NVIDIA/Megatron-LM dev d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1 (2026-08-21): "
+    "megatron/core/datasets/data_schedule.py (DefaultDynamicCPScheduler, DpBalancedScheduler), "
+    "data_schedule_utils.py (next_hdp_group_packing_aware, dcp_gpus_needed)"
+)
+"""The source file and commit ``megatron-dev`` follows (plans carry it in ``extra["follows"]``)."""
+DYNAMIC_CP, DP_BALANCED = "default_dynamic_cp", "dp_balanced"
+MODES: tuple[str, ...] = (DYNAMIC_CP, DP_BALANCED)
+"""Megatron-LM's ``--sequence-packing-scheduler`` values."""
+_WORKLOAD_CAP_DELTA = 0.05
+"""Slack over tallest × cap a placement's maximum rank workload may reach (megatron's
+``_DYNAMIC_CP_WORKLOAD_CAP_DELTA``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronDevOptions:
+    """How ``plan_megatron_dev`` runs Megatron dev's scheduler."""
+
+    mode: str = DYNAMIC_CP
+    """``--sequence-packing-scheduler``: one of ``MODES``."""
+    recompute: str | None = None
+    """The run's one recompute level (None: the fastest for the batch among those that hold
+    its longest sequence)."""
+    max_seqlen_per_dp_cp_rank: int | None = None
+    """``--max-seqlen-per-dp-cp-rank`` (>= 1; None: the most a rank holds at the recompute
+    setting within the memory budget)."""
+    cp_size: int | None = None
+    """``dp_balanced``: the run's CP size (None: the fastest that holds the batch's longest
+    sequence)."""
+    min_cp_size: int = 1
+    """``default_dynamic_cp``: ``--min-dynamic-context-parallel-size`` (>= 1)."""
+    on_oversize: str = "error"
+    """A sequence no plan can fit: ``error`` names it, ``drop`` plans the rest without it
+    (``Plan.dropped``)."""
+
+    def __post_init__(self) -> None:
+        check_choice(self.mode, MODES, "mode")
+        if self.recompute is not None:
+            check_choice(self.recompute, RECOMPUTE_LEVELS, "recompute")
+        for name in ("max_seqlen_per_dp_cp_rank", "cp_size"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_int(getattr(self, name), name, ge=1))
+        object.__setattr__(self, "min_cp_size", check_int(self.min_cp_size, "min_cp_size", ge=1))
+        if self.mode == DYNAMIC_CP and self.cp_size is not None:
+            raise ValueError(f"cp_size is the {DP_BALANCED} mode's; {DYNAMIC_CP} chooses CP")
+        if self.mode == DP_BALANCED and self.min_cp_size != 1:
+            raise ValueError(f"min_cp_size is the {DYNAMIC_CP} mode's; {DP_BALANCED} has one CP")
+        check_choice(self.on_oversize, ON_OVERSIZE, "on_oversize")
+
+
+def plan_megatron_dev(
+    lengths: Sequence[int],
+    *,
+    cost_model: CostModel,
+    options: MegatronDevOptions = MegatronDevOptions(),
+) -> Plan:
+    """Megatron dev's dynamic-CP baseline (module docstring, ``MegatronDevOptions``)."""
+    if options.mode == DP_BALANCED:
+        plan = _plan_dp_balanced(lengths, cost_model, options)
+    else:
+        plan = _plan_dynamic_cp(lengths, cost_model, options)
+    extra = {"mode": options.mode, **plan.extra, "follows": MEGATRON_DEV_SOURCE}
+    return dataclasses.replace(plan, planner=MEGATRON_DEV, extra=extra)
+
+
+def _plan_dynamic_cp(
+    lengths: Sequence[int], cost_model: CostModel, options: MegatronDevOptions
+) -> Plan:
+    lens, dropped, keep = split_oversize(lengths, cost_model, on_oversize=options.on_oversize)
+    if keep.size == 0:
+        return Plan(steps=(), dropped=dropped)
+    view, num_ranks = planning_view(cost_model), cost_model.num_ranks
+    longest = int(lens[keep].max())
+    levels = RECOMPUTE_LEVELS if options.recompute is None else (options.recompute,)
+    best = None
+    for level in levels:
+        cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
+        if cap <= 0 or max(options.min_cp_size, gpus_needed(longest, cap)) > num_ranks:
+            continue
+        seqs = [(int(i), int(lens[i])) for i in keep]
+        groups = schedule_dynamic_cp(
+            seqs, num_ranks=num_ranks, max_seqlen_per_rank=cap, min_cp_size=options.min_cp_size
+        )
+        plan = _as_plan(groups, lens, cost_model, level)
+        plan = dataclasses.replace(
+            plan, extra={"recompute": level, "max_seqlen_per_dp_cp_rank": cap, **plan.extra}
+        )
+        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
+            best = plan
+    if best is None:
+        raise ValueError(
+            f"Megatron dev's dynamic CP cannot hold the {longest}-token sequence with recompute "
+            f"{levels} on {num_ranks} ranks"
+        )
+    return dataclasses.replace(best, dropped=dropped)
+
+
+def _plan_dp_balanced(
+    lengths: Sequence[int], cost_model: CostModel, options: MegatronDevOptions
+) -> Plan:
+    lens, dropped, keep = split_oversize(lengths, cost_model, on_oversize=options.on_oversize)
+    if keep.size == 0:
+        return Plan(steps=(), dropped=dropped)
+    view, longest = planning_view(cost_model), int(lens[keep].max())
+    levels = RECOMPUTE_LEVELS if options.recompute is None else (options.recompute,)
+    best = None
+    for cp, level in itertools.product(pow2_sizes(cost_model.num_ranks), levels):
+        if options.cp_size not in (None, cp):
+            continue
+        cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
+        if longest > cap * cp:
+            continue
+        seqs = [(int(i), int(lens[i])) for i in keep]
+        groups = schedule_dp_balanced(
+            seqs, num_ranks=cost_model.num_ranks, cp_size=cp, max_seqlen_per_rank=cap
+        )
+        if groups is None:  # fewer sequences than DP replicas
+            continue
+        plan = _as_plan(groups, lens, cost_model, level)
+        extra = {"cp_size": cp, "recompute": level, "max_seqlen_per_dp_cp_rank": cap}
+        plan = dataclasses.replace(plan, extra={**extra, **plan.extra})
+        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
+            best = plan
+    if best is None:
+        raise ValueError(
+            f"Megatron dev's {DP_BALANCED} scheduler has no CP size and recompute that holds the "
+            f"{longest}-token sequence and gives each of the DP replicas a pack"
+        )
+    return dataclasses.replace(best, dropped=dropped)
+
+
+def gpus_needed(seq_len: int, max_seqlen_per_rank: int, min_cp_size: int = 1) -> int:
+    """A sequence's CP size under dynamic CP: the next power of two of length / cap (at least
+    1), at least ``min_cp_size`` (megatron's ``dcp_gpus_needed``)."""
+    raw = max(1, 2 ** math.ceil(math.log2(seq_len / max_seqlen_per_rank)))
+    return max(min_cp_size, raw)
+
+
+def schedule_dynamic_cp(
+    seqs: list[tuple[int, int]], *, num_ranks: int, max_seqlen_per_rank: int, min_cp_size: int
+) -> list[list[list[int]]]:
+    """``DefaultDynamicCPScheduler``'s groups of (id, length) ``seqs``: per micro-batch, each
+    DP×CP rank's sequence ids (the ranks of one CP group hold the same list)."""
+    remaining = sorted(seqs, key=lambda s: s[1], reverse=True)
+    groups = []
+    while remaining:
+        per_rank, remaining = _next_group(remaining, num_ranks, max_seqlen_per_rank, min_cp_size)
+        groups.append(per_rank)
+    return groups
+
+
+class _Batch:
+    """One micro-batch under construction. Its CP groups hold consecutive ranks in creation
+    order from rank 0 (new groups take the lowest free ranks, all idle), and every member of a
+    group has the same work, so a group is its size, per-rank tokens, work and sequences."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self.size = np.zeros(num_ranks, dtype=np.int64)
+        self.tokens = np.zeros(num_ranks)
+        self.work = np.zeros(num_ranks)
+        self.count = 0
+        self.used = 0
+        """Ranks in some CP group (the rest, from this rank on, are idle)."""
+        self.ids: list[list[int]] = []
+        self.lens: list[list[int]] = []
+        self.by_size: dict[int, np.ndarray] = {}
+        """Per CP size, its groups' indices in creation order."""
+
+    def open(self, cp: int, sid: int, length: int) -> None:
+        g = self.count
+        self.count += 1
+        self.used += cp
+        self.size[g], self.tokens[g], self.work[g] = cp, length / cp, length * length / cp
+        self.by_size[cp] = np.append(self.by_size.get(cp, np.empty(0, dtype=np.int64)), g)
+        self.ids.append([sid])
+        self.lens.append([length])
+
+    def join(self, g: int, sid: int, length: int) -> None:
+        cp = int(self.size[g])
+        self.tokens[g] += length / cp
+        self.work[g] += length * length / cp
+        self.ids[g].append(sid)
+        self.lens[g].append(length)
+
+    def per_rank(self) -> list[list[int]]:
+        """Each rank's sequence ids (a CP group's members share one list)."""
+        out: list[list[int]] = []
+        for g in range(self.count):
+            out += [self.ids[g]] * int(self.size[g])
+        return out + [[] for _ in range(self.num_ranks - len(out))]
+
+
+def _next_group(
+    remaining: list[tuple[int, int]], num_ranks: int, cap: int, min_cp: int
+) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """One micro-batch (``next_hdp_group_packing_aware``) of ``remaining`` (longest first): each
+    rank's ids, and the sequences left for later micro-batches. A placement's peak is the
+    largest rank workload after it: the placed group's, or the largest of the others."""
+    batch = _Batch(num_ranks)
+    sid, length = remaining[0]
+    cp = gpus_needed(length, cap, min_cp)
+    if cp > num_ranks:
+        raise ValueError(f"sequence {sid} ({length} tokens) needs CP {cp} > {num_ranks} ranks")
+    batch.open(cp, sid, length)
+    limit = length * cap * (1.0 + _WORKLOAD_CAP_DELTA)
+    leftovers = []
+    for sid, length in remaining[1:]:
+        work = batch.work[: batch.count]
+        top = int(np.argmax(work))
+        highest = float(work[top])
+        # The largest workload outside the top group (idle ranks have none).
+        work[top] = -np.inf
+        second = max(float(np.max(work)), 0.0)
+        work[top] = highest
+        free = num_ranks - batch.used
+        best = None  # (peak, CP group index, or -CP for a new group)
+        cp = gpus_needed(length, cap, min_cp)
+        while cp <= num_ranks:
+            added = length * length / cp
+            groups = batch.by_size.get(cp)
+            if groups is not None:
+                others = np.where(groups == top, second, highest)
+                peaks = np.maximum(others, batch.work[groups] + added)
+                ok = (batch.tokens[groups] + length / cp <= cap) & (peaks <= limit)
+                if ok.any():
+                    k = int(np.flatnonzero(ok)[np.argmin(peaks[ok])])
+                    if best is None or peaks[k] < best[0]:
+                        best = (float(peaks[k]), int(groups[k]))
+            if free >= cp:
+                peak = max(highest, added)
+                if peak <= limit and (best is None or peak < best[0]):
+                    best = (peak, -cp)
+            cp *= 2
+        if best is None:
+            leftovers.append((sid, length))
+        elif best[1] >= 0:
+            batch.join(best[1], sid, length)
+        else:
+            batch.open(-best[1], sid, length)
+    while batch.used < num_ranks:
+        if not _widen_smallest(batch):
+            return _whole_domain(remaining, num_ranks, cap)
+    return batch.per_rank(), leftovers
+
+
+def _widen_smallest(batch: _Batch) -> bool:
+    """The fill step: the first smallest CP group doubles its size, the groups after it moving
+    down into the idle ranks; ``False`` if it cannot. Unlike megatron's, a group whose widening
+    would push work past the last rank (a DP×CP size that is no power of two) cannot, where
+    megatron's indexes past its lists."""
+    n = batch.count
+    smallest = int(batch.size[:n].min())
+    extra = min(2 * smallest, batch.num_ranks) - smallest
+    if batch.used + extra > batch.num_ranks:
+        return False
+    g = int(np.flatnonzero(batch.size[:n] == smallest)[0])
+    batch.size[g] += extra
+    batch.used += extra
+    batch.work[g] = sum(x * x for x in batch.lens[g]) / int(batch.size[g])
+    return True
+
+
+def _whole_domain(
+    remaining: list[tuple[int, int]], num_ranks: int, cap: int
+) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The fallback when widening cannot fill every rank: the whole DP×CP domain as one CP
+    group, taking the longest sequences whose per-rank tokens fit the cap."""
+    chosen, later, tokens = [], [], 0.0
+    for sid, length in remaining:
+        if tokens + length / num_ranks <= cap:
+            chosen.append(sid)
+            tokens += length / num_ranks
+        else:
+            later.append((sid, length))
+    assert chosen, "the longest sequence fits the whole domain (checked before scheduling)"
+    return [list(chosen) for _ in range(num_ranks)], later
+
+
+def schedule_dp_balanced(
+    seqs: list[tuple[int, int]], *, num_ranks: int, cp_size: int, max_seqlen_per_rank: int
+) -> list[list[list[int]]] | None:
+    """``DpBalancedScheduler``'s groups of (id, length) ``seqs`` at one CP size, as
+    ``schedule_dynamic_cp``'s; ``None`` when there are too few sequences for every DP replica
+    to get a pack (megatron asserts)."""
+    dp = num_ranks // cp_size
+    limit = max_seqlen_per_rank * cp_size
+    packs: list[list[int]] = []
+    tokens = limit + 1
+    for sid, length in seqs:
+        if tokens + length > limit or not packs:
+            packs.append([])
+            tokens = 0
+        packs[-1].append(sid)
+        tokens += length
+    # Raise the pack count to a multiple of DP: single sequences off the last packs.
+    missing, i = -len(packs) % dp, len(packs) - 1
+    while missing:
+        if i < 0:
+            return None
+        if len(packs[i]) > 1:
+            packs.append([packs[i].pop()])
+            missing -= 1
+        else:
+            i -= 1
+    return [
+        [packs[m * dp + r // cp_size] for r in range(dp * cp_size)] for m in range(len(packs) // dp)
+    ]
+
+
+def _as_plan(
+    groups: list[list[list[int]]], lens: np.ndarray, cost_model: CostModel, level: str
+) -> Plan:
+    """Each group's CP groups (runs of ranks with the same ids) as one micro-step each, groups
+    in order; predicted on the simulator (under PP: the 1F1B pipeline)."""
+    steps = []
+    unaligned = 0
+    for per_rank in groups:
+        start = 0
+        while start < len(per_rank):
+            end = start + 1
+            while end < len(per_rank) and per_rank[end] == per_rank[start]:
+                end += 1
+            cp = end - start
+            unaligned += start % cp != 0 or cp & (cp - 1) != 0
+            steps.append(
+                MicroStep(
+                    ranks=tuple(range(start, end)),
+                    seq_ids=tuple(sorted(per_rank[start])),
+                    recompute=level,
+                )
+            )
+            start = end
+    plan = Plan(steps=tuple(steps), unaligned_steps=unaligned, extra={"groups": len(groups)})
+    makespan = simulate(plan, lens.tolist(), cost_model).makespan_s
+    return dataclasses.replace(plan, predicted_step_time_s=makespan)

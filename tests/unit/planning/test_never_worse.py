@@ -1,0 +1,33 @@
+"""DCP's planner never predicts more than the best static configuration it could have chosen
+(``plan_dcp`` keeps that plan as a candidate), with and without pipelines."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp.costmodel import load_cost_model
+from dcp.planning import StaticOptions, plan_batch, simulate
+from dcp.planning.workloads import WORKLOADS, make_batch
+
+PP4_256 = "h200x256+llama3-70b+options.pipeline_parallel_size=4"
+"""Llama-3-70B at TP 8 x PP 4 on 256 H200s: where DCP's pipelined plan of the log-normal and
+Pareto batches below was slower than static's (5.455 vs 5.442 s, 7.620 vs 7.583 s)."""
+
+
+@pytest.fixture(scope="module", params=["h200x64+llama3-8b", PP4_256])
+def cost_model(request):
+    return load_cost_model(request.param)
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_dcp_never_above_static(cost_model, workload):
+    # The batch the simulated sweep draws at 64K tokens per planner rank (PP = 1) ...
+    lengths = make_batch(workload, num_ranks=cost_model.num_ranks, seed=0)
+    dcp = plan_batch(lengths, cost_model=cost_model, planner="dcp")
+    dcp_s = simulate(dcp, lengths, cost_model).makespan_s
+    assert dcp.predicted_step_time_s == pytest.approx(dcp_s)
+    # ... against static sized for the batch (tools.plan's) and for the run (the sweep's).
+    for max_seq_len in (None, WORKLOADS[workload].max_seq_len):
+        options = StaticOptions(max_seq_len=max_seq_len)
+        static = plan_batch(lengths, cost_model=cost_model, planner="static", options=options)
+        assert dcp_s <= simulate(static, lengths, cost_model).makespan_s * (1 + 1e-12), max_seq_len
