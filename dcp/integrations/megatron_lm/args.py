@@ -206,6 +206,13 @@ def check_args(args: argparse.Namespace) -> None:
             "interleaved virtual pipeline stages are not supported by DCP: drop "
             "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
+    if getattr(args, "num_experts", None) or args.expert_model_parallel_size != 1:
+        # model_provider builds its layer spec without experts: training on would give a dense
+        # model while megatron's argument list says mixture-of-experts.
+        problems.append(
+            "mixture-of-experts models are not supported by DCP's Megatron-LM script yet (it "
+            "would build a dense model): drop --num-experts and --expert-model-parallel-size"
+        )
     if args.micro_batch_size != 1:
         problems.append(
             "documents are packed into one sequence per micro-batch: --micro-batch-size 1"

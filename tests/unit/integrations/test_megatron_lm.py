@@ -87,6 +87,24 @@ def test_unsupported_megatron_settings_are_refused_with_the_flag():
 
 
 @pytest.mark.parametrize("dcp", [False, True])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--num-experts", "4"),
+        ("--num-experts", "4", "--expert-model-parallel-size", "2"),
+        ("--expert-model-parallel-size", "2"),
+    ],
+)
+def test_experts_are_refused_rather_than_trained_dense(dcp, flags):
+    # model_provider builds a dense layer spec: experts asked for must be refused, in both modes.
+    args = megatron_args(
+        *GOOD, *flags, "--moe-token-dispatcher-type", "alltoall", *(["--dcp"] if dcp else [])
+    )
+    with pytest.raises(ValueError, match="drop --num-experts and --expert-model-parallel-size"):
+        dcp_mlm.check_args(args)
+
+
+@pytest.mark.parametrize("dcp", [False, True])
 def test_evaluation_runs_in_both_modes_but_not_as_full_validation_or_alone(dcp):
     mode = ["--dcp"] if dcp else []
     for flags in (("--eval-iters", "2", "--eval-interval", "3"), ("--eval-iters", "100")):
