@@ -130,8 +130,20 @@ class ModelConfig:
     ``delayed`` is refused: its amax reduction runs on a fixed group every micro-step while DCP
     ranks run different numbers of micro-steps (a hang)."""
 
+    num_experts: int | None = None
+    """Routed experts in every layer's MLP (megatron-core's ``MoELayer``, alltoall token
+    dispatcher, dropless, no router loss: docs/design.md, 'Experts'); None: a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (1 <= top-k <= num_experts)."""
+    moe_ffn_hidden_size: int | None = None
+    """Each routed expert's SwiGLU inner width; None: ``ffn_hidden_size``."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token also passes through (DeepSeek, Qwen2-MoE);
+    None: no shared expert."""
+
     def __post_init__(self) -> None:
         check_choice(self.core_attention, typing.get_args(CoreAttention), "core_attention")
+        self._check_experts()
         for name in (
             "num_layers",
             "hidden_size",
@@ -176,6 +188,32 @@ class ModelConfig:
                 f"(core_attention auto or te), got dtype={self.dtype}, "
                 f"core_attention={self.core_attention}"
             )
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields: ranges, and nothing set for a dense model."""
+        if self.num_experts is None:
+            given = [
+                name
+                for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+                if getattr(self, name) is not None
+            ]
+            if given or self.moe_router_topk != 2:
+                raise ValueError(
+                    f"{', '.join(given) or 'moe_router_topk'} is set but num_experts is not: "
+                    "set num_experts for a mixture-of-experts model, or drop it"
+                )
+            return
+        check_range(self.num_experts, "num_experts", ge=1, integer=True)
+        if self.fp8:
+            # Each expert's GEMM gets a data-dependent token count that FP8 GEMMs need padded
+            # (megatron's moe_router_padding_for_quantization), which DCP does not set up.
+            raise ValueError("fp8 is not supported with num_experts (mixture-of-experts) yet")
+        check_range(
+            self.moe_router_topk, "moe_router_topk", ge=1, le=self.num_experts, integer=True
+        )
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(self, name) is not None:
+                check_range(getattr(self, name), name, ge=1, integer=True)
 
     @property
     def head_dim(self) -> int:
@@ -222,6 +260,9 @@ WEIGHT_SHAPE_FIELDS = (
     "tie_embeddings",
     "add_qkv_bias",
     "qk_layernorm",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
 )
 """``ModelConfig`` fields that fix which tensors exist and their shapes: a model started from
 existing weights takes these from them."""
@@ -478,8 +519,34 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel_size: int = 1, **ove
     )
     if cfg.fp8:
         kwargs.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_param=False)
+    kwargs.update(moe_config(cfg, grouped_gemm=te))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_config(cfg: ModelConfig, *, grouped_gemm: bool) -> dict:
+    """The ``TransformerConfig`` fields of ``cfg``'s experts (empty for a dense model).
+
+    The alltoall dispatcher: megatron's default ``allgather`` dispatcher refuses packed
+    sequences of varying length, which every DCP micro-step is. Dropless (no capacity factor):
+    which expert a token reaches depends on that token alone, never on the other tokens of its
+    micro-step, so the result does not depend on how a plan packs and splits documents. No
+    router loss (``none``, coefficient 0): megatron's load-balancing losses are averages over a
+    micro-batch or its rows, which a plan chooses (docs/design.md, 'Experts'). TE's grouped
+    GEMM for the experts where the TE spec runs (``grouped_gemm``), megatron's sequential
+    per-expert MLPs otherwise."""
+    if cfg.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=grouped_gemm,
+    )
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -516,12 +583,14 @@ def layer_spec(cfg: ModelConfig):
         from megatron_patches.te_attention import te_core_attention
 
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=cfg.qk_layernorm
+            num_experts=cfg.num_experts,
+            moe_grouped_gemm=cfg.num_experts is not None,
+            qk_layernorm=cfg.qk_layernorm,
         )
         core = te_core_attention()
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm
+            num_experts=cfg.num_experts, normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm
         )
         if attention == "megatron_local":
             return spec

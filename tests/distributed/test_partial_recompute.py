@@ -2,7 +2,10 @@
 
 A 4-layer tiny model, so a full step may recompute 1, 2 or 3 of its layers (4 is all). Plans mix
 several N with the other levels and give ranks uneven micro-step counts; loss and every gradient
-must equal the single-process reference (relative error <= 1e-5) at TP = 1 and TP = 2.
+must equal the single-process reference (relative error <= 1e-5) at TP = 1 and TP = 2. The
+TP = 2 launches train a mixture-of-experts model (``EXPERTS``: every layer 4 routed experts,
+top-2, and a shared expert, experts split over TP): regrouped CP, uneven micro-step counts and
+recompute re-running the token dispatch leave loss and gradients those of the reference.
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ from tests.distributed.test_runtime_parity import (
 from tests.distributed.tiny import OPTIM, SEED, TINY, cleanup
 
 MODEL = {"num_layers": 4, "vocab_size": 61, "make_vocab_size_divisible_by": 4}
+EXPERTS = {
+    **MODEL,
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 48,
+    "moe_shared_expert_intermediate_size": 32,
+}
 
 
 def step(ranks, seq_ids, recompute="none", layers=None) -> dict:
@@ -60,12 +70,18 @@ def test_partial_recompute_parity_tp1(reference, name):
     assert_parity(reference, got, what=f"{name} at TP 1")
 
 
+@pytest.fixture(scope="module")
+def experts_reference():
+    return run_on_ranks(1, reference_run, DOCS, model=EXPERTS)[0]
+
+
 @pytest.mark.parametrize("name", sorted(PLANS))
-def test_partial_recompute_parity_tp2(reference, name):
+def test_partial_recompute_parity_tp2_with_experts(experts_reference, name):
     got = run_on_ranks(
-        4, dcp_run, DOCS, [PLANS[name]], model=MODEL, tensor_parallel_size=2, timeout_s=300
+        4, dcp_run, DOCS, [PLANS[name]], model=EXPERTS, tensor_parallel_size=2, timeout_s=300
     )[0]
-    assert_parity(reference, got, what=f"{name} at TP 2")
+    assert any(".mlp.experts." in n for n in got["grads"]), "no expert parameters were built"
+    assert_parity(experts_reference, got, what=f"{name} at TP 2 with experts")
 
 
 def test_use_recompute_sets_block_method_and_restores():

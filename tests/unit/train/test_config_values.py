@@ -66,10 +66,20 @@ def _refused(*overrides: str) -> str:
             r"^data\.sampler\.max_tokens_per_batch must be an integer >= 1 and <= 1099511627776",
         ),
         ("data.sampler.max_seqs_per_batch=2000000000000", r"max_seqs_per_batch must be"),
+        ("model.moe_router_topk=1", r"^model\.moe_router_topk is set but num_experts is not"),
+        ("model.moe_ffn_hidden_size=64", r"^model\.moe_ffn_hidden_size is set but num_experts"),
+        (
+            "model.num_experts=4 model.moe_router_topk=5",
+            r"^model\.moe_router_topk must be an integer >= 1 and <= 4, got 5",
+        ),
+        (
+            "model.num_experts=4 model.dtype=bf16 model.fp8=true model.core_attention=te",
+            r"^model\.fp8 is not supported with num_experts",
+        ),
     ],
 )
 def test_unusable_values_are_refused_naming_key_and_range(override, match):
-    message = _refused(override)
+    message = _refused(*override.split())
     assert re.search(match, message), message
 
 
@@ -108,6 +118,7 @@ def _numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, type]]:
 # Overrides that make a field matter (its check runs only in that setting).
 _CONTEXT = {
     "model.rope_scaling": ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8"],
+    "model.moe_": ["model.num_experts=4"],
     "data.indexed.blend_num_tokens": ["data.indexed.weights=[1.0]"],
     "data.synthetic.length_choices": ["data.synthetic.length_dist=choice"],
     "data.synthetic.length_weights": [
