@@ -4,7 +4,10 @@ The commands are README's "From Megatron-LM" block, run as written (plus shorter
 the same documents through Megatron's own schedule (static) and as DCP plans give the same loss
 every step, the same validation and test losses (Megatron's evaluation; under ``--dcp`` each
 validation batch's plan runs forward only) and the same weights; a Megatron checkpoint of the DCP
-run resumes with the losses of the uninterrupted run, its validation losses included.
+run resumes with the losses of the uninterrupted run, its validation losses included. The model
+is a mixture-of-experts one (``EXPERTS``, added to every command): the same launches check that
+megatron's MoE layers train exactly under DCP's plans in both modes and resume from Megatron's
+checkpoint (a dense model differs only in its MLP; the pipeline test runs one).
 """
 
 from __future__ import annotations
@@ -45,6 +48,21 @@ TEST_FLAGS = [
     "5",
     "--eval-iters",
     "1",
+]
+
+# 4 routed experts (top-2, megatron's alltoall dispatcher, dropless, no router loss) and a shared
+# expert in every layer: docs/megatron_lm.md, 'Mixture-of-experts'.
+EXPERTS = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "176",
+    "--moe-shared-expert-intermediate-size",
+    "128",
+    "--moe-token-dispatcher-type",
+    "alltoall",
 ]
 
 
@@ -159,7 +177,7 @@ def runs(corpus, tmp_path_factory) -> dict:
             commands[mode],
             data=corpus,
             out=root / mode,
-            extra=["--save", str(ckpt), "--save-interval", str(RESUME_FROM)],
+            extra=[*EXPERTS, "--save", str(ckpt), "--save-interval", str(RESUME_FROM)],
         )
         result[f"{mode}-ckpt"] = ckpt
     result["root"] = root
@@ -169,7 +187,10 @@ def runs(corpus, tmp_path_factory) -> dict:
         commands["dcp"],
         data=corpus,
         out=root / "resumed",
-        extra=["--load", str(resumed), "--save", str(resumed), "--save-interval", str(STEPS)],
+        extra=[
+            *EXPERTS,
+            *("--load", str(resumed), "--save", str(resumed), "--save-interval", str(STEPS)),
+        ],
     )
     result["resumed-ckpt"] = resumed
     return result
@@ -196,6 +217,8 @@ def test_dcp_plans_give_megatron_static_losses_and_weights(runs):
     steps = re.findall(r"^DCP step (\d+): cp \{", console, re.M)
     assert steps == ["1", "5", "10"], steps
     assert_same_weights(runs["static-ckpt"], runs["dcp-ckpt"])
+    experts = [k for k in weights(runs["dcp-ckpt"], STEPS) if ".mlp.experts." in k]
+    assert experts, "the model was built without experts"
 
 
 def test_dcp_evaluation_gives_the_static_runs_validation_and_test_losses(runs):
