@@ -40,7 +40,7 @@ def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-UNSUPPORTED_AXES = ("expert_parallel_size", "virtual_pipeline_parallel_size")
+UNSUPPORTED_AXES = ("virtual_pipeline_parallel_size",)
 """Axes the mesh has a place for but DCP does not run yet: only 1 is accepted."""
 
 
@@ -57,7 +57,10 @@ class Mesh:
     pipeline_parallel_size: int = 1
     """Pipeline stages (blocks of ``world_size / pipeline_parallel_size`` consecutive ranks)."""
     expert_parallel_size: int = 1
-    """Expert parallelism: not supported yet, only 1."""
+    """Ranks that share one layer's experts (each holds ``num_experts / EP``): within a stage,
+    the TP rank's ranks on an aligned block of EP planner ranks (``expert_block``), megatron's
+    expert groups. A power of two dividing the planner ranks; plans keep EP groups together
+    (``dcp.planning.experts``)."""
     virtual_pipeline_parallel_size: int = 1
     """Model chunks per pipeline stage (interleaved schedule): not supported yet, only 1."""
 
@@ -77,6 +80,14 @@ class Mesh:
             raise ValueError(
                 f"tensor_parallel_size={tp} times pipeline_parallel_size={pp} must divide "
                 f"world_size={self.world_size} (launch a multiple of TP x PP ranks)"
+            )
+        ep = self.expert_parallel_size
+        if ep & (ep - 1) or self.num_planner_ranks % ep:
+            # Only then is every EP group an aligned block, and every aligned block of at least
+            # EP planner ranks a union of whole EP groups (docs/design.md, 'Experts').
+            raise ValueError(
+                f"expert_parallel_size={ep} must be a power of two dividing the "
+                f"{self.num_planner_ranks} planner ranks (world / (TP x PP))"
             )
 
     @classmethod
@@ -105,9 +116,14 @@ class Mesh:
         }
 
     def describe(self) -> str:
-        """``TP t`` or ``TP t x PP p``: how the mesh splits its ranks."""
-        pp = self.pipeline_parallel_size
-        return f"TP {self.tensor_parallel_size}" + (f" x PP {pp}" if pp > 1 else "")
+        """``TP t``, then `` x PP p`` and `` x EP e`` where above 1: how the mesh splits its
+        ranks."""
+        pp, ep = self.pipeline_parallel_size, self.expert_parallel_size
+        return (
+            f"TP {self.tensor_parallel_size}"
+            + (f" x PP {pp}" if pp > 1 else "")
+            + (f" x EP {ep}" if ep > 1 else "")
+        )
 
     @property
     def stage_size(self) -> int:
@@ -127,6 +143,12 @@ class Mesh:
     def planner_rank(self, rank: int) -> int:
         """The planner rank (TP group within its stage) of global rank ``rank``."""
         return rank % self.stage_size // self.tensor_parallel_size
+
+    def expert_block(self, planner_rank: int) -> range:
+        """The planner ranks of ``planner_rank``'s expert-parallel group: its aligned block of
+        ``expert_parallel_size``."""
+        first = planner_rank - planner_rank % self.expert_parallel_size
+        return range(first, first + self.expert_parallel_size)
 
     def tp_rank(self, rank: int) -> int:
         """The TP rank of global rank ``rank``."""

@@ -470,7 +470,9 @@ def check_model_fits(
     )
 
 
-def transformer_config(cfg: ModelConfig, *, tensor_parallel_size: int = 1, **overrides):
+def transformer_config(
+    cfg: ModelConfig, *, tensor_parallel_size: int = 1, expert_parallel_size: int = 1, **overrides
+):
     """The megatron ``TransformerConfig`` for ``cfg``: per-token loss, no dropout; on the TE
     spec the RoPE, SwiGLU and weight-gradient-accumulation fusions and, with ``cfg.fp8``, FP8
     linears; no fusions on the torch path (CPU). With ``tensor_parallel_size`` > 1, megatron's
@@ -519,13 +521,14 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel_size: int = 1, **ove
     )
     if cfg.fp8:
         kwargs.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_param=False)
-    kwargs.update(moe_config(cfg, grouped_gemm=te))
+    kwargs.update(moe_config(cfg, grouped_gemm=te, expert_parallel_size=expert_parallel_size))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def moe_config(cfg: ModelConfig, *, grouped_gemm: bool) -> dict:
-    """The ``TransformerConfig`` fields of ``cfg``'s experts (empty for a dense model).
+def moe_config(cfg: ModelConfig, *, grouped_gemm: bool, expert_parallel_size: int = 1) -> dict:
+    """The ``TransformerConfig`` fields of ``cfg``'s experts (empty for a dense model), each
+    rank holding ``num_experts / expert_parallel_size`` of them.
 
     The alltoall dispatcher: megatron's default ``allgather`` dispatcher refuses packed
     sequences of varying length, which every DCP micro-step is. Dropless (no capacity factor):
@@ -546,6 +549,7 @@ def moe_config(cfg: ModelConfig, *, grouped_gemm: bool) -> dict:
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=grouped_gemm,
+        expert_model_parallel_size=expert_parallel_size,
     )
 
 
@@ -769,7 +773,12 @@ def _build(cfg: ModelConfig, pg_collection, seed: int, *, stage: int, stages: in
     model_parallel_cuda_manual_seed(stage_seed(seed, stage))
     with cpu_tensors_stay():  # tied embeddings under PP copy the embedding with .cuda()
         model = GPTModel(
-            config=transformer_config(cfg, tensor_parallel_size=tp, **tf_overrides),
+            config=transformer_config(
+                cfg,
+                tensor_parallel_size=tp,
+                expert_parallel_size=_ep_size(pg_collection),
+                **tf_overrides,
+            ),
             transformer_layer_spec=block_spec(cfg, layers),
             vocab_size=cfg.padded_vocab_size,
             max_sequence_length=cfg.max_seq_len,
@@ -787,6 +796,12 @@ def _build(cfg: ModelConfig, pg_collection, seed: int, *, stage: int, stages: in
         if first + rows > cfg.vocab_size:
             model.output_layer.register_forward_hook(_VocabPaddingMask(cfg.vocab_size - first))
     return model
+
+
+def _ep_size(pg_collection) -> int:
+    """The expert-parallel size of ``pg_collection`` (1 where it has no EP group)."""
+    group = getattr(pg_collection, "ep", None)
+    return 1 if group is None else group.size()
 
 
 class _VocabPaddingMask:

@@ -50,6 +50,16 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: object = -1, graph_safe:
     torch.set_rng_state(new_state)
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's ``moe_utils.maybe_move_tensor_to_cpu`` on a machine whose tensors are all on
+    the host: the tensor itself, as numpy where asked. megatron's copies only CUDA tensors, so
+    on CPU the alltoall dispatcher's split sizes stayed tensors, which gloo's
+    ``all_to_all_single`` refuses (it takes sequences of ints, as the GPU path's numpy arrays)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
@@ -113,6 +123,7 @@ def apply() -> bool:
     # The alltoall MoE dispatcher makes one class-wide CUDA stream for its device-to-host
     # copies of the token counts when the first one is built, and waits on an event of it.
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     for module in (mcore_utils, fused_softmax):
         module.get_default_causal_mask = _cpu_default_causal_mask
         module.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask

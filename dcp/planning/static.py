@@ -72,9 +72,11 @@ def static_configs(
     *,
     cp_size: int | None = None,
     recompute: str | None = None,
+    min_cp_size: int = 1,
 ) -> list[tuple[int, str]]:
     """Every (CP size, recompute) a static run sized for ``max_seq_len`` can use, smallest CP and
-    cheapest recompute first; ``cp_size``/``recompute``, where given, keep only matching ones.
+    cheapest recompute first; ``cp_size``/``recompute``, where given, keep only matching ones;
+    none below ``min_cp_size`` (expert parallelism: ``dcp.planning.experts.min_cp_size``).
     The candidates of every static choice: the benchmark's fixed runs, ``fixed_static_config``
     and ``plan_static``. Under pipeline parallelism a configuration must hold as many such
     micro-batches as a stage has in flight (``planning_view``)."""
@@ -83,7 +85,8 @@ def static_configs(
         (cp, lv)
         for cp in pow2_sizes(cost_model.num_ranks)
         for lv in RECOMPUTE_LEVELS
-        if (cp_size is None or cp == cp_size)
+        if cp >= min_cp_size
+        and (cp_size is None or cp == cp_size)
         and (recompute is None or lv == recompute)
         and cost_model.fits([max_seq_len], cp, lv)
     ]
@@ -97,9 +100,11 @@ def fixed_static_config(
     cp_size: int | None = None,
     recompute: str | None = None,
     on_oversize: str = "error",
+    min_cp_size: int = 1,
 ) -> tuple[int, str]:
     """The one (CP size, recompute) a static run trains every batch with: of ``static_configs``
-    (sized for the run's ``max_seq_len``, narrowed to ``cp_size``/``recompute`` where given), the
+    (sized for the run's ``max_seq_len``, narrowed to ``cp_size``/``recompute`` where given, at
+    least ``min_cp_size``), the
     one whose plans of ``batches`` (the run's own) take the least predicted time in total; ties
     go to the smaller CP size, then the cheaper recompute. ``ValueError`` when no configuration
     holds ``max_seq_len`` or ``batches`` is empty."""
@@ -109,7 +114,9 @@ def fixed_static_config(
         split_oversize(lengths, cost_model, on_oversize=on_oversize)
     if on_oversize == "drop":
         max_seq_len = _kept_max_seq_len(cost_model, max_seq_len)
-    configs = static_configs(cost_model, max_seq_len, cp_size=cp_size, recompute=recompute)
+    configs = static_configs(
+        cost_model, max_seq_len, cp_size=cp_size, recompute=recompute, min_cp_size=min_cp_size
+    )
     if not configs:
         raise _no_config_error(cost_model, max_seq_len, cp_size=cp_size, recompute=recompute)
     best, best_s = configs[0], math.inf

@@ -26,13 +26,14 @@ def init(
     timeout_s: float | None = None,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> None:
     """Prepare this process for DCP (idempotent): on a GPU machine select the device of
     ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
     megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
-    megatron's parallel state with ``tensor_parallel_size`` and ``pipeline_parallel_size``, its
-    groups created with ``timeout_s`` (default: torch's). A torch outside the supported range
-    raises ``dcp.versions.UnsupportedVersion`` first."""
+    megatron's parallel state with ``tensor_parallel_size``, ``pipeline_parallel_size`` and
+    ``expert_parallel_size``, its groups created with ``timeout_s`` (default: torch's). A
+    torch outside the supported range raises ``dcp.versions.UnsupportedVersion`` first."""
     require_supported_versions()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -55,6 +56,7 @@ def init(
         timeout_s=timeout_s,
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
+        expert_parallel_size=expert_parallel_size,
     )
 
 
@@ -63,10 +65,11 @@ def init_megatron_parallel(
     timeout_s: float | None = None,
     tensor_parallel_size: int | None = None,
     pipeline_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
 ) -> int:
-    """Initialise megatron's parallel_state with ``tensor_parallel_size`` and
-    ``pipeline_parallel_size`` (default 1 each) and CP = 1 (idempotent; a second call asking
-    for other sizes raises). Returns the TP size in effect."""
+    """Initialise megatron's parallel_state with ``tensor_parallel_size``,
+    ``pipeline_parallel_size`` and ``expert_parallel_size`` (default 1 each) and CP = 1
+    (idempotent; a second call asking for other sizes raises). Returns the TP size in effect."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -89,11 +92,23 @@ def init_megatron_parallel(
                 f"megatron's parallel state is already initialised with PP = {stages}, not "
                 f"{pipeline_parallel_size}"
             )
+        experts = ps.get_expert_model_parallel_world_size()
+        if expert_parallel_size is not None and expert_parallel_size != experts:
+            raise ValueError(
+                f"megatron's parallel state is already initialised with EP = {experts}, not "
+                f"{expert_parallel_size}"
+            )
         return current
     tp = 1 if tensor_parallel_size is None else tensor_parallel_size
     pp = 1 if pipeline_parallel_size is None else pipeline_parallel_size
-    # The world must split into TP groups and stages.
-    mesh = Mesh(dist.get_world_size(), tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    ep = 1 if expert_parallel_size is None else expert_parallel_size
+    # The world must split into TP groups and stages, the planner ranks into EP groups.
+    mesh = Mesh(
+        dist.get_world_size(),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        expert_parallel_size=ep,
+    )
     extra = {}
     if timeout_s is not None:
         extra["distributed_timeout_minutes"] = max(1, math.ceil(timeout_s / 60))
@@ -101,6 +116,7 @@ def init_megatron_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=1,
+        expert_model_parallel_size=ep,
         # A gloo twin of every data-parallel group serves only megatron's dp-zero checkpoint
         # formats, which DCP does not use: at 1,024 ranks each is start-up time and sockets.
         create_gloo_process_groups=False,
@@ -110,6 +126,12 @@ def init_megatron_parallel(
     # world / PP ranks, megatron's default order ("tp-cp-ep-dp-pp": TP innermost, PP outermost).
     assert ps.get_tensor_model_parallel_rank() == mesh.tp_rank(dist.get_rank())
     assert ps.get_pipeline_model_parallel_rank() == mesh.stage(dist.get_rank())
+    # Expert groups ("tp-ep-dp-pp", expert TP = TP): the TP rank's ranks on the planner ranks
+    # of Mesh.expert_block, so that a plan step on whole blocks holds whole EP groups.
+    rank = dist.get_rank()
+    block = mesh.expert_block(mesh.planner_rank(rank))
+    expected = mesh.cp_ranks(block, mesh.tp_rank(rank), mesh.stage(rank))
+    assert tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group())) == expected
     return tp
 
 
@@ -125,6 +147,7 @@ def init_megatron_mesh(mesh: Mesh) -> None:
         init_megatron_parallel(
             tensor_parallel_size=mesh.tensor_parallel_size,
             pipeline_parallel_size=mesh.pipeline_parallel_size,
+            expert_parallel_size=mesh.expert_parallel_size,
         )
     except ValueError as exc:
         raise ValueError(
@@ -141,4 +164,5 @@ def model_mesh(model) -> Mesh:
         dist.get_world_size(),
         tensor_parallel_size=config.tensor_model_parallel_size,
         pipeline_parallel_size=config.pipeline_model_parallel_size,
+        expert_parallel_size=config.expert_model_parallel_size,
     )

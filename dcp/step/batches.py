@@ -40,6 +40,7 @@ from dcp.planning import (
     simulate,
 )
 from dcp.planning.dcp_planner import pin_label
+from dcp.planning.experts import min_cp_size
 from dcp.runtime.dispatch import train_len
 
 logger = logging.getLogger(__name__)
@@ -284,6 +285,7 @@ class BatchPlanner:
                 max_seq_len=max_seq_len,
                 cp_size=self.cfg.static_cp_size,
                 recompute=self.cfg.static_recompute,
+                min_cp_size=min_cp_size(self.mesh.expert_parallel_size),
                 on_oversize=self.cfg.on_oversize,
             )
         return self._static_config
@@ -353,6 +355,7 @@ def with_fixed_static_config(planner: BatchPlanner, batches: Iterable[GlobalBatc
         max_seq_len=longest if planner.max_seq_len is None else max(planner.max_seq_len, longest),
         cp_size=cfg.static_cp_size,
         recompute=cfg.static_recompute,
+        min_cp_size=min_cp_size(planner.mesh.expert_parallel_size),
         on_oversize=cfg.on_oversize,
     )
     logger.info(

@@ -101,6 +101,15 @@ class DistributedConfig:
             check_range(getattr(self, name), f"distributed.{name}", gt=0, le=_MAX_TIMEOUT_S)
 
 
+EXPERT_CHECKPOINTS = (
+    "checkpoints at parallel.expert_parallel_size > 1 are not supported yet (each rank holds "
+    "only its EP group's share of the experts, and nothing reshards them): set "
+    "checkpoint.interval_steps=0 and leave init.from_checkpoint / init.from_hf unset, or train "
+    "at expert_parallel_size 1"
+)
+"""The one-line refusal of saving, resuming or initialising from weights at EP > 1."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     """How the launched ranks are arranged: world = PP × planner ranks × TP."""
@@ -116,6 +125,10 @@ class ParallelConfig:
     (docs/design.md, 'Pipelines'); the cost model prices each stage."""
     virtual_pipeline_parallel_size: int = 1
     """Interleaved (virtual) stages per rank: only 1, DCP's schedule is non-interleaved."""
+    expert_parallel_size: int = 1
+    """Ranks that share each MoE layer's experts (``model.num_experts`` divisible by it): a
+    power of two dividing the planner ranks; each plan step then runs on whole EP groups
+    (docs/design.md, 'Experts'). Above 1: no checkpoints yet, and the static planner only."""
 
     def __post_init__(self) -> None:
         check_range(self.tensor_parallel_size, "parallel.tensor_parallel_size", ge=1, integer=True)
@@ -128,6 +141,7 @@ class ParallelConfig:
             ge=1,
             integer=True,
         )
+        check_range(self.expert_parallel_size, "parallel.expert_parallel_size", ge=1, integer=True)
         if self.virtual_pipeline_parallel_size != 1:
             raise ValueError(
                 f"parallel.virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size}: "
@@ -142,6 +156,7 @@ class ParallelConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             virtual_pipeline_parallel_size=self.virtual_pipeline_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
         )
 
 
@@ -289,6 +304,39 @@ class PretrainConfig:
             raise ValueError(
                 f"parallel.pipeline_parallel_size={stages} exceeds model.num_layers="
                 f"{self.model.num_layers}: every stage needs a layer"
+            )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """What runs with experts and at ``parallel.expert_parallel_size`` > 1 (docs/design.md,
+        'Experts')."""
+        ep = self.parallel.expert_parallel_size
+        if self.model.num_experts is not None and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "model.num_experts with parallel.pipeline_parallel_size > 1 is not supported yet "
+                "(not tested): train mixture-of-experts models without pipeline stages"
+            )
+        if ep == 1:
+            return
+        if self.model.num_experts is None or self.model.num_experts % ep:
+            raise ValueError(
+                f"parallel.expert_parallel_size={ep} needs model.num_experts divisible by it "
+                f"(each rank of an EP group holds num_experts / {ep}), got "
+                f"{self.model.num_experts}"
+            )
+        if self.checkpoint.interval_steps or self.init.from_checkpoint or self.init.from_hf:
+            raise ValueError(EXPERT_CHECKPOINTS)
+        if self.planning.static_cp_size is not None and self.planning.static_cp_size < ep:
+            raise ValueError(
+                f"planning.static_cp_size={self.planning.static_cp_size} would split "
+                f"expert-parallel groups: at parallel.expert_parallel_size={ep} it must be at "
+                f"least {ep}"
+            )
+        if self.planning.planner != "static":
+            raise ValueError(
+                f"planning.planner={self.planning.planner} does not keep expert-parallel groups "
+                f"together yet; at parallel.expert_parallel_size={ep} use planning.planner=static "
+                f"(its CP size is then at least {ep})"
             )
 
 

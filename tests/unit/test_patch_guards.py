@@ -244,3 +244,9 @@ def test_the_alltoall_dispatcher_still_makes_its_stream_once_per_class():
     init = inspect.getsource(MoEAlltoAllTokenDispatcher.__init__)
     assert "if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:" in init
     assert hasattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream")
+    # ... and moves its split sizes to the host through this module-level name.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    source = inspect.getsource(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
+    assert "self.input_splits = maybe_move_tensor_to_cpu(" in source
+    assert hasattr(token_dispatcher, "maybe_move_tensor_to_cpu")

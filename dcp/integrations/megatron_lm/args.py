@@ -213,6 +213,11 @@ def expert_problems(args: argparse.Namespace) -> list[str]:
             "expert parallelism is not supported by DCP yet (the experts of a layer live on "
             "every rank): --expert-model-parallel-size 1"
         )
+    if args.pipeline_model_parallel_size > 1:
+        problems.append(
+            "mixture-of-experts models under pipeline parallelism are not supported by DCP yet "
+            "(not tested): --pipeline-model-parallel-size 1"
+        )
     if args.expert_tensor_parallel_size not in (None, args.tensor_model_parallel_size):
         problems.append(
             "experts split over the tensor-parallel group only: drop --expert-tensor-parallel-size"

@@ -110,6 +110,7 @@ def test_experts_run_in_both_modes(dcp):
         ((*EXPERTS, "--moe-expert-capacity-factor", "1.0"), "drop --moe-expert-capacity-factor"),
         ((*EXPERTS, "--moe-router-enable-expert-bias"), "drop --moe-router-enable-expert-bias"),
         ((*EXPERTS, "--moe-layer-freq", "2"), "drop --moe-layer-freq"),
+        ((*EXPERTS, "--pipeline-model-parallel-size", "2"), "--pipeline-model-parallel-size 1"),
         ((*EXPERTS, "--moe-grouped-gemm"), "--transformer-impl transformer_engine"),
         ((*EXPERTS, "--moe-router-load-balancing-type", "sinkhorn"), "sinkhorn routing"),
     ],

@@ -72,6 +72,28 @@ def _refused(*overrides: str) -> str:
             "model.num_experts=4 model.moe_router_topk=5",
             r"^model\.moe_router_topk must be an integer >= 1 and <= 4, got 5",
         ),
+        ("parallel.expert_parallel_size=2", r"needs model\.num_experts divisible by it"),
+        (
+            "model.num_experts=4 parallel.pipeline_parallel_size=2",
+            r"^model\.num_experts with parallel\.pipeline_parallel_size > 1 is not supported",
+        ),
+        (
+            "model.num_experts=3 parallel.expert_parallel_size=2",
+            r"needs model\.num_experts divisible by it .* got 3",
+        ),
+        (
+            "model.num_experts=4 parallel.expert_parallel_size=2",
+            r"^checkpoints at parallel\.expert_parallel_size > 1 are not supported yet",
+        ),
+        (
+            "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0",
+            r"^planning\.planner=dcp does not keep expert-parallel groups together yet",
+        ),
+        (
+            "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0 "
+            "planning.planner=static planning.static_cp_size=1",
+            r"^planning\.static_cp_size=1 would split expert-parallel groups",
+        ),
         (
             "model.num_experts=4 model.dtype=bf16 model.fp8=true model.core_attention=te",
             r"^model\.fp8 is not supported with num_experts",

@@ -1,0 +1,38 @@
+"""Expert-parallel lockstep at plan time: plans split no EP group, the static planner's CP sizes
+start at EP, and a plan that splits an EP group is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp.costmodel import load_cost_model
+from dcp.mesh import Mesh
+from dcp.plan import MicroStep, Plan
+from dcp.planning import fixed_static_config, static_configs
+from dcp.planning.experts import check_expert_lockstep, min_cp_size
+
+
+def _plan(*groups: tuple[int, ...]) -> Plan:
+    steps = tuple(MicroStep(ranks=g, seq_ids=(i,)) for i, g in enumerate(groups))
+    return Plan(steps=steps, planner="test")
+
+
+def test_steps_on_whole_ep_groups_pass_and_a_split_one_is_refused():
+    mesh = Mesh(8, expert_parallel_size=2)  # EP groups {0,1} {2,3} {4,5} {6,7}
+    check_expert_lockstep(_plan((0, 1), (2, 3), (4, 5, 6, 7), tuple(range(8))), mesh)
+    with pytest.raises(ValueError) as err:
+        check_expert_lockstep(_plan((0, 1), (2,), (3,)), mesh)
+    message = str(err.value)
+    assert message.startswith("step 1 runs on planner ranks [2], which split the expert-parallel")
+    assert "group [2, 3]" in message and "(CP size >= 2)" in message and "\n" not in message
+    # Without expert parallelism every plan keeps its (one-rank) groups whole.
+    check_expert_lockstep(_plan((0,), (1,), (2, 3)), Mesh(4))
+
+
+def test_static_configurations_start_at_the_ep_size():
+    cm = load_cost_model("h200x8+llama3-8b")
+    assert min(cp for cp, _ in static_configs(cm, 4096)) == 1
+    assert min(cp for cp, _ in static_configs(cm, 4096, min_cp_size=min_cp_size(4))) == 4
+    short = [[900] * 8]  # without experts, CP 1 is the fastest for these
+    assert fixed_static_config(short, cost_model=cm, max_seq_len=900) == (1, "none")
+    assert fixed_static_config(short, cost_model=cm, max_seq_len=900, min_cp_size=4)[0] == 4
