@@ -126,13 +126,25 @@ def init_megatron_parallel(
     # world / PP ranks, megatron's default order ("tp-cp-ep-dp-pp": TP innermost, PP outermost).
     assert ps.get_tensor_model_parallel_rank() == mesh.tp_rank(dist.get_rank())
     assert ps.get_pipeline_model_parallel_rank() == mesh.stage(dist.get_rank())
-    # Expert groups ("tp-ep-dp-pp", expert TP = TP): the TP rank's ranks on the planner ranks
-    # of Mesh.expert_block, so that a plan step on whole blocks holds whole EP groups.
+    check_expert_groups(mesh)
+    return tp
+
+
+def check_expert_groups(mesh: Mesh) -> None:
+    """Raise unless megatron's expert-parallel group of this rank is the mesh's: the TP rank's
+    ranks on the planner ranks of ``Mesh.expert_block`` (megatron's "tp-ep-dp-pp" order with
+    expert TP = TP), so that a plan step on whole blocks holds whole EP groups."""
+    from megatron.core import parallel_state as ps
+
     rank = dist.get_rank()
     block = mesh.expert_block(mesh.planner_rank(rank))
     expected = mesh.cp_ranks(block, mesh.tp_rank(rank), mesh.stage(rank))
-    assert tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group())) == expected
-    return tp
+    found = tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group()))
+    if found != expected:
+        raise RuntimeError(
+            f"rank {rank}: megatron's expert-parallel group is {list(found)}, DCP's mesh "
+            f"expects {list(expected)} (planner ranks {list(block)})"
+        )
 
 
 def init_megatron_mesh(mesh: Mesh) -> None:

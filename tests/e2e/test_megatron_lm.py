@@ -238,3 +238,24 @@ def test_megatron_checkpoint_of_a_dcp_run_resumes_exactly(runs):
     # The resumed run evaluates the validation batches the uninterrupted one did at step 10.
     root = runs["root"]
     assert "iteration 10" in assert_same_evaluations(root / "dcp", root / "resumed", rel=1e-6)
+
+
+def test_expert_parallel_static_and_dcp_plans_agree(corpus, tmp_path):
+    """EP 2 on the 2 ranks: Megatron's own schedule (each data-parallel rank its micro-batches,
+    the two in lockstep) and DCP's static planner (every step on the whole EP group, CP 2) give
+    the same losses. Four steps, no evaluation, no checkpoint (refused at EP > 1)."""
+    commands = readme_commands()
+    ep2 = [*EXPERTS, "--expert-model-parallel-size", "2", "--eval-iters", "0"]
+    ep2 += ["--train-iters", "4", "--lr-decay-iters", "6"]
+    static = run(commands["static"], data=corpus, out=tmp_path / "static", extra=ep2)
+    dcp = run(
+        commands["dcp"], data=corpus, out=tmp_path / "dcp", extra=[*ep2, "--dcp-planner", "static"]
+    )
+    assert [r["step"] for r in static] == [r["step"] for r in dcp] == [1, 2, 3, 4]
+    for a, b in zip(static, dcp, strict=True):
+        assert a["tokens"] == b["tokens"]
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+    cp_sizes = {k.rsplit("/", 1)[1] for r in dcp for k in r if k.startswith("plan/cp_hist/")}
+    assert cp_sizes == {"2"}, cp_sizes  # never a step that splits the EP group
+    # Each rank holds half of the 4 experts: 1,004,672 parameters, not the EP 1 model's 1,545,344.
+    assert "model parallel rank (0, 0, 0): 1004672" in (tmp_path / "static/console.txt").read_text()

@@ -102,13 +102,15 @@ def _model_spec(args: argparse.Namespace):
 
 def megatron_mesh(args: argparse.Namespace) -> Mesh:
     """The run's mesh, from Megatron-LM's arguments: ``--tensor-model-parallel-size`` and
-    ``--pipeline-model-parallel-size`` over its ``world_size`` ranks (interleaved virtual stages
-    are refused by ``check_args`` and by the mesh). Megatron initialises its parallel state from
+    ``--pipeline-model-parallel-size`` over its ``world_size`` ranks, with
+    ``--expert-model-parallel-size`` (interleaved virtual stages are refused by ``check_args``
+    and by the mesh). Megatron initialises its parallel state from
     the same arguments, in the rank order the mesh numbers."""
     return Mesh(
         args.world_size,
         tensor_parallel_size=args.tensor_model_parallel_size,
         pipeline_parallel_size=args.pipeline_model_parallel_size,
+        expert_parallel_size=args.expert_model_parallel_size,
         virtual_pipeline_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None)
         or 1,
     )
@@ -209,11 +211,13 @@ class MegatronLMRun:
 
         from dcp.costmodel.spec import runtime_options
         from dcp.runtime.groups import start_groups
+        from dcp.runtime.setup import check_expert_groups
         from dcp.step.batches import BatchPlanner
         from dcp.step.planned import PlannedSteps
 
         args = get_args()
         mesh = megatron_mesh(args)
+        check_expert_groups(mesh)  # megatron made them; plans keep them whole
         planner = BatchPlanner(
             planning_config(args),
             mesh=mesh,

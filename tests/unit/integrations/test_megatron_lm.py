@@ -103,7 +103,7 @@ def test_experts_run_in_both_modes(dcp):
     "flags, match",
     [
         (("--expert-model-parallel-size", "2"), "needs a mixture-of-experts model: --num-experts"),
-        ((*EXPERTS, "--expert-model-parallel-size", "2"), "--expert-model-parallel-size 1"),
+        ((*EXPERTS, "--expert-model-parallel-size", "2", "--save", "ckpt"), "drop --save"),
         (("--num-experts", "4"), "--moe-token-dispatcher-type alltoall"),  # allgather: default
         ((*EXPERTS, "--moe-aux-loss-coeff", "0.01"), "--moe-aux-loss-coeff 0"),
         ((*EXPERTS, "--moe-z-loss-coeff", "0.001"), "drop --moe-z-loss-coeff"),
@@ -120,6 +120,18 @@ def test_expert_settings_dcp_cannot_honour_are_refused(dcp, flags, match):
     args = megatron_args(*GOOD, "--transformer-impl", "local", *flags, *(["--dcp"] if dcp else []))
     with pytest.raises(ValueError, match=re.escape(match)):
         dcp_mlm.check_args(args)
+
+
+def test_expert_parallelism_runs_static_or_with_the_static_planner():
+    ep2 = (*GOOD, *EXPERTS, "--expert-model-parallel-size", "2")
+    dcp_mlm.check_args(megatron_args(*ep2))  # Megatron's own schedule
+    dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", "static"))
+    with pytest.raises(ValueError, match="only DCP's static planner guarantees yet"):
+        dcp_mlm.check_args(megatron_args(*ep2, "--dcp"))
+    with pytest.raises(ValueError, match="--dcp-static-cp-size 1 would split"):
+        dcp_mlm.check_args(
+            megatron_args(*ep2, "--dcp", "--dcp-planner", "static", "--dcp-static-cp-size", "1")
+        )
 
 
 @pytest.mark.parametrize("dcp", [False, True])
