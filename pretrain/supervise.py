@@ -32,13 +32,21 @@ worker finishing a stop after its launcher exited, a process it left behind) get
 ``--leftover-grace-s`` (30 s) to end on its own, then is killed and waited for, so a restart is
 never refused by its own run's lock; processes of other runs, which carry another value or none,
 are never touched, and a run directory one of them holds stops the wrapper with exit 2.
+
+A torchrun command whose agent on this node would serve the rendezvous store at a port another
+process holds stops the wrapper with one line and exit 2 before each attempt
+(``store_port_in_use``): torchrun itself would end in a c10d traceback and exit 1, which a
+restart cannot fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -94,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         attempt = 0
         while True:
             attempt += 1
+            busy = store_port_in_use(command)
+            if busy:
+                print(f"[supervise] error: {busy}", file=sys.stderr, flush=True)
+                return USER_ERROR_CODE
             print(
                 f"[supervise] attempt {attempt}: {' '.join(command)}", file=sys.stderr, flush=True
             )
@@ -135,6 +147,80 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             time.sleep(args.delay_s)
+
+
+def store_port_in_use(command: list[str]) -> str | None:
+    """Why ``command``'s torchrun cannot serve its rendezvous store on this node (its port held
+    by another process), or None: not torchrun, a store served elsewhere, or a free port.
+
+    torchrun's arguments are read by torchrun's own parser. Where the store lives follows
+    torch.distributed.run and its rendezvous backends (torch 2.11-2.15): ``--standalone``, and a
+    one-node static run without ``--master-port``, pick a free port; the static backend serves
+    ``--master-addr:--master-port`` (29500 by default) on node rank 0
+    (``static_tcp_rendezvous``: ``is_master = rank == 0``); the c10d backend serves
+    ``--rdzv-endpoint`` (port 29400 by default) on the node whose address it names
+    (``c10d_rendezvous_backend``). The check binds the port as TCPStore's server does
+    (``SO_REUSEADDR``, so a socket of a just-ended attempt in TIME_WAIT does not count)."""
+    if os.path.basename(command[0]) == "torchrun":
+        args = command[1:]
+    elif command[1:3] == ["-m", "torch.distributed.run"]:
+        args = command[3:]
+    else:
+        return None
+    from torch.distributed.run import get_args_parser
+
+    try:
+        run = get_args_parser().parse_args(args)
+    except SystemExit:
+        return None  # torchrun says what is wrong with its own arguments
+    if run.standalone:
+        return None
+    if run.rdzv_backend == "static":
+        if run.node_rank != 0:
+            return None
+        if not run.rdzv_endpoint and run.master_port is None:
+            if str(run.nnodes).split(":")[-1] == "1":
+                return None  # torchrun picks a free port itself
+        endpoint = run.rdzv_endpoint or f"{run.master_addr}:{run.master_port or 29500}"
+        default_port, flag = 29500, "--master-port"
+    elif run.rdzv_backend == "c10d":
+        endpoint, default_port, flag = run.rdzv_endpoint, 29400, "--rdzv-endpoint"
+    else:
+        return None
+    host, _, port_text = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
+    host = host.strip("[]") or "localhost"
+    port = int(port_text) if port_text.isdigit() else default_port
+    if port == 0 or (run.rdzv_backend == "c10d" and not _is_this_machine(host)):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return None
+            return (
+                f"port {port} of torchrun's rendezvous store ({host}:{port}, served by this "
+                "node's torchrun) is in use by another process (another job on this node?): "
+                f"give the job a free {flag}, or --standalone on one node"
+            )
+    return None
+
+
+def _is_this_machine(host: str) -> bool:
+    """Whether ``host`` names this machine: loopback, or an address a socket here can bind."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    if ipaddress.ip_address(address).is_loopback:
+        return True
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
 
 
 def _recorded_code(code: int, record_path: str) -> int:

@@ -5,8 +5,9 @@
 Each row of a published table (JSONL, one object per line: ``dcp.costmodel.throughput.
 PublishedRow``; default: the tables shipped in ``dcp/costmodel/published/``) is predicted with
 its GPU preset for that exact static configuration, and printed against the published figure;
-rows with pipeline parallelism are listed as not modelled (there is no pipeline cost model yet).
-The last stdout line is one JSON object: ``rows``, ``modelled``, ``median_abs_rel_error``,
+rows with pipeline parallelism are predicted with their schedule as published (1F1B, interleaved
+over the row's ``vp`` chunks per rank: ``dcp.costmodel.throughput.pipeline_step_s``). The last
+stdout line is one JSON object: ``rows``, ``modelled``, ``median_abs_rel_error``,
 ``worst_abs_rel_error`` (|predicted / published - 1| over the modelled rows), ``per_row``, and
 with ``--cross-validate`` ``cross_validation``: for each source, the preset coefficients
 (``dcp.costmodel.throughput_fit.FITTED_OPTIONS``) fitted on the other sources' rows and the
@@ -37,9 +38,6 @@ def format_rows(result: dict) -> str:
     lines = [head, "-" * len(head)]
     for r in result["per_row"]:
         published = f"{r['published_tokens_per_s_per_gpu']:15,.0f}"
-        if not r["modelled"]:
-            lines.append(f"{r['row']:<56} {published} {'not modelled: ' + r['reason']}")
-            continue
         recompute = r["recompute"] + ("" if r["recompute_published"] else "*")
         lines.append(
             f"{r['row']:<56} {published} {r['predicted_tokens_per_s_per_gpu']:10,.0f} "

@@ -14,7 +14,8 @@ The spec's ``options.tensor_parallel_size`` sets TP: plan ranks are planner rank
 ``max_cp_size=8``, ``recompute=full``); values are parsed as JSON when they can be. Writes
 ``{"planner", "predicted_step_time_s", "steps"}`` (plus ``meta`` when the plan has barriers,
 dropped sequences or planner notes) to ``--out`` or stdout; a summary goes to stderr, with the
-predicted model TFLOP/s per GPU and MFU (``dcp.costmodel.flops``).
+predicted model TFLOP/s per GPU and MFU (``dcp.costmodel.flops``) and, for a mixture-of-experts
+spec (``qwen3-30b-a3b``, ``deepseek-v3``), a line saying how its experts are priced (simulated).
 
 ``--measurements FILE``: micro-step records of a run (``runs/<name>/microsteps.jsonl``, see
 ``dcp.costmodel.microsteps``); the cost model is refitted on them with ``--spec`` as the prior
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             f"predicted {describe_throughput(speed)} ({FLOP_CONVENTION})",
             file=sys.stderr,
         )
+    if cost_model.experts_note():
+        print(cost_model.experts_note(), file=sys.stderr)
     return 0
 
 

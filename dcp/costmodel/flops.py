@@ -6,9 +6,11 @@ benchmarks, ``metrics.jsonl``, the published-throughput check). The convention i
 for every linear layer of the transformer layers and the LM head (forward 2, backward 4; the
 embedding lookup and the norms count nothing), plus 6·s·q·L per token for causal attention:
 QKᵀ and PV, 2·s·q·L each in the forward, halved by the causal mask, times 3 for forward and
-backward (``causal``). NeMo's formula before its August 2025 change charged the whole s×s score
-matrix, 12·s·q·L (``full``); only the published rows that count that way use it. Recompute adds
-executed FLOPs but no model FLOPs: MFU counts the model's.
+backward (``causal``). A mixture-of-experts layer counts the parameters a token passes
+through, as Megatron does: its ``moe_router_topk`` routed experts and the shared expert, not the
+router (``ParamCounts.active_linear``). NeMo's formula before its August 2025 change charged the
+whole s×s score matrix, 12·s·q·L (``full``); only the published rows that count that way use
+it. Recompute adds executed FLOPs but no model FLOPs: MFU counts the model's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def flops_per_token(model: ModelSpec, seq_len: int, *, attention: str = "causal"
     """Training FLOPs per token of a ``seq_len``-token sequence (module docstring)."""
     if attention not in ATTENTION_FLOPS:
         raise ValueError(f"attention must be one of {list(ATTENTION_FLOPS)}, got {attention!r}")
-    linear = model.param_counts().linear + model.hidden_size * model.vocab_size
+    linear = model.param_counts().active_linear + model.hidden_size * model.vocab_size
     per_seq = 6.0 if attention == "causal" else 12.0
     return 6.0 * linear + per_seq * seq_len * model.q_hidden_size * model.num_layers
 

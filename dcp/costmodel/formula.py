@@ -4,11 +4,12 @@
 'Cost-model specs') into the ``Coefficients`` it evaluates. Time of a micro-step on each rank of
 a CP group of size ``c`` holding ``T = ΣL/c`` tokens::
 
-    overhead + seq_overhead·n + lin·(1+ρ_lin[r])·(T + lin_half) + logits·T + tp
+    overhead + seq_overhead·n + lin·(1+ρ_lin[r])·(T + lin_half) + logits·T + tp + ep
              + max(attn + (1-overlap)·comm, comm)
     attn = att·(1+ρ_att[r])·Σ(L²/c + att_half·L)      # causal, zig-zag balanced, small-chunk loss
     comm = (c-1)·(cp_bytes·(1+ρ_comm[r])·T / bandwidth + hop_latency)   # ring KV exchange
     tp   = tp_comm·(1+ρ_tp[r])·T + tp_latency         # sequence-parallel collectives, TP > 1
+    ep   = ep_comm·(1+ρ_ep[r])·T + ep_latency         # MoE token dispatch and combine
 
 Memory per rank: ``static + (activation_bytes[r] + logits_bytes)·T``. A rank is a planner rank
 (one TP group). A partial full recompute of the first N of the model's L layers
@@ -47,6 +48,7 @@ class _Rates(NamedTuple):
     tp: float
     attention: float
     comm: float
+    ep: float
     mem_per_token: float
 
 
@@ -80,6 +82,7 @@ class CostModel:
                 tp=c.tp_comm_s_per_token * (1.0 + c.recompute_tp_frac[lv]),
                 attention=c.attention_s_per_token2 * (1.0 + c.recompute_attention_frac[lv]),
                 comm=c.cp_bytes_per_token * (1.0 + c.recompute_comm_frac[lv]),
+                ep=c.ep_comm_s_per_token * (1.0 + c.recompute_ep_frac[lv]),
                 mem_per_token=c.activation_bytes_per_token[lv] + c.logits_bytes_per_token,
             )
             for lv in RECOMPUTE_LEVELS
@@ -104,6 +107,12 @@ class CostModel:
             )
         # megatron-core's rank order puts PP outermost: the planner plans one stage's ranks.
         num_ranks = cluster.num_gpus // (tp * pp)
+        ep = options.expert_parallel_size
+        if num_ranks % ep:
+            raise ValueError(
+                f"options.expert_parallel_size={ep} must divide the {num_ranks} planner ranks "
+                "of a stage (cluster.num_gpus / TP / PP)"
+            )
         coeffs = analytic_coefficients(cluster, model, options, num_ranks=num_ranks)
         coeffs = _apply_calibration(coeffs, calibration)
         return cls(
@@ -274,9 +283,10 @@ class CostModel:
         base = (
             c.step_overhead_s
             + c.tp_latency_s
+            + c.ep_latency_s
             + c.sequence_overhead_s * num_seqs
             + lin
-            + (c.logits_s_per_token + rates.tp) * tokens
+            + (c.logits_s_per_token + rates.tp + rates.ep) * tokens
         )
         if cp_size == 1:
             return base + attn, 0.0 * base
@@ -363,7 +373,7 @@ class CostModel:
         c = self.coefficients
         rates = self._rates(recompute, recompute_layers)
         lens = np.asarray(lengths, dtype=np.float64)
-        rate = rates.linear + c.logits_s_per_token + rates.tp
+        rate = rates.linear + c.logits_s_per_token + rates.tp + rates.ep
         work = rate * lens + rates.attention * (
             lens * lens + c.attention_half_tokens * cp_size * lens
         )
@@ -382,7 +392,7 @@ class CostModel:
         """Seconds a micro-step costs on each rank whatever it holds (overhead + kernel ramp)."""
         c = self.coefficients
         linear = self._rates(recompute, recompute_layers).linear
-        return c.step_overhead_s + c.tp_latency_s + linear * c.linear_half_tokens
+        return c.step_overhead_s + c.tp_latency_s + c.ep_latency_s + linear * c.linear_half_tokens
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -403,11 +413,14 @@ class CostModel:
         recompute: str,
         recompute_layers: int | None = None,
     ) -> float:
-        """The TP-collective part of ``step_time_s`` (0 at TP = 1). Calibration keeps it fixed
-        (measured on its own by ``tools.profile``) and fits the rest of the time to what is
-        left (``dcp.costmodel.features.time_features``)."""
+        """The TP-collective and MoE token-exchange part of ``step_time_s`` (0 for a dense model
+        at TP = 1). Calibration keeps it fixed (the TP collectives measured on their own by
+        ``tools.profile``, the exchange analytic) and fits the rest of the time to what is left
+        (``dcp.costmodel.features.time_features``)."""
+        c = self.coefficients
         tokens = float(sum(lengths)) / cp_size
-        return self.coefficients.tp_latency_s + self._rates(recompute, recompute_layers).tp * tokens
+        rates = self._rates(recompute, recompute_layers)
+        return c.tp_latency_s + c.ep_latency_s + (rates.tp + rates.ep) * tokens
 
     def nodes_per_planner_rank(self) -> int | None:
         """Nodes the GPUs of one planner rank occupy: its TP group in every pipeline stage,
@@ -419,11 +432,28 @@ class CostModel:
         gpus = [s * stage_gpus + t for s in range(pp) for t in range(tp)]
         return len({g // self.cluster.gpus_per_node for g in gpus})
 
+    def experts_note(self) -> str | None:
+        """One line on how a mixture-of-experts model is priced, for the tools that print a
+        prediction (None for a dense model)."""
+        model = self.model
+        if model is None or model.num_experts is None:
+            return None
+        ep = self.options.expert_parallel_size if self.options is not None else 1
+        return (
+            f"simulated mixture of experts: {model.num_moe_layers} MoE layers of "
+            f"{model.num_experts} experts, top-{model.moe_router_topk}, EP {ep}; routing taken "
+            "as uniform over the experts, all-to-alls not overlapped, no published MoE row "
+            "checks these terms (docs/design.md, 'Experts in the cost model')"
+        )
+
     def topology(self) -> str:
         """What a planner rank is: ``8 planner ranks per stage, each TP 8 x PP 4 = 32 GPUs on 4
-        nodes (256 GPUs, 8 per node)``."""
+        nodes (256 GPUs, 8 per node)``, and the EP groups when there are some."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        ep = self.options.expert_parallel_size if self.options is not None else 1
         ranks = f"{self.num_ranks} planner ranks" + (" per stage" if pp > 1 else "")
+        if ep > 1:
+            ranks += f" in EP groups of {ep}"
         shape = f"TP {tp}" + (f" x PP {pp}" if pp > 1 else "")
         gpus = tp * pp
         each = f"each {shape} = {gpus} GPUs" if gpus > 1 else "each 1 GPU"

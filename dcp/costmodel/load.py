@@ -206,8 +206,10 @@ def load_spec(source: str | Path | dict) -> dict:
     return spec
 
 
-# Calibrated terms that hold only at the TP size they were measured at.
+# Calibrated terms that hold only at the TP size they were measured at, and those that hold
+# only at the TP and EP sizes they were measured at (the MoE token exchange).
 _TP_CALIBRATION_KEYS = ("tp_comm_s_per_token", "tp_latency_s")
+_EP_CALIBRATION_KEYS = ("ep_comm_s_per_token", "ep_latency_s")
 
 
 def with_runtime_options(spec: dict, options: dict) -> tuple[dict, dict]:
@@ -215,7 +217,8 @@ def with_runtime_options(spec: dict, options: dict) -> tuple[dict, dict]:
     the training run itself fixes), and the keys whose value this changed, as ``{key: (old,
     new)}``, so callers can say what they overrode. A changed ``tensor_parallel_size`` drops
     the calibration's TP-collective terms (measured at the old size): they are analytic until
-    measured again (``tools.profile``, online calibration); the fitted compute terms stay."""
+    measured again (``tools.profile``, online calibration); the fitted compute terms stay. A
+    changed TP or ``expert_parallel_size`` drops the MoE token-exchange terms alike."""
     current = spec.get("options", {})
     merged = {**current, **options}
     # Compare effective values (defaults and derived ones included), not the raw dicts.
@@ -227,10 +230,13 @@ def with_runtime_options(spec: dict, options: dict) -> tuple[dict, dict]:
         if getattr(before, k) != getattr(after, k)
     }
     out = {**spec, "options": merged}
-    if "tensor_parallel_size" in changed and isinstance(spec.get("calibration"), dict):
-        out["calibration"] = {
-            k: v for k, v in spec["calibration"].items() if k not in _TP_CALIBRATION_KEYS
-        }
+    stale = ()
+    if "tensor_parallel_size" in changed:
+        stale = _TP_CALIBRATION_KEYS + _EP_CALIBRATION_KEYS
+    elif "expert_parallel_size" in changed:
+        stale = _EP_CALIBRATION_KEYS
+    if stale and isinstance(spec.get("calibration"), dict):
+        out["calibration"] = {k: v for k, v in spec["calibration"].items() if k not in stale}
     return out, changed
 
 
@@ -243,6 +249,8 @@ _MODEL_SCALED_KEYS = (
     "logits_s_per_token",
     "tp_comm_s_per_token",
     "tp_latency_s",
+    "ep_comm_s_per_token",
+    "ep_latency_s",
     "cp_bytes_per_token",
     "cp_hop_latency_s",
     "static_mem_bytes",

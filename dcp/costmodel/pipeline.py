@@ -7,7 +7,8 @@ one formula (``CostModel._time_terms``), so no second formula exists:
 
 - the per-layer terms (linear layers, attention, CP ring traffic and hop latency, activation
   bytes) by the stage's share of the layers, L_s / L; the sequence-parallel collectives by the
-  stage's share of them (10 per layer, and the embedding's and the output layer's own);
+  stage's share of them (10 per layer, and the embedding's and the output layer's own); the
+  MoE token exchange by the stage's share of the MoE layers;
 - the output layer and loss (time and logits bytes) on the last stage only;
 - full recompute keeps one layer's working set whatever the layer count, so a stage's ``full``
   bytes are ``share·full + (1 - share)·none / L``;
@@ -26,6 +27,16 @@ hidden] in the model's dtype, forward, and the same gradient back (megatron's p2
 sequence parallelism: ``pipeline_parallel.schedules.get_tensor_shapes``), over the inter-node
 link when a stage fills at least a node (TP × planner ranks >= GPUs per node: stages are
 megatron's outermost rank axis), else over the intra-node link, plus one link latency.
+
+Interleaved virtual stages (``virtual_stages`` V > 1, megatron's virtual pipeline): the layers
+are cut into P × V chunks (``chunk_layer_counts``) and rank s holds chunks s, s + P, ...,
+s + (V - 1)P, so the embedding stays on rank 0 and the output layer on rank P - 1.
+``PipelineCosts.chunks`` prices each chunk like a stage (its fixed per-micro-step costs a V-th
+of a stage's); ``stages`` is each rank's sum of its chunks, what its memory and the planner's
+view stand on. A micro-step crosses P·V - 1 chunk boundaries each way, V times the messages of
+the non-interleaved schedule, and the fill and drain shrink to (P - 1) chunks:
+``bubble_fraction`` (P - 1) / (V·m) of m micro-steps, ``schedule_time_s`` the step time of m
+equal micro-steps.
 
 Pure Python + numpy. See docs/design.md, 'Pipelines'.
 """
@@ -77,6 +88,36 @@ def stage_layer_counts(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
+def chunk_layer_counts(
+    num_layers: int, num_stages: int, virtual_stages: int = 1
+) -> tuple[int, ...]:
+    """Transformer layers of each of the P × V model chunks, chunk v·P + s being rank s's v-th
+    (megatron's interleaved layout): ``stage_layer_counts`` over P·V parts. Llama 3.1 405B's 126
+    layers at PP 8, VP 8 are 1 + 62 × 2 + 1 (megatron's recipe counts the embedding and the loss
+    as a layer each in the split)."""
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be an integer >= 1, got {virtual_stages!r}")
+    if num_stages * virtual_stages > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size x virtual stages = {num_stages} x {virtual_stages} chunks "
+            f"exceeds the model's {num_layers} layers"
+        )
+    return stage_layer_counts(num_layers, num_stages * virtual_stages)
+
+
+def in_flight_micro_steps(num_stages: int, virtual_stages: int, stage: int) -> float:
+    """Most micro-steps whose activations rank ``stage`` holds at once under 1F1B, in units of
+    one micro-step's activations on the rank: P - s without interleaving; with V > 1,
+    megatron's interleaved warm-up of 2(P - s - 1) + (V - 1)P chunk forwards plus the one of
+    the steady state, each a V-th of the rank's layers (rank 0: P + (P - 1) / V)."""
+    if virtual_stages == 1:
+        return float(num_stages - stage)
+    chunks = 2 * (num_stages - stage - 1) + (virtual_stages - 1) * num_stages + 1
+    return chunks / virtual_stages
+
+
 @dataclass(frozen=True)
 class PipelineCosts:
     """Per-stage cost models of a ``CostModel`` whose spec has ``pipeline_parallel_size`` > 1
@@ -90,27 +131,65 @@ class PipelineCosts:
     """Bytes each GPU sends to the next stage per local token (and receives back as gradient)."""
     p2p_bytes_per_s: float
     p2p_latency_s: float
+    virtual_stages: int = 1
+    """V: model chunks per rank (interleaved schedule); 1 without interleaving."""
+    chunks: tuple[CostModel, ...] = ()
+    """Chunk v·P + s's cost model (rank s's v-th chunk); with V = 1 the stages themselves."""
 
     @classmethod
-    def of(cls, cost_model: CostModel) -> PipelineCosts:
-        """The stages of ``cost_model`` (it needs a model spec and options)."""
+    def of(cls, cost_model: CostModel, *, virtual_stages: int = 1) -> PipelineCosts:
+        """The stages of ``cost_model`` (it needs a model spec and options), each holding
+        ``virtual_stages`` model chunks."""
         model, options = cost_model.model, cost_model.options
         if model is None or options is None:
             raise ValueError("a pipeline needs a cost model built from a spec with a model")
-        counts = stage_layer_counts(model.num_layers, cost_model.pipeline_parallel_size)
-        # A stage, and the planner's view, are models without pipelining of their own.
+        num_stages = cost_model.pipeline_parallel_size
+        chunk_counts = chunk_layer_counts(model.num_layers, num_stages, virtual_stages)
+        # A stage, a chunk, and the planner's view are models without pipelining of their own.
         flat = dataclasses.replace(options, pipeline_parallel_size=1)
-        stages = tuple(
-            CostModel(
-                coefficients=_stage_coefficients(cost_model, counts, stage),
+
+        # The layers of each chunk, and of each stage (its chunks s, s + P, ...).
+        starts = [sum(chunk_counts[:c]) for c in range(len(chunk_counts))]
+        chunk_layers = [range(a, a + n) for a, n in zip(starts, chunk_counts, strict=True)]
+        stage_layers = [
+            [i for ids in chunk_layers[s::num_stages] for i in ids] for s in range(num_stages)
+        ]
+
+        def part(name: str, layer_ids, *, first: bool, last: bool, fixed_share: float):
+            shape = model.layers(layer_ids)
+            return CostModel(
+                coefficients=_part_coefficients(
+                    cost_model,
+                    shape.num_layers,
+                    moe_layers=shape.num_moe_layers,
+                    first=first,
+                    last=last,
+                    fixed_share=fixed_share,
+                ),
                 num_ranks=cost_model.num_ranks,
                 ranks_per_node=cost_model.ranks_per_node,
-                name=f"{cost_model.name} stage {stage}",
-                model=dataclasses.replace(model, num_layers=counts[stage]),
+                name=f"{cost_model.name} {name}",
+                model=shape,
                 options=flat,
             )
-            for stage in range(len(counts))
+
+        last_stage, last_chunk = num_stages - 1, len(chunk_counts) - 1
+        stages = tuple(
+            part(f"stage {s}", ids, first=s == 0, last=s == last_stage, fixed_share=1.0)
+            for s, ids in enumerate(stage_layers)
         )
+        chunks = stages
+        if virtual_stages > 1:
+            chunks = tuple(
+                part(
+                    f"chunk {c}",
+                    ids,
+                    first=c == 0,
+                    last=c == last_chunk,
+                    fixed_share=1.0 / virtual_stages,
+                )
+                for c, ids in enumerate(chunk_layers)
+            )
         c = cost_model.coefficients
         # Stages are megatron's outermost rank axis: a stage's peer is a stage-size of GPUs away.
         crosses_nodes = cost_model.num_ranks >= cost_model.ranks_per_node
@@ -122,6 +201,8 @@ class PipelineCosts:
             / options.tensor_parallel_size,
             p2p_bytes_per_s=c.inter_node_bytes_per_s if crosses_nodes else c.intra_node_bytes_per_s,
             p2p_latency_s=options.link_latency_s,
+            virtual_stages=virtual_stages,
+            chunks=chunks,
         )
 
     @property
@@ -138,48 +219,104 @@ class PipelineCosts:
             self.p2p_latency_s
         )
 
-    def step_times(
+    @property
+    def messages_per_micro_step(self) -> int:
+        """Transfers on each rank's critical path per micro-step: an activation and a gradient
+        per chunk (2V; megatron pairs each send with the receive from the other side)."""
+        return 2 * self.virtual_stages
+
+    def bubble_fraction(self, num_micro_steps: int) -> float:
+        """(P - 1) / (V·m): the fill and drain of 1F1B over ``num_micro_steps`` equal
+        micro-steps, as a share of their busy time (interleaved: V times shorter)."""
+        if num_micro_steps < 1:
+            raise ValueError(f"num_micro_steps must be >= 1, got {num_micro_steps}")
+        return (self.num_stages - 1) / (self.virtual_stages * num_micro_steps)
+
+    def schedule_time_s(
+        self,
+        rank_time_s: float,
+        num_micro_steps: int,
+        *,
+        transfer_s: float = 0.0,
+        overlap_p2p: bool = False,
+    ) -> float:
+        """Seconds of 1F1B (interleaved with V > 1) over ``num_micro_steps`` = m equal
+        micro-steps taking ``rank_time_s`` = t on the slowest rank, each with
+        ``messages_per_micro_step`` (2V) transfers of ``transfer_s`` = c:
+        m·(t + 2V·c) + (P - 1)·(t / V + 2c), i.e. m·(t + 2V·c)·(1 + ``bubble_fraction``(m)).
+        ``overlap_p2p`` (megatron's ``overlap_p2p_comm``): the steady state's transfers run
+        under the next chunk's compute, and only the fill and drain wait for theirs."""
+        p, v = self.num_stages, self.virtual_stages
+        steady = rank_time_s + (0.0 if overlap_p2p else self.messages_per_micro_step * transfer_s)
+        return num_micro_steps * steady + (p - 1) * (rank_time_s / v + 2.0 * transfer_s)
+
+    def chunk_step_times(
         self, step: MicroStep, lengths: Sequence[int]
     ) -> tuple[tuple[float, float, float], ...]:
-        """(forward, backward, exposed CP communication) seconds of ``step`` on each stage, per
-        rank of its group (``lengths``: the batch's; the backward includes the recompute)."""
+        """(forward, backward, exposed CP communication) seconds of ``step`` on each model chunk
+        (chunk v·P + s is rank s's v-th), per rank of its group (``lengths``: the batch's; the
+        backward includes the recompute; ``recompute_layers`` counts per chunk, as megatron's
+        block recompute does per model chunk)."""
         seq = [lengths[i] for i in step.seq_ids]
         out = []
-        for stage in self.stages:
-            n = step.stage_recompute_layers(stage.num_layers)
-            total, comm = stage.step_terms(
+        for chunk in self.chunks:
+            n = step.stage_recompute_layers(chunk.num_layers)
+            total, comm = chunk.step_terms(
                 seq, step.cp_size, step.recompute, step.ranks, recompute_layers=n
             )
             if step.recompute == Recompute.NONE:
                 plain = total
             else:
-                plain = stage.step_time_s(seq, step.cp_size, Recompute.NONE, step.ranks)
+                plain = chunk.step_time_s(seq, step.cp_size, Recompute.NONE, step.ranks)
             forward = FORWARD_SHARE * plain
             out.append((forward, total - forward, comm))
         return tuple(out)
 
-    def step_activation_bytes(self, step: MicroStep, lengths: Sequence[int]) -> tuple[float, ...]:
-        """Bytes ``step`` keeps on each rank of its group, per stage, from its forward to its
-        backward (activations; the last stage also its logits)."""
+    def step_times(
+        self, step: MicroStep, lengths: Sequence[int]
+    ) -> tuple[tuple[float, float, float], ...]:
+        """(forward, backward, exposed CP communication) seconds of ``step`` on each stage, per
+        rank of its group (``lengths``: the batch's; the backward includes the recompute): the
+        sum over the stage's chunks (``chunk_step_times``)."""
+        chunks = self.chunk_step_times(step, lengths)
+        if self.virtual_stages == 1:
+            return chunks
+        p = self.num_stages
+        return tuple(
+            tuple(sum(times[k] for times in chunks[s::p]) for k in range(3)) for s in range(p)
+        )
+
+    def chunk_activation_bytes(self, step: MicroStep, lengths: Sequence[int]) -> tuple[float, ...]:
+        """Bytes ``step`` keeps on each rank of its group, per model chunk, from the chunk's
+        forward to its backward (activations; the last chunk also its logits)."""
         seq = [lengths[i] for i in step.seq_ids]
         return tuple(
-            stage.step_mem_bytes(
+            chunk.step_mem_bytes(
                 seq,
                 step.cp_size,
                 step.recompute,
-                step.stage_recompute_layers(stage.num_layers),
+                step.stage_recompute_layers(chunk.num_layers),
             )
-            - stage.static_mem_bytes
-            for stage in self.stages
+            - chunk.static_mem_bytes
+            for chunk in self.chunks
         )
+
+    def step_activation_bytes(self, step: MicroStep, lengths: Sequence[int]) -> tuple[float, ...]:
+        """Bytes ``step`` keeps on each rank of its group, per stage, from its forward to its
+        backward: the sum over the stage's chunks (under full recompute with V > 1 each chunk
+        counts a layer's working set, an upper bound: one runs at a time)."""
+        chunks = self.chunk_activation_bytes(step, lengths)
+        if self.virtual_stages == 1:
+            return chunks
+        return tuple(sum(chunks[s :: self.num_stages]) for s in range(self.num_stages))
 
     def planning_model(self, *, in_flight: bool = True) -> CostModel:
         """One ``CostModel`` over the planner ranks for a planner to balance positions and size
         micro-steps with: its time upper-bounds every stage's (each coefficient the largest of
         the stages'), and a micro-step fits its memory when it fits every stage with, if
-        ``in_flight``, the P - s micro-steps stage s holds under 1F1B all as large as it
-        (else alone). Exact memory with the micro-steps actually in flight:
-        ``dcp.planning.pipeline.stage_peak_bytes``."""
+        ``in_flight``, the micro-steps stage s holds under 1F1B (``in_flight_micro_steps``:
+        P - s without interleaving) all as large as it (else alone). Exact memory with the
+        micro-steps actually in flight: ``dcp.planning.pipeline.stage_peak_bytes``."""
         stages = [stage.coefficients for stage in self.stages]
         merged = {}
         for f in dataclasses.fields(Coefficients):
@@ -189,7 +326,8 @@ class PipelineCosts:
             else:
                 merged[f.name] = max(values)
         # The logits workspace lives only while a micro-step's loss is computed.
-        copies = [self.num_stages - s if in_flight else 1 for s in range(self.num_stages)]
+        p, v = self.num_stages, self.virtual_stages
+        copies = [in_flight_micro_steps(p, v, s) if in_flight else 1.0 for s in range(p)]
         merged["activation_bytes_per_token"] = {
             lv: max(
                 k * c.activation_bytes_per_token[lv] + c.logits_bytes_per_token
@@ -199,10 +337,15 @@ class PipelineCosts:
         }
         merged["logits_bytes_per_token"] = 0.0
         widest = max(self.stages, key=lambda stage: stage.num_layers)
+        # A micro-step's recompute_layers N counts per model chunk (megatron's block recompute
+        # runs in each chunk): the view's N / layers is a rank's recomputed share when its
+        # layers are a chunk's (the widest; with V = 1 the stage).
+        chunk_layers = max(chunk.num_layers for chunk in self.chunks)
         what = "in flight" if in_flight else "alone"
         return dataclasses.replace(
             widest,
             coefficients=Coefficients(**merged),
+            model=widest.model.layers(range(chunk_layers)),
             name=f"{self.cost_model.name} (pipeline view, micro-steps {what})",
         )
 
@@ -230,13 +373,41 @@ def describe(cost_model: CostModel) -> str:
     )
 
 
-def _stage_coefficients(cost_model: CostModel, counts: tuple[int, ...], stage: int) -> Coefficients:
-    """Stage ``stage``'s coefficients (module docstring)."""
+def part_param_count(cost_model: CostModel, layers: int, *, first: bool, last: bool) -> float:
+    """Parameters of a stage or chunk of ``layers`` layers of ``cost_model``'s model (all TP
+    ranks together): its layers' matrices and norms, the embedding if ``first``, the final norm
+    and output layer if ``last`` (megatron keeps a copy of a tied embedding there); the whole
+    model's count when it holds every layer."""
+    model = cost_model.model
+    counts = spec_param_counts(model, cost_model.options)
+    if layers == model.num_layers:
+        return float(counts.total)
+    h, vocab = model.hidden_size, model.vocab_size
+    params = (counts.linear + 2 * h * model.num_layers) / model.num_layers * layers
+    if first:
+        params += vocab * h
+    if last:
+        params += h + vocab * h
+    return params
+
+
+def _part_coefficients(
+    cost_model: CostModel,
+    stage_layers: int,
+    *,
+    moe_layers: int,
+    first: bool,
+    last: bool,
+    fixed_share: float,
+) -> Coefficients:
+    """The coefficients of a stage or chunk of ``stage_layers`` layers, ``moe_layers`` of them
+    mixture-of-experts layers (module docstring): ``first`` holds the embedding, ``last`` the
+    output layer; ``fixed_share`` of the fixed per-micro-step costs."""
     c = cost_model.coefficients
     model, options = cost_model.model, cost_model.options
-    layers, stage_layers = sum(counts), counts[stage]
+    layers = model.num_layers
     share = stage_layers / layers
-    first, last = stage == 0, stage == len(counts) - 1
+    moe_share = moe_layers / model.num_moe_layers if model.num_moe_layers else 0.0
 
     per_layer = sum(TP_GATHERS_SCATTERS_PER_LAYER)
     outside = 0
@@ -262,27 +433,23 @@ def _stage_coefficients(cost_model: CostModel, counts: tuple[int, ...], stage: i
         }
     )
 
-    counts_all = spec_param_counts(model, options)
-    h, vocab = model.hidden_size, model.vocab_size
-    per_layer_params = (counts_all.linear + 2 * h * layers) / layers
-    params = per_layer_params * stage_layers
-    if first:
-        params += vocab * h
-    if last:
-        params += h + vocab * h  # final norm, output layer (or the tied embedding's copy)
-    if len(counts) == 1:
-        params = counts_all.total
+    params = part_param_count(cost_model, stage_layers, first=first, last=last)
+    total = spec_param_counts(model, options).total
     return dataclasses.replace(
         c,
+        step_overhead_s=c.step_overhead_s * fixed_share,
+        sequence_overhead_s=c.sequence_overhead_s * fixed_share,
         linear_s_per_token=c.linear_s_per_token * share,
         attention_s_per_token2=c.attention_s_per_token2 * share,
         logits_s_per_token=c.logits_s_per_token if last else 0.0,
         tp_comm_s_per_token=c.tp_comm_s_per_token * tp_share,
         tp_latency_s=c.tp_latency_s * tp_share,
         recompute_tp_frac=recompute_tp,
+        ep_comm_s_per_token=c.ep_comm_s_per_token * moe_share,
+        ep_latency_s=c.ep_latency_s * moe_share,
         cp_bytes_per_token=c.cp_bytes_per_token * share,
         cp_hop_latency_s=c.cp_hop_latency_s * share,
-        static_mem_bytes=c.static_mem_bytes * params / counts_all.total,
+        static_mem_bytes=c.static_mem_bytes * params / total,
         activation_bytes_per_token=activations,
         logits_bytes_per_token=c.logits_bytes_per_token if last else 0.0,
     )

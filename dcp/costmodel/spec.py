@@ -8,7 +8,8 @@ block overrides the derived ``Coefficients`` directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 
 from dcp.costmodel.communicators import peer_communicators
 from dcp.mesh import Mesh
@@ -87,6 +88,19 @@ class ModelSpec:
     vocab_size: int
     kv_channels: int | None = None
     """Head dim when it is not hidden_size / num_attention_heads (Qwen3); null: that ratio."""
+    num_experts: int | None = None
+    """Routed experts of each mixture-of-experts layer's MLP (megatron's ``num_moe_experts``);
+    null: a dense model, and every other ``moe_`` key must be null too."""
+    moe_router_topk: int | None = None
+    """Experts each token is routed to (1 .. num_experts); required with ``num_experts``."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of one routed expert's MLP; null: ``ffn_hidden_size``."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token of a MoE layer also passes through
+    (DeepSeek-V3: one expert's width); null: no shared expert."""
+    moe_first_k_dense: int | None = None
+    """The first k layers keep a dense MLP of ``ffn_hidden_size`` (DeepSeek-V3's
+    ``first_k_dense_replace`` = 3); null: every layer's MLP is a MoE layer."""
 
     def __post_init__(self) -> None:
         given = tuple(f.name for f in fields(self) if getattr(self, f.name) is not None)
@@ -95,6 +109,43 @@ class ModelSpec:
             raise ValueError("model.hidden_size must be divisible by model.num_attention_heads")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError("model.num_attention_heads must be divisible by num_query_groups")
+        moe_keys = [name for name in given if name.startswith("moe_")]
+        if self.num_experts is None:
+            if moe_keys:
+                raise ValueError(
+                    f"model.{moe_keys[0]} is set but model.num_experts is not: set num_experts "
+                    "for a mixture-of-experts model, or drop it"
+                )
+            return
+        if self.moe_router_topk is None or self.moe_router_topk > self.num_experts:
+            raise ValueError(
+                f"model.moe_router_topk must be an integer in [1, num_experts={self.num_experts}]"
+                f" with model.num_experts, got {self.moe_router_topk!r}"
+            )
+        if (self.moe_first_k_dense or 0) >= self.num_layers:
+            raise ValueError(
+                f"model.moe_first_k_dense must be below num_layers={self.num_layers}, got "
+                f"{self.moe_first_k_dense}"
+            )
+
+    def layers(self, layer_ids: Sequence[int]) -> ModelSpec:
+        """The shape of the layers ``layer_ids`` (a pipeline stage's or chunk's): the dense ones
+        among them are those of the model's first ``moe_first_k_dense``, counted as its first."""
+        num_layers = len(layer_ids)
+        dense = sum(i < (self.moe_first_k_dense or 0) for i in layer_ids)
+        if self.num_experts is not None and dense == num_layers:
+            no_experts = {f.name: None for f in fields(self) if f.name.startswith("moe_")}
+            return replace(self, num_layers=num_layers, num_experts=None, **no_experts)
+        if self.num_experts is not None:
+            return replace(self, num_layers=num_layers, moe_first_k_dense=dense or None)
+        return replace(self, num_layers=num_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts (0 for a dense model)."""
+        if self.num_experts is None:
+            return 0
+        return self.num_layers - (self.moe_first_k_dense or 0)
 
     @property
     def head_dim(self) -> int:
@@ -119,6 +170,19 @@ class ModelSpec:
             vocab_size=self.vocab_size,
             gated_mlp=gated_mlp,
             tied_embeddings=tied_embeddings,
+            experts=self.experts(),
+        )
+
+    def experts(self) -> ExpertShape | None:
+        """The MoE layers' ``ExpertShape`` (None for a dense model)."""
+        if self.num_experts is None:
+            return None
+        return ExpertShape(
+            num_layers=self.num_moe_layers,
+            num_experts=self.num_experts,
+            topk=self.moe_router_topk,
+            ffn_hidden_size=self.moe_ffn_hidden_size or self.ffn_hidden_size,
+            shared_ffn_hidden_size=self.moe_shared_expert_intermediate_size or 0,
         )
 
 
@@ -138,6 +202,12 @@ class Options:
     """Pipeline stages (non-interleaved 1F1B): the cluster's GPUs are TP × PP × planner ranks
     and the planner plans over the planner ranks of one stage; each stage holds its share of
     the layers (``dcp.costmodel.pipeline``)."""
+    expert_parallel_size: int = 1
+    """Expert parallelism (megatron's ``expert_model_parallel_size``) of a mixture-of-experts
+    model: each MoE layer's routed experts are split over groups of this many consecutive planner
+    ranks (each a TP group; the experts' TP is the attention's), which exchange tokens by
+    all-to-all in every MoE layer (``expert_all_to_all_s_per_byte``). It must divide
+    ``model.num_experts`` and the planner ranks of a stage; a dense model takes 1."""
     distributed_optimizer: bool = True
     """Optimizer state sharded over all DP×CP ranks (Megatron distributed optimizer)."""
     grad_bytes_per_param: float = 4.0
@@ -229,7 +299,7 @@ class Options:
             object.__setattr__(
                 self, "optimizer_bytes_per_param", optimizer_bytes_per_param(self.dtype)
             )
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"options.{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -298,6 +368,18 @@ class Coefficients:
     )
     """Extra TP collectives per recompute level: the forward ones recompute repeats, counted
     (``tp_recompute_fractions``), not fitted."""
+    ep_comm_s_per_token: float = 0.0
+    """Seconds per local token of the MoE layers' token exchange: the expert-parallel
+    all-to-alls that dispatch tokens to their experts and combine the results, and under TP the
+    all-gather and reduce-scatter of the dispatched tokens, forward + backward, no recompute (0
+    for a dense model). Not hidden behind compute."""
+    ep_latency_s: float = 0.0
+    """Seconds per micro-step of those collectives' latency (0 for a dense model)."""
+    recompute_ep_frac: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(RECOMPUTE_LEVELS, 0.0)
+    )
+    """Extra token exchange per recompute level: recompute of a MoE layer runs its forward
+    dispatch and combine again (``EP_RECOMPUTE_FRACTIONS``)."""
     recompute_linear_frac: dict[str, float]
     """Extra linear time per recompute level, as a fraction of fwd+bwd linear time."""
     recompute_attention_frac: dict[str, float]
@@ -343,13 +425,40 @@ class Coefficients:
 
 
 @dataclass(kw_only=True, frozen=True)
+class ExpertShape:
+    """The mixture-of-experts layers of a shape (``ModelSpec.experts``): what their parameter
+    count, FLOPs, activations and all-to-all traffic follow."""
+
+    num_layers: int
+    """Layers whose MLP is a MoE layer."""
+    num_experts: int
+    topk: int
+    """Routed experts per token."""
+    ffn_hidden_size: int
+    """One routed expert's inner width."""
+    shared_ffn_hidden_size: int
+    """The shared expert's inner width (0: none)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class ParamCounts:
-    """Parameter counts of a Llama-style GPT (RMSNorm, no biases): the one formula."""
+    """Parameter counts of a Llama-style GPT (RMSNorm, no biases), dense or mixture-of-experts:
+    the one formula."""
 
     attention_per_layer: int
     mlp_per_layer: int
+    """One dense MLP (the dense layers' MLP; a MoE layer's is counted in ``linear``)."""
     linear: int
-    """All layers' attention + MLP matrices."""
+    """All layers' attention + MLP matrices (every expert, the shared experts and the routers
+    of the MoE layers included)."""
+    active_linear: int
+    """The linear parameters one token's forward multiplies by: attention, dense MLPs and, in
+    each MoE layer, its ``topk`` routed experts and the shared expert. Megatron's FLOP count
+    (``megatron.training.training.num_floating_point_operations``) leaves the router's
+    hidden × num_experts GEMM out, and so does this count. ``linear`` for a dense model."""
+    expert: int
+    """The routed experts' parameters, all MoE layers: what expert parallelism divides among
+    its ranks (0 for a dense model)."""
     total: int
     """Linear + embeddings (+ output layer unless tied) + norms."""
 
@@ -365,19 +474,35 @@ class ParamCounts:
         gated_mlp: bool = True,
         tied_embeddings: bool = False,
         q_hidden_size: int | None = None,
+        experts: ExpertShape | None = None,
     ) -> ParamCounts:
-        """``q_hidden_size``: heads × head dim when it differs from ``hidden_size`` (Qwen3)."""
+        """``q_hidden_size``: heads × head dim when it differs from ``hidden_size`` (Qwen3);
+        ``experts``: the MoE layers (None: dense). Each routed and shared expert is an MLP of
+        the dense one's form (gated or not) at its own width."""
         h = hidden_size
         q = q_hidden_size or h
         attention = h * (q + 2 * kv_hidden_size) + q * h
-        mlp = (3 if gated_mlp else 2) * h * ffn_hidden_size
-        linear = num_layers * (attention + mlp)
+        matrices = 3 if gated_mlp else 2
+        mlp = matrices * h * ffn_hidden_size
+        if experts is None:
+            linear = active = num_layers * (attention + mlp)
+            expert = 0
+        else:
+            one_expert = matrices * h * experts.ffn_hidden_size
+            shared = matrices * h * experts.shared_ffn_hidden_size
+            router = h * experts.num_experts
+            dense_part = num_layers * attention + (num_layers - experts.num_layers) * mlp
+            expert = experts.num_layers * experts.num_experts * one_expert
+            linear = dense_part + experts.num_layers * (shared + router) + expert
+            active = dense_part + experts.num_layers * (experts.topk * one_expert + shared)
         embedding = vocab_size * h * (1 if tied_embeddings else 2)
         # Two RMSNorms per layer and the final one.
         return cls(
             attention_per_layer=attention,
             mlp_per_layer=mlp,
             linear=linear,
+            active_linear=active,
+            expert=expert,
             total=linear + embedding + num_layers * 2 * h + h,
         )
 
@@ -405,6 +530,12 @@ def parse_spec(spec: dict) -> tuple[ClusterSpec, ModelSpec, Options, dict]:
     cluster = _build(ClusterSpec, spec["cluster"], "cluster")
     model = _build(ModelSpec, spec["model"], "model")
     options = _build(Options, spec.get("options", {}), "options")
+    ep = options.expert_parallel_size
+    if ep > 1 and (model.num_experts is None or model.num_experts % ep):
+        raise ValueError(
+            f"options.expert_parallel_size={ep} must divide model.num_experts="
+            f"{model.num_experts} (a dense model, with no num_experts, takes 1)"
+        )
     calibration = spec.get("calibration", {})
     if not isinstance(calibration, dict):
         raise ValueError("spec.calibration must be an object")
@@ -452,13 +583,22 @@ def runtime_options(
 def static_memory_parts(model: ModelSpec, options: Options, *, num_ranks: int) -> dict[str, float]:
     """Bytes per GPU that do not depend on the batch: ``weights`` (``options.dtype``),
     ``grads`` (main grads) and ``optimizer`` (fp32 master + Adam moments, sharded over all
-    ``num_ranks`` DP×CP ranks with the distributed optimizer); all split over TP."""
-    params = spec_param_counts(model, options).total / options.tensor_parallel_size
-    shards = num_ranks if options.distributed_optimizer else 1
+    ``num_ranks`` DP×CP ranks with the distributed optimizer); all split over TP. A rank holds
+    1/EP of the routed experts' weights and grads; their optimizer state is sharded over the
+    num_ranks / EP ranks that hold the same experts (megatron's expert-data-parallel group), so
+    with the distributed optimizer a GPU's share of it is the dense parameters' share."""
+    counts = spec_param_counts(model, options)
+    tp = options.tensor_parallel_size
+    dense = counts.total - counts.expert
+    params = (dense + counts.expert / options.expert_parallel_size) / tp
+    if options.distributed_optimizer:
+        optimizer = options.optimizer_bytes_per_param * (counts.total / tp) / num_ranks
+    else:
+        optimizer = options.optimizer_bytes_per_param * params
     return {
         "weights": _DTYPE_BYTES[options.dtype] * params,
         "grads": options.grad_bytes_per_param * params,
-        "optimizer": options.optimizer_bytes_per_param * params / shards,
+        "optimizer": optimizer,
     }
 
 
@@ -494,6 +634,40 @@ def layer_working_set_bytes(act: dict[str, float], num_layers: int) -> float:
     return act["none"] / num_layers
 
 
+def _mlp_activations(ffn_hidden_size: int, *, gated: bool) -> int:
+    """Elements per token an MLP keeps between its matrices: fc1's output (two halves when
+    gated) and the activation's."""
+    return (2 * ffn_hidden_size if gated else ffn_hidden_size) + ffn_hidden_size
+
+
+EP_EXCHANGES_PER_MOE_LAYER = 4
+"""Token exchanges of one MoE layer in a micro-step's forward + backward: the forward's dispatch
+and combine, and the backward's two (the gradients travel back the same ways)."""
+EP_RECOMPUTE_FRACTIONS = {"none": 0.0, "selective": 0.5, "full": 0.5}
+"""Extra token exchanges per recompute level, of ``EP_EXCHANGES_PER_MOE_LAYER``: selective and
+full recompute both re-run a MoE layer's forward, its dispatch and combine."""
+
+
+def expert_all_to_all_s_per_byte(
+    expert_parallel_size: int,
+    *,
+    ranks_per_node: int,
+    intra_node_bytes_per_s: float,
+    inter_node_bytes_per_s: float,
+) -> float:
+    """Seconds per byte a GPU holds to send for one all-to-all over an EP group of
+    ``expert_parallel_size`` consecutive planner ranks, traffic uniform over the experts: it
+    keeps 1/EP of it, sends (m - 1)/EP to the m - 1 group members on its node and (EP - m)/EP to
+    the other nodes, over NVLink and InfiniBand at once (m = min(EP, planner ranks per node)).
+    Inside a node that is (EP - 1)/EP of the data over NVLink; 0 at EP = 1."""
+    ep = expert_parallel_size
+    same_node = min(ep, ranks_per_node)
+    return max(
+        (same_node - 1) / ep / intra_node_bytes_per_s,
+        (ep - same_node) / ep / inter_node_bytes_per_s,
+    )
+
+
 DEFAULT_FP8_LINEAR_SPEEDUP = 1.5
 """FP8 over bf16 linear throughput assumed for a cluster whose FP8 peak is not given."""
 
@@ -519,8 +693,8 @@ def analytic_coefficients(
     dt = _DTYPE_BYTES[options.dtype]
 
     params = spec_param_counts(model, options)
-    attn_params, mlp_params = params.attention_per_layer, params.mlp_per_layer
-    linear_params = params.linear
+    # What one token's forward multiplies by (a MoE layer: its top-k routed and shared experts).
+    linear_params = params.active_linear
 
     # One planner rank is a TP group of ``tp`` GPUs; narrower GEMMs lose some efficiency.
     tp_eff = options.tensor_parallel_efficiency if tp > 1 else 1.0
@@ -542,7 +716,7 @@ def analytic_coefficients(
 
     # Selective = core attention + MLP recomputed (megatron_patches/recompute.py: recompute
     # modules ["core_attn", "mlp"]); full = the whole layer forward again.
-    mlp_share = mlp_params / (attn_params + mlp_params)
+    mlp_share = (linear_params - layers * params.attention_per_layer) / linear_params
     recompute_linear = {"none": 0.0, "selective": mlp_share / fwd_bwd, "full": 1.0 / fwd_bwd}
     recompute_attention = {"none": 0.0, "selective": 1.0 / att_passes, "full": 1.0 / att_passes}
     recompute_comm = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}
@@ -571,16 +745,50 @@ def analytic_coefficients(
     # Selective drops the MLP intermediates (flash attention keeps no score matrix, so core
     # attention recompute frees little); full keeps each layer's input plus one layer's working
     # set during its recompute.
-    mlp_act = (2 * ffn if options.gated_mlp else ffn) + ffn
+    mlp_act = _mlp_activations(ffn, gated=options.gated_mlp)
     per_layer_none = 6 * h + 2 * hkv + mlp_act
     per_layer_selective = 6 * h + 2 * hkv
+    experts = model.experts()
+    moe_layers = experts.num_layers if experts else 0
+    moe_layer_none = per_layer_none
+    if experts:
+        # A MoE layer keeps, per token, its top-k dispatched copies (the permuted expert input)
+        # and the experts' outputs before the combine, each expert's MLP intermediates, and the
+        # shared expert's; DCP's selective recompute re-runs the whole MoE layer
+        # (megatron_patches.recompute sets recompute_mlp on every layer), keeping none of them.
+        moe_act = experts.topk * (
+            2 * h + _mlp_activations(experts.ffn_hidden_size, gated=options.gated_mlp)
+        )
+        if experts.shared_ffn_hidden_size:
+            moe_act += _mlp_activations(experts.shared_ffn_hidden_size, gated=options.gated_mlp)
+        moe_layer_none = 6 * h + 2 * hkv + moe_act
+    working_set = max(per_layer_none, moe_layer_none)
     act = monotone_activations(
         {
-            "none": dt * layers * per_layer_none / tp,
+            "none": dt
+            * ((layers - moe_layers) * per_layer_none + moe_layers * moe_layer_none)
+            / tp,
             "selective": dt * layers * per_layer_selective / tp,
-            "full": dt * (layers * h + per_layer_none) / tp,
+            "full": dt * (layers * h + working_set) / tp,
         }
     )
+    ep_comm_s_per_token = ep_latency_s = 0.0
+    if experts and (options.expert_parallel_size > 1 or tp > 1):
+        # Per MoE layer, forward and backward each run a dispatch and a combine all-to-all over
+        # the EP group; every GPU sends its 1/tp of a planner rank's tokens, top-k copies each
+        # (uniform routing). Under TP the dispatched tokens are also all-gathered over the TP
+        # group (and reduce-scattered after the experts), inside the node.
+        exchanges = EP_EXCHANGES_PER_MOE_LAYER * moe_layers
+        copy_bytes = experts.topk * h * dt
+        s_per_byte = expert_all_to_all_s_per_byte(
+            options.expert_parallel_size,
+            ranks_per_node=max(1, cluster.gpus_per_node // tp),
+            intra_node_bytes_per_s=cluster.intra_node_gbps * link,
+            inter_node_bytes_per_s=cluster.inter_node_gbps * link,
+        )
+        tp_gather = (tp - 1) / tp / (cluster.intra_node_gbps * link)
+        ep_comm_s_per_token = exchanges * copy_bytes * (s_per_byte / tp + tp_gather)
+        ep_latency_s = exchanges * options.link_latency_s
     static_mem = sum(static_memory_parts(model, options, num_ranks=num_ranks).values())
     # Memory is per GPU: weights, activations (sequence parallel) and logits split over TP.
     pp = options.pipeline_parallel_size
@@ -603,6 +811,9 @@ def analytic_coefficients(
         recompute_linear_frac=recompute_linear,
         recompute_attention_frac=recompute_attention,
         recompute_comm_frac=recompute_comm,
+        ep_comm_s_per_token=ep_comm_s_per_token,
+        ep_latency_s=ep_latency_s,
+        recompute_ep_frac=dict(EP_RECOMPUTE_FRACTIONS),
         cp_bytes_per_token=cp_bytes_per_token,
         cp_hop_latency_s=cp_hop_latency_s,
         intra_node_bytes_per_s=cluster.intra_node_gbps * link,

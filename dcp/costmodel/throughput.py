@@ -1,13 +1,16 @@
 """Published training throughput and the cost model's prediction of it (``tools.costmodel_check``).
 
 A published row is one measured training configuration: a GPU, a model, a static parallel
-layout (TP, PP, CP, the rest data parallel), the global and micro batch, and the throughput its
-authors measured. ``predict_row`` runs that exact configuration through the cost model: every
-micro-batch holds ``mbs`` sequences of ``seq_len`` tokens, each data-parallel rank runs
-``gbs / (mbs · dp)`` of them, and the step time is their sum (what the simulator reports too:
-the end-of-batch gradient reduction and optimizer step are not in it). Rows with pipeline
-parallelism need a pipeline cost model; until one is passed as ``pipeline=`` they are reported
-as not modelled. Pure Python, no torch.
+layout (TP, PP, CP, VP, the rest data parallel), the global and micro batch, and the throughput
+its authors measured. ``predict_row`` runs that exact configuration through the cost model:
+every micro-batch holds ``mbs`` sequences of ``seq_len`` tokens and each data-parallel rank runs
+m = ``gbs / (mbs · dp)`` of them. Without pipelining the step time is their sum; with it,
+the pipeline's (``pipeline_step_s``: the slowest stage's micro-batches, the stage link's
+transfers and the 1F1B fill and drain, interleaved over ``vp`` chunks per rank). Both add the
+data-parallel gradient reduce-scatter and parameter all-gather that megatron's overlap leaves
+exposed (``dp_reduction_s``); the optimizer step is not in it. Nothing is fitted per row:
+the rows state what their recipes ran (recompute, TP communication overlap) and where each
+came from. Pure Python, no torch.
 
 Model TFLOP/s are counted as each source counts them (``attention_flops``, the two counts of
 ``dcp.costmodel.flops``: Megatron's ``causal``, NeMo's earlier ``full``). The check compares
@@ -17,6 +20,7 @@ publishing both must agree with the count.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,9 +29,10 @@ from pathlib import Path
 from dcp.costmodel.flops import ATTENTION_FLOPS, flops_per_token
 from dcp.costmodel.formula import CostModel
 from dcp.costmodel.load import gpu_presets, load_preset
-from dcp.costmodel.spec import ModelSpec, runtime_options
+from dcp.costmodel.pipeline import FORWARD_SHARE, PipelineCosts, part_param_count
+from dcp.costmodel.spec import _DTYPE_BYTES, ModelSpec, runtime_options
 from dcp.files import parse_json
-from dcp.plan import RECOMPUTE_LEVELS, Recompute
+from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Recompute
 from dcp.schema import check_range, from_dict
 
 PRECISIONS = ("bf16", "fp8")
@@ -72,6 +77,11 @@ class PublishedRow:
     the cost model's memory rule fits)."""
     recompute_layers: int | None = None
     """With ``full``: only the first N layers recomputed (megatron's ``block`` method)."""
+    tp_comm_overlap: bool | None = None
+    """Megatron's TP communication overlap (Transformer Engine userbuffers): the
+    sequence-parallel all-gathers and reduce-scatters run under the GEMMs they feed, so the
+    check counts no TP communication time; null: not published (counted, as DCP runs it:
+    userbuffers need one fixed sequence shape)."""
     tokens_per_s_per_gpu: float | None = None
     tflops_per_gpu: float | None = None
     """Model TFLOP/s per GPU, counted the source's way (``attention_flops``)."""
@@ -105,6 +115,10 @@ class PublishedRow:
             )
         if self.recompute_layers is not None and self.recompute != Recompute.FULL:
             raise ValueError("recompute_layers goes with recompute 'full'")
+        if self.vp is not None and self.vp > 1 and self.pp == 1:
+            raise ValueError("vp (virtual pipeline stages) needs pp > 1")
+        if self.tp_comm_overlap and self.tp == 1:
+            raise ValueError("tp_comm_overlap needs tp > 1")
         if self.tokens_per_s_per_gpu is None and self.tflops_per_gpu is None:
             raise ValueError("a row needs tokens_per_s_per_gpu or tflops_per_gpu")
         for name in ("tokens_per_s_per_gpu", "tflops_per_gpu"):
@@ -136,7 +150,8 @@ class PublishedRow:
     @property
     def label(self) -> str:
         model = self.model if isinstance(self.model, str) else self.model_name or "model"
-        layout = f"tp{self.tp} pp{self.pp} cp{self.cp} dp{self.dp}"
+        vp = f" vp{self.vp}" if self.vp else ""
+        layout = f"tp{self.tp} pp{self.pp}{vp} cp{self.cp} dp{self.dp}"
         return f"{self.gpu}x{self.num_gpus} {model} {self.precision} {self.seq_len} {layout}"
 
 
@@ -199,6 +214,7 @@ def row_spec(row: PublishedRow) -> dict:
             distributed_optimizer=True,
             fp8=row.precision == "fp8",
             tensor_parallel_size=row.tp,
+            pipeline_parallel_size=row.pp,
         ),
         "memory_reserved_gb": PUBLISHED_RUN_RESERVED_GB,
     }
@@ -214,11 +230,29 @@ def row_cost_model(
     spec = spec or row_spec(row)
     if options:
         spec = {**spec, "options": {**spec["options"], **options}}
-    return CostModel.from_spec(spec)
+    cost_model = CostModel.from_spec(spec)
+    if not row.tp_comm_overlap:
+        return cost_model
+    c = cost_model.coefficients
+    hidden = dict.fromkeys(c.recompute_tp_frac, 0.0)
+    coefficients = dataclasses.replace(
+        c, tp_comm_s_per_token=0.0, tp_latency_s=0.0, recompute_tp_frac=hidden
+    )
+    return dataclasses.replace(cost_model, coefficients=coefficients)
+
+
+def row_pipeline(row: PublishedRow, cost_model: CostModel) -> PipelineCosts:
+    """The pipeline of a row with PP > 1: its stages and, with ``vp``, its interleaved
+    chunks."""
+    return PipelineCosts.of(cost_model, virtual_stages=row.vp or 1)
 
 
 def row_recompute(row: PublishedRow, cost_model: CostModel) -> tuple[str, int | None, bool]:
-    """(recompute level, layers, fits): the row's own, or the least the memory rule fits."""
+    """(recompute level, layers, fits): the row's own, or the least the memory rule fits
+    (under PP: on the fullest stage with its 1F1B micro-batches in flight, layers per model
+    chunk)."""
+    if row.pp > 1:
+        cost_model = row_pipeline(row, cost_model).planning_model()
     lengths = [row.seq_len] * row.micro_batch
     if row.recompute is not None:
         fits = cost_model.fits(lengths, row.cp, row.recompute, row.recompute_layers)
@@ -237,14 +271,77 @@ PipelineModel = Callable[[PublishedRow, CostModel], float]
 """Seconds of one training step of a pipeline-parallel row (a pipeline cost model)."""
 
 
+def pipeline_step_s(row: PublishedRow, cost_model: CostModel) -> float:
+    """Seconds of one training step of a row with PP > 1, its schedule as published (1F1B,
+    interleaved over ``vp`` chunks per rank when given): each rank's micro-batch time is the
+    sum of its layers' (``PipelineCosts.step_times``: the embedding on the first rank, the
+    output layer and loss on the last, CP within each stage), the slowest rank's sets the pace,
+    plus 2V activation and gradient transfers per micro-batch over the stage link, and the
+    fill and drain (P - 1) / (V·m) of the m micro-batches
+    (``PipelineCosts.schedule_time_s``)."""
+    costs = row_pipeline(row, cost_model)
+    level, layers, _ = row_recompute(row, cost_model)
+    step = MicroStep(
+        ranks=tuple(range(row.cp)),
+        seq_ids=tuple(range(row.micro_batch)),
+        recompute=level,
+        recompute_layers=layers,
+    )
+    times = costs.step_times(step, [row.seq_len] * row.micro_batch)
+    slowest = max(forward + backward for forward, backward, _ in times)
+    transfer = costs.p2p_time_s(row.micro_batch * row.seq_len / row.cp)
+    return costs.schedule_time_s(
+        slowest,
+        row.micro_batches_per_rank,
+        transfer_s=transfer,
+        overlap_p2p=costs.virtual_stages > 1,
+    )
+
+
+def dp_reduction_s(row: PublishedRow, cost_model: CostModel) -> float:
+    """Exposed seconds of the distributed optimizer's data-parallel traffic over the DP × CP
+    ranks of a stage: the reduce-scatter of the gradients and the all-gather of the updated
+    parameters, each a ring over those ranks moving (n - 1) / n of a GPU's share in the
+    model's dtype (megatron's default: gradients reduced in the parameters' dtype). Megatron
+    (``overlap_grad_reduce``, ``overlap_param_gather``) reduces each model chunk's gradients
+    as its last backward ends and gathers its parameters under its first forward, so the
+    traffic left exposed is that of the chunk that finishes last and starts first, the first
+    rank's first chunk (the whole stage without interleaving, the whole model without PP),
+    beyond its one backward and one forward of a micro-batch."""
+    n = cost_model.num_ranks
+    if n == 1:
+        return 0.0
+    level, layers, _ = row_recompute(row, cost_model)
+    step = MicroStep(
+        ranks=tuple(range(row.cp)),
+        seq_ids=tuple(range(row.micro_batch)),
+        recompute=level,
+        recompute_layers=layers,
+    )
+    lengths = [row.seq_len] * row.micro_batch
+    if row.pp > 1:
+        costs = row_pipeline(row, cost_model)
+        first = costs.chunks[0]
+        params = part_param_count(cost_model, first.num_layers, first=True, last=False)
+        forward_s, backward_s, _ = costs.chunk_step_times(step, lengths)[0]
+    else:
+        params = part_param_count(cost_model, cost_model.num_layers, first=True, last=True)
+        micro_s = cost_model.step_time_s(lengths, row.cp, level, recompute_layers=layers)
+        forward_s, backward_s = FORWARD_SHARE * micro_s, (1.0 - FORWARD_SHARE) * micro_s
+    options = cost_model.options
+    ring_bytes = params / options.tensor_parallel_size * _DTYPE_BYTES[options.dtype] * (n - 1) / n
+    ring_s = ring_bytes / cost_model.bandwidth_bytes_per_s(n) + (n - 1) * options.link_latency_s
+    return max(0.0, ring_s - backward_s) + max(0.0, ring_s - forward_s)
+
+
 def predict_row(
     row: PublishedRow,
     *,
-    pipeline: PipelineModel | None = None,
+    pipeline: PipelineModel = pipeline_step_s,
     cost_model: CostModel | None = None,
 ) -> dict:
-    """Predicted against published throughput of one row, as a JSON-ready dict: ``modelled``
-    false with a ``reason`` where the cost model cannot predict it. ``cost_model``: the row's
+    """Predicted against published throughput of one row, as a JSON-ready dict
+    (``pipeline``: the step time of a row with PP > 1). ``cost_model``: the row's
     (default ``row_cost_model(row)``)."""
     model = model_spec(row.model)
     published_tokens = row.tokens_per_s_per_gpu
@@ -259,8 +356,6 @@ def predict_row(
         "published_tokens_per_s_per_gpu": published_tokens,
         "published_tflops_per_gpu": row.tflops_per_gpu,
     }
-    if row.pp > 1 and pipeline is None:
-        return {**out, "modelled": False, "reason": "pipeline parallel: no pipeline cost model"}
     cost_model = cost_model or row_cost_model(row)
     level, layers, fits = row_recompute(row, cost_model)
     if row.pp > 1:
@@ -270,9 +365,9 @@ def predict_row(
             [row.seq_len] * row.micro_batch, row.cp, level, recompute_layers=layers
         )
         step_s = micro_s * row.micro_batches_per_rank
+    step_s += dp_reduction_s(row, cost_model)
     tokens = row.gbs * row.seq_len / (step_s * row.num_gpus)
     out.update(
-        modelled=True,
         predicted_step_s=step_s,
         predicted_tokens_per_s_per_gpu=tokens,
         predicted_tflops_per_gpu=(None if row_flops is None else tokens * row_flops / 1e12),
@@ -285,8 +380,8 @@ def predict_row(
 
 
 def summarize(per_row: list[dict]) -> dict:
-    """Row counts and |relative error| statistics over the modelled rows of ``per_row``."""
-    errors = [abs(r["rel_error"]) for r in per_row if r["modelled"]]
+    """Row counts and |relative error| statistics over ``per_row`` (every row is modelled)."""
+    errors = [abs(r["rel_error"]) for r in per_row]
     return {
         "rows": len(per_row),
         "modelled": len(errors),
@@ -295,7 +390,7 @@ def summarize(per_row: list[dict]) -> dict:
     }
 
 
-def check_published(rows: list[PublishedRow], *, pipeline: PipelineModel | None = None) -> dict:
+def check_published(rows: list[PublishedRow], *, pipeline: PipelineModel = pipeline_step_s) -> dict:
     """Every row predicted with its GPU preset; the summary ``tools.costmodel_check`` prints as
     its last line (``per_row`` in table order)."""
     per_row = [predict_row(row, pipeline=pipeline) for row in rows]

@@ -10,7 +10,9 @@ to move them (docs/design.md, 'Checked against published throughput').
 modelled rows, with a weak pull toward the defaults, so a coefficient the rows do not constrain
 (one row, two coefficients) stays near its default instead of wandering along the valley.
 ``cross_validate`` holds out one source at a time: fitted on the other sources' rows, checked
-on the held-out ones. Pure Python, no torch.
+on the held-out ones. Rows with pipeline parallelism take no part in either: they check the
+pipeline model (``dcp.costmodel.throughput.pipeline_step_s``) with coefficients chosen without
+them. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def _golden_min(f: Callable[[float], float], lo: float, hi: float, tol: float) -
 
 
 def fit_gpu_options(rows: list[PublishedRow], *, rounds: int = 6, tol: float = 1e-3) -> dict:
-    """``FITTED_OPTIONS`` for the GPU of ``rows`` (all one GPU, no pipeline rows): coordinate
-    descent with a golden-section search per coefficient, from the ``Options`` defaults."""
+    """``FITTED_OPTIONS`` for the GPU of ``rows`` (all one GPU; its pipeline rows left out:
+    module docstring): coordinate descent with a golden-section search per coefficient, from
+    the ``Options`` defaults."""
     gpus = {row.gpu for row in rows}
     if len(gpus) != 1:
         raise ValueError(f"fit the rows of one GPU at a time, got {sorted(gpus)}")
@@ -95,9 +98,10 @@ def fit_gpu_options(rows: list[PublishedRow], *, rounds: int = 6, tol: float = 1
 
 
 def cross_validate(rows: list[PublishedRow]) -> list[dict]:
-    """For each source with modelled rows: every GPU's ``FITTED_OPTIONS`` fitted on the other
-    sources' rows of that GPU (defaults where they have none), then the held-out rows'
-    summary (``dcp.costmodel.throughput.summarize``) under them."""
+    """For each source with rows without pipeline parallelism (the fit's: module docstring):
+    every GPU's ``FITTED_OPTIONS`` fitted on the other sources' such rows of that GPU
+    (defaults where they have none), then the held-out rows' summary
+    (``dcp.costmodel.throughput.summarize``) under them."""
     modelled = [row for row in rows if row.pp == 1]
     folds = []
     for source in sorted({source_of(row) for row in modelled}):

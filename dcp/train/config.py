@@ -35,9 +35,9 @@ class DataConfig:
     ``chat``: a chat JSONL file for supervised fine-tuning, the loss on the assistant's tokens
     only (``dcp.data.sft``)."""
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
-    """Used when source = synthetic."""
+    """Used when source = synthetic; left at its defaults otherwise."""
     indexed: IndexedDataConfig | None = None
-    """Used when source = indexed (prefixes required)."""
+    """Used when source = indexed (prefixes required); set only then."""
     chat: ChatDataConfig | None = None
     """Used when source = chat (path required); set only then."""
     sampler: SamplerConfig = field(default_factory=lambda: SamplerConfig(max_tokens_per_batch=8192))
@@ -46,10 +46,19 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.source == "indexed" and self.indexed is None:
             raise ValueError("data.indexed: set data.indexed.prefixes when data.source=indexed")
-        if (self.source == "chat") != (self.chat is not None):
+        if self.source == "chat" and self.chat is None:
+            raise ValueError("data.chat: set data.chat.path when data.source=chat")
+        # A section of another source would be read by nothing: refused, not ignored.
+        unused = {
+            "synthetic": self.synthetic != SyntheticDataConfig(),
+            "indexed": self.indexed is not None,
+            "chat": self.chat is not None,
+        }
+        given = [name for name, present in unused.items() if present and name != self.source]
+        if given:
             raise ValueError(
-                "data.chat: set data.chat.path when data.source=chat, and leave data.chat unset "
-                f"otherwise (data.source={self.source})"
+                f"data.{given[0]}: data.source={self.source} reads no {given[0]} data; remove "
+                f"data.{given[0]} (or set data.source={given[0]})"
             )
 
     @property

@@ -7,7 +7,13 @@ import copy
 import pytest
 
 from dcp.costmodel import CostModel, load_cost_model, load_preset
-from dcp.costmodel.pipeline import PipelineCosts, planning_view, stage_layer_counts
+from dcp.costmodel.pipeline import (
+    PipelineCosts,
+    chunk_layer_counts,
+    in_flight_micro_steps,
+    planning_view,
+    stage_layer_counts,
+)
 from dcp.mesh import Mesh
 from dcp.plan import MicroStep, Recompute
 
@@ -146,3 +152,165 @@ def test_the_planning_view_holds_a_stages_micro_steps_in_flight():
             [30000], 2, "selective"
         )
     assert planning_view(load_cost_model("h200x8+llama3-8b")).pipeline_parallel_size == 1
+
+
+# -- interleaved virtual stages --------------------------------------------------------------
+
+
+def _interleaved_order(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """Megatron's interleaved 1F1B order of one rank (microbatch group size P), written from
+    its published algorithm as an oracle: (``F`` or ``B``, chunk on the rank, micro-batch).
+    The k-th forward runs chunk (k mod PV) // P on micro-batch (k // PV)·P + k mod P, the
+    backwards the chunks in reverse; 2(P - s - 1) + (V - 1)P warm-up forwards (P - s - 1
+    without interleaving), then one forward and one backward in turn."""
+    total = m * v
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        group, within = divmod(k, p * v)
+        chunk = within // p
+        return kind, chunk if kind == "F" else v - 1 - chunk, group * p + within % p
+
+    warmup = min(2 * (p - rank - 1) + (v - 1) * p if v > 1 else p - rank - 1, total)
+    ops = [op("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [op("F", warmup + k), op("B", k)]
+    return ops + [op("B", k) for k in range(total - warmup, total)]
+
+
+def _run_schedule(p: int, v: int, m: int, *, forward: float, backward: float, transfer: float):
+    """Makespan of every rank running its ``_interleaved_order`` as soon as the chunk before
+    it (forward) or after it (backward) is done and its message ``transfer`` later has
+    arrived (messages in flight occupy no rank), and each rank's peak chunk forwards in
+    flight."""
+    orders = [_interleaved_order(p, v, m, s) for s in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    free, position, peak = [0.0] * p, [0] * p, [0] * p
+    live = [0] * p
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while position[s] < len(orders[s]):
+                kind, local, mb = orders[s][position[s]]
+                chunk = local * p + s
+                if kind == "F":
+                    dep, duration = ("F", chunk - 1, mb) if chunk > 0 else None, forward
+                else:
+                    last = chunk == p * v - 1
+                    dep, duration = ("F", chunk, mb) if last else ("B", chunk + 1, mb), backward
+                if dep is not None and dep not in done:
+                    break
+                ready = 0.0 if dep is None else done[dep] + (0.0 if dep[1] == chunk else transfer)
+                free[s] = max(free[s], ready) + duration
+                done[(kind, chunk, mb)] = free[s]
+                live[s] += 1 if kind == "F" else -1
+                peak[s] = max(peak[s], live[s])
+                position[s] += 1
+                progressed = True
+        assert progressed, "the interleaved order deadlocked"
+    return max(free), peak
+
+
+def _costs(pp: int, vp: int) -> PipelineCosts:
+    return PipelineCosts.of(CostModel.from_spec(_spec(pp, gpus=8 * pp)), virtual_stages=vp)
+
+
+@pytest.mark.parametrize(
+    ("p", "v", "m"), [(2, 1, 4), (4, 1, 8), (2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 4, 8), (8, 4, 16)]
+)
+def test_the_interleaved_bubble_is_that_of_the_explicit_schedule(p, v, m):
+    """Megatron's interleaved schedule with equal chunks (forward 1, backward 2 per chunk)
+    takes exactly m·t·(1 + (P - 1)/(V·m)), t = 3V per micro-batch and rank; with transfers
+    it lies between the formula with them overlapped and with them blocking."""
+    costs = _costs(p, v)
+    assert costs.bubble_fraction(m) == (p - 1) / (v * m)
+    makespan, _ = _run_schedule(p, v, m, forward=1.0, backward=2.0, transfer=0.0)
+    t = 3.0 * v
+    assert makespan == pytest.approx(m * t * (1 + costs.bubble_fraction(m)))
+    assert costs.schedule_time_s(t, m) == pytest.approx(makespan)
+    with_transfers, _ = _run_schedule(p, v, m, forward=1.0, backward=2.0, transfer=0.1)
+    overlapped = costs.schedule_time_s(t, m, transfer_s=0.1, overlap_p2p=True)
+    blocking = costs.schedule_time_s(t, m, transfer_s=0.1)
+    assert overlapped <= with_transfers + 1e-9 <= blocking + 1e-9
+    assert blocking == pytest.approx(m * (t + 2 * v * 0.1) * (1 + costs.bubble_fraction(m)))
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 1), (4, 1), (2, 2), (4, 2), (4, 5), (8, 3)])
+def test_in_flight_micro_steps_are_the_interleaved_schedules(p, v):
+    """Each rank's peak of chunk forwards in flight under the explicit schedule, in units of
+    its V chunks: P - s without interleaving, rank 0 P + (P - 1)/V with it."""
+    _, peak = _run_schedule(p, v, 4 * p, forward=1.0, backward=2.0, transfer=0.0)
+    assert [in_flight_micro_steps(p, v, s) for s in range(p)] == [n / v for n in peak]
+    assert in_flight_micro_steps(p, v, 0) == pytest.approx(p + (p - 1) / v if v > 1 else p)
+
+
+def test_chunk_layer_counts():
+    # Llama 3.1 405B at PP 8, VP 8: megatron's recipe counts the embedding and the loss as a
+    # layer each, which leaves one layer on the first and last chunks.
+    assert chunk_layer_counts(126, 8, 8) == (1,) + (2,) * 62 + (1,)
+    assert chunk_layer_counts(80, 8, 5) == (2,) * 40
+    assert chunk_layer_counts(32, 4) == stage_layer_counts(32, 4)
+    with pytest.raises(ValueError, match=r"4 x 3 chunks exceeds the model's 8 layers"):
+        chunk_layer_counts(8, 4, 3)
+    with pytest.raises(ValueError, match="virtual_stages must be an integer >= 1"):
+        chunk_layer_counts(8, 2, 0)
+
+
+def test_a_ranks_chunks_do_its_stages_work():
+    """Under V chunks per rank, rank s holds chunks s, s + P, ...: their layers, times and
+    activations add up to the non-interleaved stage's (at CP 1, where the time is additive),
+    the embedding sits in chunk 0 and the output layer in the last chunk, and each chunk
+    pays a V-th of the fixed per-micro-step cost."""
+    plain, interleaved = _costs(4, 1), _costs(4, 2)
+    assert interleaved.virtual_stages == 2 and len(interleaved.chunks) == 8
+    assert plain.chunks == plain.stages
+    assert [c.num_layers for c in interleaved.chunks] == [4] * 8
+    assert interleaved.layer_counts == plain.layer_counts == (8, 8, 8, 8)
+    chunks = [c.coefficients for c in interleaved.chunks]
+    assert [c.logits_s_per_token > 0 for c in chunks] == [False] * 7 + [True]
+    assert chunks[0].static_mem_bytes > chunks[1].static_mem_bytes < chunks[7].static_mem_bytes
+    whole = plain.cost_model.coefficients
+    assert chunks[3].step_overhead_s == whole.step_overhead_s / 2
+    step = MicroStep(ranks=(0,), seq_ids=(0, 1), recompute="selective")
+    lengths = [8192, 3000]
+    flat = [x for stage in plain.step_times(step, lengths) for x in stage]
+    assert [x for stage in interleaved.step_times(step, lengths) for x in stage] == (
+        pytest.approx(flat)
+    )
+    by_chunk = interleaved.chunk_step_times(step, lengths)
+    assert interleaved.step_times(step, lengths)[1][1] == pytest.approx(
+        by_chunk[1][1] + by_chunk[5][1]
+    )
+    none = MicroStep(ranks=(0,), seq_ids=(0, 1))
+    assert interleaved.step_activation_bytes(none, lengths) == pytest.approx(
+        plain.step_activation_bytes(none, lengths)
+    )
+    assert interleaved.messages_per_micro_step == 2 * plain.messages_per_micro_step == 4
+
+
+def test_the_planning_view_holds_the_interleaved_micro_steps_in_flight():
+    """Rank s holds ``in_flight_micro_steps`` micro-steps' activations: rank 0 P + (P - 1)/V
+    under interleaving, P without."""
+    for v in (1, 2):
+        costs = _costs(4, v)
+        for level in ("none", "full"):
+            expected = max(
+                in_flight_micro_steps(4, v, s)
+                * stage.coefficients.activation_bytes_per_token[level]
+                + stage.coefficients.logits_bytes_per_token
+                for s, stage in enumerate(costs.stages)
+            )
+            assert costs.planning_model().mem_bytes_per_token(level) == pytest.approx(expected)
+    assert _costs(4, 2).planning_model().mem_bytes_per_token("none") > (
+        _costs(4, 1).planning_model().mem_bytes_per_token("none")
+    )
+
+
+def test_the_planning_views_recompute_layers_count_per_chunk():
+    """A micro-step's ``recompute_layers`` count per model chunk (megatron's block recompute
+    per chunk): the view's layers are a chunk's, so N = a chunk's layers is a full recompute."""
+    plain, interleaved = _costs(4, 1).planning_model(), _costs(4, 2).planning_model()
+    assert (plain.num_layers, interleaved.num_layers) == (8, 4)
+    full = interleaved.mem_bytes_per_token("full")
+    assert interleaved.mem_bytes_per_token("full", 4) == pytest.approx(full)
+    assert interleaved.mem_bytes_per_token("full", 2) > full
+    assert plain.mem_bytes_per_token("full", 4) > plain.mem_bytes_per_token("full")

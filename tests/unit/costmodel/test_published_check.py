@@ -15,19 +15,25 @@ import pytest
 from dcp.costmodel import load_preset, throughput_fit
 from dcp.costmodel.flops import flops_per_token
 from dcp.costmodel.load import gpu_presets
+from dcp.costmodel.pipeline import part_param_count
 from dcp.costmodel.spec import ModelSpec, Options
 from dcp.costmodel.throughput import (
     CHECKED_ON,
     PUBLISHED_DIR,
     PublishedRow,
     check_published,
+    dp_reduction_s,
     model_spec,
+    pipeline_step_s,
     predict_row,
     read_published,
     row_cost_model,
+    row_pipeline,
+    row_recompute,
     row_spec,
 )
 from dcp.costmodel.throughput_fit import FITTED_OPTIONS, fit_gpu_options, fit_loss, source_of
+from dcp.plan import MicroStep
 from tools import costmodel_check
 
 TABLE = PUBLISHED_DIR / "nvidia_llama.jsonl"
@@ -94,26 +100,90 @@ def test_the_shipped_table_cites_a_commit_for_every_row(rows):
         assert len(commit) == 40 and int(commit, 16) >= 0, row.source
 
 
-def test_pipeline_rows_are_not_modelled_until_a_pipeline_model_is_given(rows):
-    result = check_published(rows)
-    skipped = [r for r in result["per_row"] if not r["modelled"]]
-    assert len(skipped) == sum(1 for row in rows if row.pp > 1) == 7
-    assert {r["reason"] for r in skipped} == {"pipeline parallel: no pipeline cost model"}
-    assert result["modelled"] == result["rows"] - 7
-    # A pipeline cost model plugs in: the step time it returns is what the row is checked on.
-    row = next(r for r in rows if r.pp > 1)
-    seen = []
+PIPELINE_ROWS = {
+    "h100x8 llama2-7b fp8 8192 tp1 pp2 cp1 dp4",
+    "h100x16 llama2-13b fp8 4096 tp1 pp4 vp10 cp1 dp4",
+    "h100x64 llama2-70b fp8 4096 tp4 pp4 vp20 cp1 dp4",
+    "h100x64 llama3-70b fp8 8192 tp4 pp4 vp5 cp2 dp2",
+    "h100x64 llama3-70b fp8 8192 tp4 pp8 vp5 cp1 dp2",
+    "h100x1024 llama3.1-405b fp8 8192 tp8 pp8 vp8 cp2 dp8",
+    "b200x128 llama3.1-405b fp8 8192 tp4 pp8 vp8 cp2 dp2",
+}
+"""The seven published rows with pipeline parallelism (six interleaved)."""
 
-    def pipeline(r, cost_model):
-        seen.append((r, cost_model.tensor_parallel_size))
-        return 10.0
 
-    out = predict_row(row, pipeline=pipeline)
-    assert seen == [(row, row.tp)]
-    assert out["modelled"] and out["predicted_step_s"] == 10.0
-    tokens = row.gbs * row.seq_len / (10.0 * row.num_gpus)
-    assert out["predicted_tokens_per_s_per_gpu"] == pytest.approx(tokens)
-    assert out["rel_error"] == pytest.approx(tokens / out["published_tokens_per_s_per_gpu"] - 1)
+def test_every_pipeline_row_is_modelled_with_its_published_schedule(rows, checked):
+    """Each PP row is predicted by the pipeline model with the schedule its source ran: its
+    stages (interleaved over ``vp`` chunks), the stage link and the bubble, plus the exposed
+    data-parallel traffic."""
+    piped = [(row, r) for row, r in zip(rows, checked["per_row"], strict=True) if row.pp > 1]
+    assert {row.label for row, _ in piped} == PIPELINE_ROWS
+    for row, result in piped:
+        cm = row_cost_model(row)
+        costs = row_pipeline(row, cm)
+        assert costs.num_stages == row.pp and costs.virtual_stages == (row.vp or 1)
+        expected = pipeline_step_s(row, cm) + dp_reduction_s(row, cm)
+        assert result["predicted_step_s"] == pytest.approx(expected), row.label
+        # Interleaving shortens the bubble: the same row without it is slower.
+        if row.vp:
+            flat = predict_row(dataclasses.replace(row, vp=None))
+            assert flat["predicted_step_s"] > result["predicted_step_s"], row.label
+
+
+def test_a_pipeline_row_is_its_slowest_stage_times_the_interleaved_schedule():
+    row = PublishedRow(**{**ROW, "num_gpus": 64, "pp": 4, "vp": 2, "tp": 2, "cp": 1})
+    assert row.dp == 8 and row.micro_batches_per_rank == 8
+    cm = row_cost_model(row)
+    assert (cm.num_ranks, cm.pipeline_parallel_size) == (8, 4)
+    costs = row_pipeline(row, cm)
+    step = MicroStep(ranks=(0,), seq_ids=(0,), recompute=row_recompute(row, cm)[0])
+    slowest = max(f + b for f, b, _ in costs.step_times(step, [16384]))
+    transfer = costs.p2p_time_s(16384)
+    # Interleaved: megatron overlaps the steady state's transfers (overlap_p2p_comm), the
+    # fill and drain of (P - 1) / V micro-batches wait for theirs.
+    expected = 8 * slowest + 3 * (slowest / 2 + 2 * transfer)
+    assert pipeline_step_s(row, cm) == pytest.approx(expected)
+    # Without interleaving the transfers block (megatron's batched p2p).
+    plain = dataclasses.replace(row, vp=None)
+    blocking = (8 + 3) * (slowest + 2 * transfer)
+    assert pipeline_step_s(plain, cm) == pytest.approx(blocking)
+    # A pipeline model plugs in: the step time it returns is what the row is checked on.
+    out = predict_row(row, pipeline=lambda r, c: 10.0)
+    assert out["predicted_step_s"] == pytest.approx(10.0 + dp_reduction_s(row, cm))
+
+
+def test_tp_communication_overlap_hides_the_tp_collectives():
+    """A row whose recipe overlaps TP communication (userbuffers) is predicted without the
+    TP collectives' time; DCP's own runs, with shapes that vary per micro-step, keep it."""
+    row = PublishedRow(**ROW)
+    hidden = PublishedRow(**{**ROW, "tp_comm_overlap": True})
+    assert row_cost_model(row).coefficients.tp_comm_s_per_token > 0
+    c = row_cost_model(hidden).coefficients
+    assert c.tp_comm_s_per_token == c.tp_latency_s == 0.0
+    assert set(c.recompute_tp_frac.values()) == {0.0}
+    assert predict_row(hidden)["predicted_step_s"] < predict_row(row)["predicted_step_s"]
+
+
+def test_exposed_data_parallel_traffic():
+    """The distributed optimizer's reduce-scatter and all-gather of the first chunk, beyond
+    the one backward and forward they hide under: nothing for the static rows here, a
+    fraction of a percent to 1% for the 405B rows."""
+    table = read_published(TABLE)
+    for row in table:
+        exposed = dp_reduction_s(row, row_cost_model(row))
+        if row.pp == 1:
+            assert exposed == 0.0, row.label
+        step = predict_row(row)["predicted_step_s"]
+        assert exposed < 0.015 * step, row.label
+    big = next(r for r in table if r.label.startswith("b200x128 llama3.1-405b"))
+    cm = row_cost_model(big)
+    costs = row_pipeline(big, cm)
+    params = part_param_count(cm, costs.chunks[0].num_layers, first=True, last=False)
+    ring = params / 4 * 2 * 3 / 4 / cm.coefficients.inter_node_bytes_per_s + 3e-5
+    forward, backward, _ = costs.chunk_step_times(
+        MicroStep(ranks=(0, 1), seq_ids=(0,)), [big.seq_len]
+    )[0]
+    assert dp_reduction_s(big, cm) == pytest.approx(2 * ring - forward - backward)
 
 
 def test_a_static_row_is_its_micro_steps_times_the_accumulation_steps():
@@ -123,8 +193,9 @@ def test_a_static_row_is_its_micro_steps_times_the_accumulation_steps():
     assert cm.num_ranks == 8 and cm.tensor_parallel_size == 2 and cm.options.fp8
     out = predict_row(row)
     micro = cm.step_time_s([16384], 2, out["recompute"])
-    assert out["predicted_step_s"] == pytest.approx(16 * micro)
-    assert out["predicted_tokens_per_s_per_gpu"] == pytest.approx(64 * 16384 / (16 * 16 * micro))
+    step = 16 * micro + dp_reduction_s(row, cm)
+    assert out["predicted_step_s"] == pytest.approx(step)
+    assert out["predicted_tokens_per_s_per_gpu"] == pytest.approx(64 * 16384 / (16 * step))
     assert out["rel_error"] == pytest.approx(out["predicted_tokens_per_s_per_gpu"] / 9000 - 1)
 
 
@@ -159,6 +230,8 @@ def test_a_model_given_by_its_dimensions_is_checked_like_a_preset():
         ({"precision": "fp4"}, "precision must be one of"),
         ({"recompute": "some"}, "recompute must be one of"),
         ({"recompute_layers": 3}, "recompute_layers goes with recompute 'full'"),
+        ({"vp": 2}, r"vp \(virtual pipeline stages\) needs pp > 1"),
+        ({"tp": 1, "num_gpus": 8, "tp_comm_overlap": True}, "tp_comm_overlap needs tp > 1"),
         ({"tokens_per_s_per_gpu": None}, "needs tokens_per_s_per_gpu or tflops_per_gpu"),
         ({"tflops_per_gpu": 700.0}, "tflops_per_gpu needs attention_flops"),
         ({"tp": 0}, "tp must be an integer >= 1"),
@@ -194,14 +267,17 @@ def test_unreadable_tables_are_refused_before_reading(tmp_path, monkeypatch):
 
 
 def test_the_command_prints_rows_then_one_json_line(tmp_path, capsys):
-    path = _write(tmp_path, json.dumps(ROW), json.dumps({**ROW, "pp": 2, "num_gpus": 32}))
+    piped = {**ROW, "pp": 2, "vp": 2, "num_gpus": 32}
+    path = _write(tmp_path, json.dumps(ROW), json.dumps(piped))
     assert costmodel_check.main(["--published", str(path)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert "not modelled: pipeline parallel" in out[3]
+    assert " tp2 pp2 vp2 cp2 dp4 " in out[3]
+    assert out[4].startswith("2 of 2 rows modelled: median |error| ")
     summary = json.loads(out[-1])
-    assert summary["rows"] == 2 and summary["modelled"] == 1
-    assert summary["median_abs_rel_error"] == summary["worst_abs_rel_error"]
-    assert [r["modelled"] for r in summary["per_row"]] == [True, False]
+    assert summary["rows"] == summary["modelled"] == 2
+    assert [r["rel_error"] for r in summary["per_row"]] == [
+        predict_row(PublishedRow(**row))["rel_error"] for row in (ROW, piped)
+    ]
 
 
 def test_the_command_exits_2_on_a_bad_table(tmp_path, capsys):
@@ -220,17 +296,19 @@ def checked(rows) -> dict:
 
 
 def test_the_presets_reproduce_the_published_rows(checked):
-    """Median |error| <= 15% and worst <= 30% over the modelled rows, the long-sequence CP
-    rows (32K to 1M) included."""
-    assert checked["modelled"] == 20
-    assert checked["median_abs_rel_error"] <= 0.15
-    assert checked["worst_abs_rel_error"] <= 0.30
+    """All 27 rows modelled, the pipeline rows included: median |error| <= 10% and worst
+    <= 25% (the issue's bounds), the long-sequence CP rows (32K to 1M) within 5%."""
+    assert checked["rows"] == checked["modelled"] == 27
+    assert checked["median_abs_rel_error"] <= 0.10
+    assert checked["worst_abs_rel_error"] <= 0.25
+    piped = [r for r in checked["per_row"] if r["row"] in PIPELINE_ROWS]
+    assert len(piped) == 7 and max(abs(r["rel_error"]) for r in piped) <= 0.25
     cp_rows = [
         r for r in checked["per_row"]
-        if r["modelled"] and "long_sequence" in r["source"] and " cp1 " not in r["row"]
+        if "long_sequence" in r["source"] and " cp1 " not in r["row"]
     ]  # fmt: skip
     assert len(cp_rows) == 12
-    assert max(abs(r["rel_error"]) for r in cp_rows) <= 0.30
+    assert max(abs(r["rel_error"]) for r in cp_rows) <= 0.05
 
 
 @pytest.mark.parametrize("gpu", ["h100", "b200"])

@@ -17,6 +17,7 @@ from dcp.observability.compare import (
     report_notes,
 )
 from dcp.observability.metrics import MetricsConfig, MetricsLogger, encode_record
+from tests.loop_metrics import write_loop_metrics
 from tools.compare_runs import compare_runs, main
 
 
@@ -256,43 +257,9 @@ def drawn(monkeypatch):
     return figures
 
 
-def _megatron_file(path, *, planner, plan, step_time_s=1.0, load=2.0):
-    """A ``--dcp-metrics`` file as ``dcp.integrations.megatron_lm.recorder.LoopRecorder``
-    writes it: the static run without plan keys, a ``--dcp`` run with them."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for step in range(1, 7):
-            record = {
-                "step": step,
-                "loss": 6.0 - 0.1 * step,
-                "tokens": 1000,
-                "sequences": 2,
-                "step_time_s": step_time_s,
-                "tokens_per_s": 1000 / step_time_s,
-                "lr": 1e-3,
-                "grad_norm": 1.0,
-                "skipped": False,
-                "planner": planner,
-                "host": {"load_1m": load, "cpus": 2, "device": "cpu"},
-            }
-            if plan:
-                record.update(
-                    compute_time_s=0.9 * step_time_s,
-                    predicted_step_time_s=0.8 * step_time_s,
-                    plan={
-                        "cp_hist": {"1": 2, "2": step % 2},
-                        "recompute_fraction": 0.5,
-                        "micro_steps_per_rank": [2, 1],
-                        "predicted_imbalance": 1.1,
-                    },
-                )
-            f.write(encode_record(step, record)[0] + "\n")
-    return path
-
-
 def test_a_static_run_without_plan_stats_has_no_legend_entry_in_plan_panels(tmp_path, drawn):
-    static = _megatron_file(tmp_path / "m" / "static.jsonl", planner="static", plan=False)
-    dcp = _megatron_file(tmp_path / "m" / "dcp.jsonl", planner="dcp", plan=True)
+    static = write_loop_metrics(tmp_path / "m" / "static.jsonl", planner="static", plan=False)
+    dcp = write_loop_metrics(tmp_path / "m" / "dcp.jsonl", planner="dcp", plan=True)
     compare_runs([static, dcp], tmp_path / "r")
     (figure,) = drawn
     plan_panels = {t: e for t, e in figure["titles"].items() if t.startswith("plan/")}
@@ -325,7 +292,7 @@ def test_legends_name_each_runs_configuration(tmp_path, drawn):
             run_info={"world_size": 8},
         )
         paths.append(tmp_path / name)
-    paths.append(_megatron_file(tmp_path / "m" / "dcp.jsonl", planner="megatron", plan=True))
+    paths.append(write_loop_metrics(tmp_path / "m" / "dcp.jsonl", planner="megatron", plan=True))
     result = compare_runs(paths, tmp_path / "r")
     assert [row["config"] for row in result["rows"]] == [
         "planner dcp, CP 1/2, recompute 25%, TP 1 PP 2, 8 ranks",

@@ -159,7 +159,7 @@ def test_a_chat_recipes_longest_sequence_is_the_models():
     from dcp.schema import load_config
     from dcp.train.config import PretrainConfig
 
-    # The synthetic section's cap (present, unused) is no cap of the chat data.
+    # Chat data has no document cap of its own: a conversation is as long as the model takes.
     sft = REPO / "pretrain/configs/sft_cpu.yaml"
-    cfg = load_config(PretrainConfig, sft, ["data.synthetic.max_len=300"])
-    assert tool.longest_seq_len(cfg) == (1024, "model.max_seq_len=1024")
+    cfg = load_config(PretrainConfig, sft, ["model.max_seq_len=1536"])
+    assert tool.longest_seq_len(cfg) == (1536, "model.max_seq_len=1536")

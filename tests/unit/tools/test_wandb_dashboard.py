@@ -26,6 +26,7 @@ from dcp.observability.preview import RunData, panel_lines, preview_panels
 from dcp.observability.record import PlanStats, StepRecord
 from dcp.observability.run_info import write_run_config
 from dcp.planning import plan_batch, simulate
+from tests.loop_metrics import write_loop_metrics
 from tools.bench_e2e import dashboard_hint
 from tools.wandb_dashboard import main
 
@@ -312,41 +313,11 @@ def _panels_of(dirs):
     return preview_panels(workspace)
 
 
-def _megatron_metrics(path, *, planner, plan):
-    """A ``--dcp-metrics`` file, each line as ``LoopRecorder`` encodes it."""
-    from dcp.observability.metrics import encode_record
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for step in range(1, 4):
-            record = {
-                "step": step,
-                "loss": 5.0 - 0.2 * step,
-                "tokens": 4000,
-                "sequences": 3,
-                "step_time_s": 2.0,
-                "tokens_per_s": 2000.0,
-                "lr": 1e-3,
-                "grad_norm": 1.5,
-                "skipped": False,
-                "planner": planner,
-                "host": {"load_1m": 1.0, "cpus": 2, "device": "cpu"},
-            }
-            if plan:
-                record |= {
-                    "compute_time_s": 1.8,
-                    "predicted_step_time_s": 1.7,
-                    "plan": {"cp_hist": {"1": 2, "2": 1}, "recompute_fraction": 0.5},
-                }
-            f.write(encode_record(step, record)[0] + "\n")
-    return path
-
-
 def test_megatron_loop_metrics_files_get_a_workspace_and_a_preview(tmp_path, capsys):
-    static = _megatron_metrics(
+    static = write_loop_metrics(
         tmp_path / "megatron-lm" / "static.jsonl", planner="static", plan=False
     )
-    dcp = _megatron_metrics(tmp_path / "megatron-lm" / "dcp.jsonl", planner="dcp", plan=True)
+    dcp = write_loop_metrics(tmp_path / "megatron-lm" / "dcp.jsonl", planner="dcp", plan=True)
     assert main([str(static), str(dcp)]) == 0
     out = capsys.readouterr().out
     path = tmp_path / "megatron-lm" / WORKSPACE_FILENAME

@@ -190,7 +190,9 @@ def test_sft_cpu_yaml_reads_chat_data_and_every_chat_key_is_checked():
     sft = REPO / "pretrain/configs/sft_cpu.yaml"
     for overrides, match in [
         (["data.chat=null"], "set data.chat.path when data.source=chat"),
-        (["data.source=synthetic"], "leave data.chat unset otherwise"),
+        (["data.source=synthetic"], "data.source=synthetic reads no chat data"),
+        (["data.synthetic.max_len=300"], "data.source=chat reads no synthetic data"),
+        (["data.indexed={prefixes: [x]}"], "data.source=chat reads no indexed data"),
         (["data.chat.tokenizer=sentencepiece"], "data.chat.tokenizer='sentencepiece'"),
         (["data.chat.tokenizer=hf"], "tokenizer_path: required with tokenizer=hf"),
         (["data.chat.tokenizer_path=/tmp"], "not taken by tokenizer=byte"),

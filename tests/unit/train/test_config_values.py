@@ -394,6 +394,8 @@ def test_seeds_keep_their_64_bit_range():
         f"train.seed={seed}",
         "data.sampler.max_tokens_per_batch=8192",
         f"data.sampler.seed={seed}",
+        "data.source=synthetic",
+        "data.indexed=null",
         f"data.synthetic.seed={seed}",
     )
     assert cfg.train.seed == cfg.data.sampler.seed == cfg.data.synthetic.seed == seed
