@@ -242,10 +242,14 @@ class ModelConfig:
             ffn_hidden_size=self.ffn_hidden_size,
             vocab_size=self.vocab_size,
             kv_channels=self.kv_channels,
+            num_experts=self.num_experts,
+            moe_router_topk=None if self.num_experts is None else self.moe_router_topk,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
         )
 
     def num_params(self) -> int:
-        """Parameter count (for MFU: 6·N·tokens plus attention FLOPs)."""
+        """Parameter count, every expert included (what ``check_model_fits`` sizes)."""
         return self.shape.param_counts(tied_embeddings=self.tie_embeddings).total
 
 

@@ -193,6 +193,7 @@ class BatchPlanner:
                 tensor_parallel_size=mesh.tensor_parallel_size,
                 tied_embeddings=cfg.model.tie_embeddings,
                 pipeline_parallel_size=mesh.pipeline_parallel_size,
+                expert_parallel_size=mesh.expert_parallel_size,
             ),
             ranks_per_node=launch_ranks_per_node(),
             model=cfg.model.shape,
@@ -203,8 +204,12 @@ class BatchPlanner:
         planner uses gets: the configured one, and a refitted one carried from a checkpoint
         written at another layout)."""
         calibrated = "calibration" in spec
-        if self._runtime_options:
-            spec, changed = with_runtime_options(spec, self._runtime_options)
+        # The EP size goes on after the run's model: a spec written for a dense model refuses
+        # an EP size above 1 (its experts are the run's).
+        options = dict(self._runtime_options or {})
+        experts = {k: options.pop(k) for k in ("expert_parallel_size",) if k in options}
+        if options:
+            spec, changed = with_runtime_options(spec, options)
             spec, resized = with_launch(
                 spec, world_size=self.mesh.world_size, ranks_per_node=self._ranks_per_node
             )
@@ -229,6 +234,12 @@ class BatchPlanner:
                     "the spec was calibrated on another model: its measured per-token terms are "
                     "scaled to this model analytically until measured (online calibration, or "
                     "tools.profile with this model)"
+                )
+        if experts:
+            spec, changed = with_runtime_options(spec, experts)
+            for key, (old, new) in changed.items():
+                logger.info(
+                    "cost-model spec options.%s: %s -> %s (the run's setting)", key, old, new
                 )
         return spec
 

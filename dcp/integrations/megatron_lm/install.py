@@ -97,6 +97,11 @@ def _model_spec(args: argparse.Namespace):
         ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=args.padded_vocab_size,
         kv_channels=args.kv_channels,
+        # Megatron's experts (every layer: check_args refuses --moe-layer-freq).
+        num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk if args.num_experts else None,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size if args.num_experts else None,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
     )
 
 
@@ -229,6 +234,7 @@ class MegatronLMRun:
                 tensor_parallel_size=mesh.tensor_parallel_size,
                 tied_embeddings=not args.untie_embeddings_and_output_weights,
                 pipeline_parallel_size=mesh.pipeline_parallel_size,
+                expert_parallel_size=mesh.expert_parallel_size,
             ),
             model=_model_spec(args),
         )

@@ -36,3 +36,28 @@ def test_static_configurations_start_at_the_ep_size():
     short = [[900] * 8]  # without experts, CP 1 is the fastest for these
     assert fixed_static_config(short, cost_model=cm, max_seq_len=900) == (1, "none")
     assert fixed_static_config(short, cost_model=cm, max_seq_len=900, min_cp_size=4)[0] == 4
+
+
+def test_a_runs_planner_prices_its_experts_and_keeps_ep_groups_whole():
+    # The run's experts reach the cost model through ModelConfig.shape, its EP size through the
+    # spec's options (laid on after the model: cpu-tiny is written for a dense model).
+    from dcp.costmodel.spec import runtime_options
+    from dcp.model import ModelConfig
+    from dcp.step.batches import BatchPlanner
+    from dcp.step.config import PlanningConfig
+
+    model = ModelConfig(num_experts=4, moe_ffn_hidden_size=96)
+    planner = BatchPlanner(
+        PlanningConfig(planner="static", spec="cpu-tiny"),
+        mesh=Mesh(4, expert_parallel_size=2),
+        max_seq_len=2048,
+        runtime_options=runtime_options(
+            dtype="fp32", distributed_optimizer=True, expert_parallel_size=2
+        ),
+        model=model.shape,
+    )
+    assert planner.cost_model.options.expert_parallel_size == 2
+    assert planner.cost_model.model.num_experts == 4
+    planned = planner.plan_lengths([2047, 300, 20, 9, 1500])
+    assert min(step.cp_size for step in planned.plan.steps) >= 2
+    check_expert_lockstep(planned.plan, planner.mesh)
