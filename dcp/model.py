@@ -404,20 +404,26 @@ def model_state_bytes(
     tensor_parallel_size: int,
     optimizer_shards: int = 1,
     pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> float:
     """Bytes one rank holds for the model's weights (in ``cfg.dtype``), fp32 main grads and
     Adam state (``optimizer_bytes_per_param``, split over ``optimizer_shards`` ranks by the
     distributed optimizer), all split over TP, on the largest pipeline stage
-    (``stage_num_params``). Activations come on top."""
+    (``stage_num_params``). A rank holds 1/``expert_parallel_size`` of the routed experts, whose
+    state the distributed optimizer shards over the ranks holding the same experts (the
+    optimizer shards / EP of them). Activations come on top."""
     # The cost-model spec's default main-grad bytes: megatron's fp32 gradient buffer.
-    grad_bytes = Options.grad_bytes_per_param
-    per_param = (
-        cfg.torch_dtype.itemsize
-        + grad_bytes
-        + optimizer_bytes_per_param(cfg.dtype) / optimizer_shards
-    )
+    weight_bytes = cfg.torch_dtype.itemsize + Options.grad_bytes_per_param
+    state_bytes = optimizer_bytes_per_param(cfg.dtype)
     params = stage_num_params(cfg, pipeline_parallel_size)
-    return params / tensor_parallel_size * per_param
+    experts = cfg.shape.param_counts(tied_embeddings=cfg.tie_embeddings).expert
+    dense = params - experts
+    per_rank = (
+        dense * (weight_bytes + state_bytes / optimizer_shards)
+        + experts / expert_parallel_size * weight_bytes
+        + experts * state_bytes / max(expert_parallel_size, optimizer_shards)
+    )
+    return per_rank / tensor_parallel_size
 
 
 def available_memory_bytes() -> int | None:
@@ -444,6 +450,7 @@ def check_model_fits(
     tensor_parallel_size: int,
     optimizer_shards: int = 1,
     pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> None:
     """Raise ``ValueError`` when the model's weights, gradients and optimizer state alone
     (``model_state_bytes``) exceed the memory this process can still allocate, so a model that
@@ -455,6 +462,7 @@ def check_model_fits(
         tensor_parallel_size=tensor_parallel_size,
         optimizer_shards=optimizer_shards,
         pipeline_parallel_size=pipeline_parallel_size,
+        expert_parallel_size=expert_parallel_size,
     )
     free = available_memory_bytes()
     if free is None or need <= free:

@@ -209,6 +209,7 @@ class Trainer:
             cfg.model,
             tensor_parallel_size=mesh.tensor_parallel_size,
             pipeline_parallel_size=mesh.pipeline_parallel_size,
+            expert_parallel_size=mesh.expert_parallel_size,
             optimizer_shards=mesh.num_planner_ranks if cfg.optim.distributed else 1,
         )
         if cfg.init.from_hf and not self.checkpoints.resumable():

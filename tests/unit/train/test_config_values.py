@@ -352,6 +352,22 @@ def test_model_state_bytes_per_rank(dtype, tp, shards, per_param):
     assert need == pytest.approx(cfg.num_params() * per_param)
 
 
+def test_a_rank_holds_its_share_of_the_experts():
+    cfg = ModelConfig(num_experts=8, moe_ffn_hidden_size=64)
+    experts = cfg.shape.param_counts().expert
+    dense = cfg.num_params() - experts
+    assert experts > dense > 0
+    # EP 4 without the distributed optimizer: a quarter of the experts, weights and state.
+    assert model_state_bytes(cfg, tensor_parallel_size=1, expert_parallel_size=4) == (
+        pytest.approx((dense + experts / 4) * (4 + 4 + 8))
+    )
+    # EP 4 over 8 optimizer shards: the experts' state is sharded over the 2 ranks per expert.
+    need = model_state_bytes(
+        cfg, tensor_parallel_size=1, expert_parallel_size=4, optimizer_shards=8
+    )
+    assert need == pytest.approx(dense * (8 + 8 / 8) + experts / 4 * 8 + experts * 8 / 8)
+
+
 def test_the_limit_is_the_per_rank_need(free_memory):
     cfg = ModelConfig()
     need = model_state_bytes(cfg, tensor_parallel_size=1)
