@@ -209,12 +209,12 @@ def expert_problems(args: argparse.Namespace) -> list[str]:
         return []
     problems = []
     ep = args.expert_model_parallel_size
-    if ep > 1 and args.dcp and args.dcp_planner != "static":
+    if ep > 1 and args.dcp and args.dcp_planner not in ("dcp", "static"):
         # Megatron's own schedule runs the same micro-batches on every rank: lockstep as is.
         problems.append(
             f"at --expert-model-parallel-size {ep} every DCP plan step must run on whole "
-            "expert-parallel groups, which only DCP's static planner guarantees yet: "
-            "--dcp-planner static (its CP size is then at least the EP size)"
+            "expert-parallel groups, which only DCP's own and static planners guarantee yet: "
+            "--dcp-planner dcp or static (CP sizes then start at the EP size)"
         )
     if ep > 1 and args.dcp and (args.dcp_static_cp_size or ep) < ep:
         problems.append(

@@ -122,12 +122,13 @@ def test_expert_settings_dcp_cannot_honour_are_refused(dcp, flags, match):
         dcp_mlm.check_args(args)
 
 
-def test_expert_parallelism_runs_static_or_with_the_static_planner():
+def test_expert_parallelism_runs_static_or_with_dcps_planners():
     ep2 = (*GOOD, *EXPERTS, "--expert-model-parallel-size", "2")
     dcp_mlm.check_args(megatron_args(*ep2))  # Megatron's own schedule
     dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", "static"))
-    with pytest.raises(ValueError, match="only DCP's static planner guarantees yet"):
-        dcp_mlm.check_args(megatron_args(*ep2, "--dcp"))
+    dcp_mlm.check_args(megatron_args(*ep2, "--dcp"))
+    with pytest.raises(ValueError, match="only DCP's own and static planners guarantee yet"):
+        dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", "megatron"))
     with pytest.raises(ValueError, match="--dcp-static-cp-size 1 would split"):
         dcp_mlm.check_args(
             megatron_args(*ep2, "--dcp", "--dcp-planner", "static", "--dcp-static-cp-size", "1")

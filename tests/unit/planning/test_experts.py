@@ -61,3 +61,28 @@ def test_a_runs_planner_prices_its_experts_and_keeps_ep_groups_whole():
     planned = planner.plan_lengths([2047, 300, 20, 9, 1500])
     assert min(step.cp_size for step in planned.plan.steps) >= 2
     check_expert_lockstep(planned.plan, planner.mesh)
+
+
+def test_dcp_plans_on_ep_groups_as_units():
+    # A Qwen3-30B-A3B-class model at EP 4 on 16 H200s (4 EP groups): DCP's planner mixes CP
+    # sizes, never below 4, every step on whole EP groups, within the real ranks' memory.
+    from dcp.costmodel.spec import runtime_options
+    from dcp.step.batches import BatchPlanner
+    from dcp.step.config import PlanningConfig
+
+    lengths = [60000, 31000, 9000, 4000, 2500, 900, 700, 300, 120, 80, 33, 5] * 2
+    planner = BatchPlanner(
+        PlanningConfig(planner="dcp", spec="h200x16+qwen3-30b-a3b"),
+        mesh=Mesh(16, expert_parallel_size=4),
+        max_seq_len=65536,
+        runtime_options=runtime_options(
+            dtype="bf16", distributed_optimizer=True, expert_parallel_size=4
+        ),
+    )
+    planned = planner.plan_lengths(lengths)
+    plan = planned.plan
+    assert {s.cp_size for s in plan.steps} == {4, 8}, plan.steps
+    check_expert_lockstep(plan, planner.mesh)
+    planner.cost_model.check_plan_memory(plan, lengths)
+    assert sorted(i for s in plan.steps for i in s.seq_ids) == list(range(len(lengths)))
+    assert planned.predicted_step_time_s > 0  # simulated on the real ranks

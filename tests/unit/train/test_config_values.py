@@ -86,8 +86,9 @@ def _refused(*overrides: str) -> str:
             r"^checkpoints at parallel\.expert_parallel_size > 1 are not supported yet",
         ),
         (
-            "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0",
-            r"^planning\.planner=dcp does not keep expert-parallel groups together yet",
+            "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0 "
+            "planning.planner=megatron",
+            r"^planning\.planner=megatron does not keep expert-parallel groups together yet",
         ),
         (
             "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0 "
