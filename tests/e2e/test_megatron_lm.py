@@ -242,15 +242,14 @@ def test_megatron_checkpoint_of_a_dcp_run_resumes_exactly(runs):
 
 def test_expert_parallel_static_and_dcp_plans_agree(corpus, tmp_path):
     """EP 2 on the 2 ranks: Megatron's own schedule (each data-parallel rank its micro-batches,
-    the two in lockstep) and DCP's static planner (every step on the whole EP group, CP 2) give
-    the same losses. Four steps, no evaluation, no checkpoint (refused at EP > 1)."""
+    the two in lockstep) and DCP's planner on EP groups as units (every step on the whole EP
+    group, CP 2) give the same losses. Four steps, no evaluation, no checkpoint (refused at
+    EP > 1)."""
     commands = readme_commands()
     ep2 = [*EXPERTS, "--expert-model-parallel-size", "2", "--eval-iters", "0"]
     ep2 += ["--train-iters", "4", "--lr-decay-iters", "6"]
     static = run(commands["static"], data=corpus, out=tmp_path / "static", extra=ep2)
-    dcp = run(
-        commands["dcp"], data=corpus, out=tmp_path / "dcp", extra=[*ep2, "--dcp-planner", "static"]
-    )
+    dcp = run(commands["dcp"], data=corpus, out=tmp_path / "dcp", extra=ep2)
     assert [r["step"] for r in static] == [r["step"] for r in dcp] == [1, 2, 3, 4]
     for a, b in zip(static, dcp, strict=True):
         assert a["tokens"] == b["tokens"]
