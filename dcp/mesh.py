@@ -40,10 +40,6 @@ def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-UNSUPPORTED_AXES = ("virtual_pipeline_parallel_size",)
-"""Axes the mesh has a place for but DCP does not run yet: only 1 is accepted."""
-
-
 @dataclass(frozen=True)
 class Mesh:
     """Where each global rank sits in world = PP × planner ranks × TP (TP innermost, stages
@@ -62,20 +58,20 @@ class Mesh:
     expert groups. A power of two dividing the planner ranks; plans keep EP groups together
     (``dcp.planning.experts``)."""
     virtual_pipeline_parallel_size: int = 1
-    """Model chunks per pipeline stage (interleaved schedule): not supported yet, only 1."""
+    """Model chunks per pipeline stage (the interleaved schedule, ``dcp.planning.pipeline``):
+    chunk v of stage s holds virtual stage v × PP + s's layers; more than 1 needs PP > 1."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
-        for name in UNSUPPORTED_AXES:
-            if getattr(self, name) != 1:
-                raise ValueError(
-                    f"{name}={getattr(self, name)} is not supported yet (only 1): DCP's planner "
-                    "and runtime have no place for this axis"
-                )
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.virtual_pipeline_parallel_size > 1 and pp == 1:
+            raise ValueError(
+                f"virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size} needs "
+                "pipeline_parallel_size > 1 (virtual stages interleave model chunks over stages)"
+            )
         if self.world_size % (tp * pp):
             raise ValueError(
                 f"tensor_parallel_size={tp} times pipeline_parallel_size={pp} must divide "
@@ -107,21 +103,27 @@ class Mesh:
         return cls(**data)
 
     def to_dict(self) -> dict[str, int]:
-        """The checkpoint's ``"layout"`` object: world, TP and PP sizes (the axes not supported
-        yet are 1 and not written, so the format stays the one earlier checkpoints have)."""
-        return {
+        """The checkpoint's ``"layout"`` object: world, TP and PP sizes, and the virtual stages
+        when there are some (the axes at 1 beyond those are not written, so the format stays
+        the one earlier checkpoints have)."""
+        out = {
             "world_size": self.world_size,
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
         }
+        if self.virtual_pipeline_parallel_size > 1:
+            out["virtual_pipeline_parallel_size"] = self.virtual_pipeline_parallel_size
+        return out
 
     def describe(self) -> str:
-        """``TP t``, then `` x PP p`` and `` x EP e`` where above 1: how the mesh splits its
-        ranks."""
-        pp, ep = self.pipeline_parallel_size, self.expert_parallel_size
+        """``TP t``, then `` x PP p``, `` x VP v`` and `` x EP e`` where above 1: how the mesh
+        splits its ranks."""
+        pp, vp = self.pipeline_parallel_size, self.virtual_pipeline_parallel_size
+        ep = self.expert_parallel_size
         return (
             f"TP {self.tensor_parallel_size}"
             + (f" x PP {pp}" if pp > 1 else "")
+            + (f" x VP {vp}" if vp > 1 else "")
             + (f" x EP {ep}" if ep > 1 else "")
         )
 

@@ -659,7 +659,14 @@ def pipeline_layout(num_layers: int, num_stages: int) -> list[list[str]]:
     return layout
 
 
-def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, **tf_overrides):
+def build_gpt_model(
+    cfg: ModelConfig,
+    *,
+    pg_collection=None,
+    seed: int = 1234,
+    virtual_stages: int | None = None,
+    **tf_overrides,
+):
     """A fresh ``GPTModel`` with deterministic init (same ``seed`` → same weights everywhere).
 
     ``pg_collection`` defaults to megatron's parallel_state groups, which must be initialised;
@@ -676,16 +683,35 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
     not depend on the PP size either; on a GPU, same seed, same weights for the same TP and PP
     sizes, each stage drawing from its own seed (``stage_seed``, as Megatron-LM), so no stage's
     layers repeat another's.
+
+    ``virtual_stages`` (default: megatron's parallel state's) V > 1: this rank's V model chunks
+    as one ``ModelChunks``, chunk v holding virtual stage v × PP + s's layers.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     check_device_support(cfg)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    if virtual_stages is None:
+        virtual_stages = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     tp = pg_collection.tp.size()
     check_tensor_parallel(cfg, tp)
     stages = pg_collection.pp.size() if getattr(pg_collection, "pp", None) is not None else 1
-    if stages > 1:
+    check_virtual_stages(cfg, stages, virtual_stages)
+    if virtual_stages > 1:
+        chunks = [
+            build_stage(
+                cfg, pg_collection, seed=seed, chunk=v, chunks=virtual_stages, **tf_overrides
+            )
+            for v in range(virtual_stages)
+        ]
+        if not torch.cuda.is_available():  # as for stages below
+            whole = _build(cfg, pg_collection, seed, stage=0, stages=1, **tf_overrides)
+            for chunk in chunks:
+                _copy_stage_from(chunk, whole)
+        model = ModelChunks(chunks)
+    elif stages > 1:
         model = build_stage(cfg, pg_collection, seed=seed, **tf_overrides)
         if not torch.cuda.is_available():
             # CPU initialisation draws every weight whole from one stream, in construction
@@ -703,21 +729,107 @@ def build_gpt_model(cfg: ModelConfig, *, pg_collection=None, seed: int = 1234, *
     return model
 
 
-def build_stage(cfg: ModelConfig, pg_collection, *, seed: int = 1234, **tf_overrides):
-    """This rank's pipeline stage of ``cfg`` (``pg_collection.pp``), its weights drawn from the
-    stage's own seed (``stage_seed``): what ``build_gpt_model`` builds on a GPU. On CPU
-    ``build_gpt_model`` then replaces them with the whole model's."""
+def build_stage(
+    cfg: ModelConfig,
+    pg_collection,
+    *,
+    seed: int = 1234,
+    chunk: int = 0,
+    chunks: int = 1,
+    **tf_overrides,
+):
+    """This rank's pipeline stage of ``cfg`` (``pg_collection.pp``), or with ``chunks`` > 1
+    its model chunk ``chunk`` (virtual stage ``chunk`` × PP + stage, built with megatron's
+    ``vp_stage``), its weights drawn from its own seed (``stage_seed`` of its virtual stage):
+    what ``build_gpt_model`` builds on a GPU. On CPU ``build_gpt_model`` then replaces them with
+    the whole model's."""
     stages = pg_collection.pp.size()
+    virtual = {}
+    if chunks > 1:
+        virtual = {"virtual_pipeline_model_parallel_size": chunks, "vp_stage": chunk}
     return _build(
         cfg,
         pg_collection,
         seed,
-        stage=pg_collection.pp.rank(),
-        stages=stages,
+        stage=chunk * stages + pg_collection.pp.rank(),
+        stages=stages * chunks,
         pipeline_model_parallel_size=stages,
-        pipeline_model_parallel_layout=pipeline_layout(cfg.num_layers, stages),
+        pipeline_model_parallel_layout=pipeline_layout(cfg.num_layers, stages * chunks),
+        **virtual,
         **tf_overrides,
     )
+
+
+def check_virtual_stages(cfg: ModelConfig, stages: int, virtual_stages: int) -> None:
+    """``ValueError`` unless ``virtual_stages`` chunks per stage can split ``cfg``: more than
+    one needs a pipeline, and the layers must split evenly over the PP × VP virtual stages
+    (megatron's rule; the cost model prices each stage's layers as PP alone splits them)."""
+    if virtual_stages == 1:
+        return
+    if stages == 1:
+        raise ValueError(
+            f"virtual_pipeline_parallel_size={virtual_stages} needs pipeline_parallel_size > 1"
+        )
+    if cfg.num_layers % (stages * virtual_stages):
+        raise ValueError(
+            f"model.num_layers={cfg.num_layers} must be a multiple of parallel."
+            f"pipeline_parallel_size x parallel.virtual_pipeline_parallel_size = {stages} x "
+            f"{virtual_stages} (every virtual stage holds as many layers)"
+        )
+
+
+class ModelChunks(torch.nn.Module):
+    """A pipeline stage's model chunks under virtual stages: chunk v (``chunks[v]``, a
+    ``GPTModel`` or its ``Float16Module``) holds virtual stage v × PP + s. One module, so one
+    DDP, one optimizer and one state dict (``chunks.<v>.`` before each chunk's names) serve the
+    stage as they serve a stage without chunks; the pipeline executor runs each chunk itself.
+    megatron's ``finalize_model_grads`` reads the tied embedding of a model list's first chunk
+    on the first stage and its last on the last stage: so do ``pre_process``, ``post_process``
+    and ``shared_embedding_or_output_weight`` here."""
+
+    def __init__(self, chunks: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+
+    def _model(self, index: int):
+        model = self.chunks[index]
+        while hasattr(model, "module"):
+            model = model.module
+        return model
+
+    @property
+    def config(self):
+        return self._model(0).config
+
+    @property
+    def pre_process(self) -> bool:
+        return self._model(0).pre_process
+
+    @property
+    def post_process(self) -> bool:
+        return self._model(-1).post_process
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self._model(0).share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        """The first chunk's embedding on the first stage, else the last chunk's output layer
+        (megatron's ``model[0]`` / ``model[-1]``)."""
+        return self._model(0 if self.pre_process else -1).shared_embedding_or_output_weight()
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - the executor calls each chunk
+        raise RuntimeError("run a model chunk (ModelChunks.chunks[v]), not the stage")
+
+
+def model_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules a stage runs, in chunk order: ``ModelChunks``' chunks (each with its
+    ``Float16Module``, if any), or the model itself without virtual stages. ``model`` may be
+    DDP-wrapped."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return list(inner.chunks) if isinstance(inner, ModelChunks) else [model]
 
 
 _LAYERS = "decoder.layers."
@@ -735,6 +847,14 @@ def stage_layer_indices(model: torch.nn.Module) -> dict[int, int]:
             index = int((name + ".").split(_LAYERS, 1)[1].split(".", 1)[0])
             out[index] = module.layer_number - 1
     return {} if all(k == v for k, v in out.items()) else out
+
+
+def held_layers(model: torch.nn.Module) -> set[int]:
+    """The model's layer indices (0-based, over the whole model) this stage holds, in every
+    chunk (megatron's global ``layer_number`` of each ``TransformerLayer``)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return {m.layer_number - 1 for m in model.modules() if isinstance(m, TransformerLayer)}
 
 
 def _copy_stage_from(stage_model: torch.nn.Module, whole: torch.nn.Module) -> None:
@@ -771,9 +891,19 @@ def stage_seed(seed: int, stage: int) -> int:
     return seed + STAGE_SEED_STRIDE * stage
 
 
-def _build(cfg: ModelConfig, pg_collection, seed: int, *, stage: int, stages: int, **tf_overrides):
-    """``GPTModel`` of pipeline stage ``stage`` of ``stages`` (1: the whole model), seeded with
-    the stage's seed (``stage_seed``)."""
+def _build(
+    cfg: ModelConfig,
+    pg_collection,
+    seed: int,
+    *,
+    stage: int,
+    stages: int,
+    vp_stage: int | None = None,
+    **tf_overrides,
+):
+    """``GPTModel`` of (virtual) pipeline stage ``stage`` of ``stages`` (1: the whole model),
+    seeded with the stage's seed (``stage_seed``); ``vp_stage``: its chunk under virtual
+    stages."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -800,6 +930,7 @@ def _build(cfg: ModelConfig, pg_collection, seed: int, *, stage: int, stages: in
             position_embedding_type="rope",
             rotary_base=cfg.rotary_base,
             pg_collection=pg_collection,
+            vp_stage=vp_stage,
         )
     set_rope_frequencies(model, rope_inv_freq(cfg))
     if cfg.padded_vocab_size > cfg.vocab_size and model.post_process:

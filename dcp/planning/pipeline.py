@@ -14,15 +14,30 @@ a rank of a plan with R positions side by side about P / R of its own micro-step
 no pipelining.) When consecutive micro-steps always share a rank, slots are micro-steps and this
 is the textbook 1F1B over them.
 
+Virtual stages (``virtual_stages`` = V > 1, P > 1): each stage holds V model chunks, chunk v of
+stage s being virtual stage j = v P + s (megatron's assignment), and a micro-step goes forward
+through j = 0 .. V P - 1 (from chunk v on stage P - 1 to chunk v + 1 on stage 0) and backward
+the other way. ``chunk_order`` is megatron's interleaved 1F1B over the slots: the forwards in
+groups of P slots, each group through chunk 0, then chunk 1, ...; the backwards the same with
+the chunks reversed; stage s runs 2 (P - 1 - s) + (V - 1) P forwards first, then one forward and
+one backward in turn. Megatron's group size (``microbatch_group_size_per_vp_stage``) is fixed at
+its default, P: a smaller group would leave chunk 1 of stage 0 waiting for chunk 0 of stage
+P - 1. Megatron refuses a micro-batch count whose last group is shorter than P (its order is
+then cyclic); a plan's slot count is whatever the batch gives, so the dense schedule below
+orders the slots rounded up to a multiple of P instead, the extra slots holding no micro-step
+(``dense_slots``): every rank runs a subsequence of a valid interleaved order, which is all the
+argument below needs. Stage s has at most 2 (P - 1 - s) + (V - 1) P + 1 of its (chunk, slot)s
+in flight.
+
 ``rank_events`` adds the point-to-point messages to that subsequence: the activations a forward
-sends to the next stage and the gradient a backward sends to the previous one. Every event
-(a micro-step's forward or backward on one stage, a message between two stages at one position)
-has one key, the same for all its participants: its start time (a compute event) or its
-producer's end time (a message) in the dense 1F1B schedule of the u slots with unit forwards
-and backwards of two units, then the micro-step's index. Each rank runs its events in key
-order, so the unfinished event with the least key always has all its participants at it:
-collectives and blocking send/receive pairs complete whatever the plan, and each message pairs a
-sender and a receiver that agree on what it is.
+sends to the next virtual stage and the gradient a backward sends to the previous one. Every
+event (a micro-step's forward or backward on one virtual stage, a message between two
+consecutive virtual stages at one position) has one key, the same for all its participants: its
+start time (a compute event) or its producer's end time (a message) in the dense schedule of the
+slots with unit forwards and backwards of two units, then the micro-step's index. Each rank runs
+its events in key order, so the unfinished event with the least key always has all its
+participants at it: collectives and blocking send/receive pairs complete whatever the plan, and
+each message pairs a sender and a receiver that agree on what it is.
 
 The runtime posts each run of consecutive messages of a rank's list at once and then waits for
 all of them (``message_batches``; torch's ``batch_isend_irecv``, as megatron's p2p pairs a send
@@ -55,18 +70,30 @@ MESSAGE_KINDS = frozenset({SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRADIENT, RECV
 """The point-to-point events (the others are a stage's forward or backward)."""
 Op = tuple[str, int]
 """(``"F"`` or ``"B"``, index of the micro-step in ``Plan.steps``)."""
+ChunkOp = tuple[str, int, int]
+"""(``"F"`` or ``"B"``, model chunk of the stage, index of the micro-step in ``Plan.steps``)."""
 # Dense-schedule durations that key the events (a GEMM's backward costs twice its forward).
 _DENSE_FORWARD, _DENSE_BACKWARD = 1, 2
 
 
 def check_stages(num_stages: int, virtual_stages: int = 1) -> None:
-    """``ValueError`` unless ``num_stages`` >= 1 and there are no interleaved virtual stages."""
+    """``ValueError`` unless ``num_stages`` >= 1 and ``virtual_stages`` >= 1, and virtual stages
+    (model chunks per rank) only with more than one stage: with one stage a chunk's output would
+    be sent to the rank itself."""
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {num_stages!r}")
-    if virtual_stages != 1:
+    if (
+        isinstance(virtual_stages, bool)
+        or not isinstance(virtual_stages, int)
+        or virtual_stages < 1
+    ):
         raise ValueError(
-            f"virtual pipeline stages (virtual_pipeline_parallel_size={virtual_stages}) are not "
-            "supported: DCP runs a non-interleaved 1F1B schedule; set it to 1"
+            f"virtual_pipeline_parallel_size must be an integer >= 1, got {virtual_stages!r}"
+        )
+    if virtual_stages > 1 and num_stages == 1:
+        raise ValueError(
+            f"virtual_pipeline_parallel_size={virtual_stages} needs pipeline_parallel_size > 1 "
+            "(virtual stages interleave model chunks over the pipeline's stages)"
         )
 
 
@@ -86,58 +113,123 @@ def pipeline_slots(plan: Plan) -> tuple[tuple[int, ...], ...]:
     return tuple(slots)
 
 
-def slot_order(num_slots: int, num_stages: int, stage: int) -> tuple[tuple[str, int], ...]:
-    """Stage ``stage``'s 1F1B order over ``num_slots`` slots: (``F`` or ``B``, slot)."""
-    warmup = min(num_stages - 1 - stage, num_slots)
-    ops = [(FORWARD, u) for u in range(warmup)]
-    for i in range(num_slots - warmup):
-        ops += [(FORWARD, warmup + i), (BACKWARD, i)]
-    ops += [(BACKWARD, u) for u in range(num_slots - warmup, num_slots)]
+def slot_order(
+    num_slots: int, num_stages: int, stage: int, virtual_stages: int = 1
+) -> tuple[tuple[str, int, int], ...]:
+    """Stage ``stage``'s 1F1B order over ``num_slots`` slots and its ``virtual_stages`` model
+    chunks: (``F`` or ``B``, chunk, slot) (module docstring). The forwards go through
+    ``forward_table``, the backwards through the same table with the chunks reversed; stage s
+    runs ``warmup_slots`` forwards, then one forward and one backward in turn, then the
+    remaining backwards."""
+    table = forward_table(num_slots, num_stages, virtual_stages)
+    forwards = [(FORWARD, chunk, u) for chunk, u in table]
+    backwards = [(BACKWARD, virtual_stages - 1 - chunk, u) for chunk, u in table]
+    warmup = warmup_slots(num_slots, num_stages, stage, virtual_stages)
+    ops = forwards[:warmup]
+    for i in range(len(table) - warmup):
+        ops += [forwards[warmup + i], backwards[i]]
+    ops += backwards[len(table) - warmup :]
     return tuple(ops)
 
 
-def pipeline_order(
+def forward_table(num_slots: int, num_stages: int, virtual_stages: int) -> list[tuple[int, int]]:
+    """The (chunk, slot) forwards of every stage in order: the slots in groups of P (the last
+    group takes the remainder), each group through chunk 0, then chunk 1, ..., as megatron's
+    interleaved schedule with its default ``microbatch_group_size_per_vp_stage`` = P. With one
+    chunk: the slots in order."""
+    table = []
+    for first in range(0, num_slots, num_stages):
+        group = range(first, min(first + num_stages, num_slots))
+        table += [(chunk, u) for chunk in range(virtual_stages) for u in group]
+    return table
+
+
+def dense_slots(num_slots: int, num_stages: int, virtual_stages: int) -> int:
+    """How many slots the dense schedule orders: with virtual stages the plan's slots rounded
+    up to a multiple of P, since megatron's interleaved order over a last group of fewer than P
+    slots is cyclic (a stage would wait for a backward that needs its own later forward);
+    the extra slots hold no micro-step. Without virtual stages, the plan's slots."""
+    if virtual_stages == 1:
+        return num_slots
+    return -(-num_slots // num_stages) * num_stages
+
+
+def warmup_slots(num_slots: int, num_stages: int, stage: int, virtual_stages: int) -> int:
+    """How many (chunk, slot) forwards stage ``stage`` runs before its first backward:
+    P - 1 - s without virtual stages (non-interleaved 1F1B); with V chunks, megatron's
+    interleaved warm-up 2 (P - 1 - s) + (V - 1) P (the forwards of chunk V - 1 go round the
+    pipeline once more before the first backward comes back); at most all of them."""
+    behind = num_stages - 1 - stage
+    if virtual_stages == 1:
+        warmup = behind
+    else:
+        warmup = 2 * behind + (virtual_stages - 1) * num_stages
+    return min(warmup, num_slots * virtual_stages)
+
+
+def chunk_order(
     plan: Plan, num_stages: int, *, virtual_stages: int = 1
-) -> tuple[tuple[Op, ...], ...]:
-    """Per stage, its 1F1B order over all of ``plan``'s micro-steps (module docstring)."""
+) -> tuple[tuple[ChunkOp, ...], ...]:
+    """Per stage, its order over all of ``plan``'s micro-steps and its model chunks: (``F`` or
+    ``B``, chunk, step), a slot's micro-steps in plan order (module docstring)."""
     check_stages(num_stages, virtual_stages)
     slots = pipeline_slots(plan)
+    dense = dense_slots(len(slots), num_stages, virtual_stages)
     return tuple(
-        tuple((kind, m) for kind, u in slot_order(len(slots), num_stages, s) for m in slots[u])
+        tuple(
+            (kind, chunk, m)
+            for kind, chunk, u in slot_order(dense, num_stages, s, virtual_stages)
+            if u < len(slots)
+            for m in slots[u]
+        )
         for s in range(num_stages)
     )
 
 
-def dense_start_times(plan: Plan, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
-    """Start times of every forward and backward, ``[stage, step]`` each, in the dense 1F1B
-    schedule of the plan's slots (every slot on every rank, forwards 1 and backwards 2 units,
-    messages instant): the events' keys."""
+def pipeline_order(plan: Plan, num_stages: int) -> tuple[tuple[Op, ...], ...]:
+    """Per stage, its non-interleaved 1F1B order over all of ``plan``'s micro-steps (module
+    docstring): ``chunk_order`` with one chunk per stage."""
+    return tuple(tuple((kind, m) for kind, _, m in ops) for ops in chunk_order(plan, num_stages))
+
+
+def dense_start_times(
+    plan: Plan, num_stages: int, virtual_stages: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Start times of every forward and backward, ``[virtual stage, step]`` each (virtual stage
+    j = chunk v on stage s with j = v P + s), in the dense schedule of the plan's slots (every
+    slot on every rank in ``slot_order``, forwards 1 and backwards 2 units, messages instant):
+    the events' keys. A forward of virtual stage j waits for j - 1's, a backward for j + 1's
+    (the last one's for its own forward). ``dense_slots`` slots are ordered."""
     slots = pipeline_slots(plan)
-    u, p = len(slots), num_stages
-    start = {FORWARD: np.full((p, u), -1, np.int64), BACKWARD: np.full((p, u), -1, np.int64)}
-    orders = [slot_order(u, p, s) for s in range(p)]
+    u, p = dense_slots(len(slots), num_stages, virtual_stages), num_stages
+    vp = p * virtual_stages
+    start = {FORWARD: np.full((vp, u), -1, np.int64), BACKWARD: np.full((vp, u), -1, np.int64)}
+    orders = [slot_order(u, p, s, virtual_stages) for s in range(p)]
     pos, free = [0] * p, [0] * p
-    remaining = 2 * u * p
+    remaining = 2 * u * vp
     while remaining:
         progressed = False
         for s in range(p):
             while pos[s] < len(orders[s]):
-                kind, k = orders[s][pos[s]]
+                kind, chunk, k = orders[s][pos[s]]
+                j = chunk * p + s
                 if kind == FORWARD:
-                    ready = s == 0 or start[FORWARD][s - 1, k] >= 0
-                    dep = start[FORWARD][s - 1, k] + _DENSE_FORWARD if s > 0 else 0
+                    ready = j == 0 or start[FORWARD][j - 1, k] >= 0
+                    dep = start[FORWARD][j - 1, k] + _DENSE_FORWARD if j > 0 else 0
+                elif j == vp - 1:
+                    ready, dep = start[FORWARD][j, k] >= 0, 0
                 else:
-                    ready = s == p - 1 or start[BACKWARD][s + 1, k] >= 0
-                    dep = start[BACKWARD][s + 1, k] + _DENSE_BACKWARD if s < p - 1 else 0
+                    ready = start[BACKWARD][j + 1, k] >= 0
+                    dep = start[BACKWARD][j + 1, k] + _DENSE_BACKWARD
                 if not ready:
                     break
                 begin = max(free[s], dep)
-                start[kind][s, k] = begin
+                start[kind][j, k] = begin
                 free[s] = begin + (_DENSE_FORWARD if kind == FORWARD else _DENSE_BACKWARD)
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
-        assert progressed, "the dense 1F1B schedule is acyclic"
+        assert progressed, "the dense pipeline schedule is acyclic"
     slot_of = np.zeros(len(plan.steps), np.int64)
     for k, members in enumerate(slots):
         slot_of[list(members)] = k
@@ -145,34 +237,38 @@ def dense_start_times(plan: Plan, num_stages: int) -> tuple[np.ndarray, np.ndarr
 
 
 Key = tuple[int, int, int, int, int]
-"""(dense time, 0 for a message or 1 for a compute event, the message's lower stage or the
-compute event's stage, 0 forward or activation / 1 backward or gradient, step index)."""
+"""(dense time, 0 for a message or 1 for a compute event, the message's lower virtual stage or
+the compute event's virtual stage, 0 forward or activation / 1 backward or gradient, step
+index). Virtual stage j is chunk j // P of stage j % P; without virtual stages, the stage."""
 
 
-def event_keys(plan: Plan, num_stages: int) -> list[Key]:
+def event_keys(plan: Plan, num_stages: int, *, virtual_stages: int = 1) -> list[Key]:
     """Every event of the plan's pipeline, in key order (module docstring): each micro-step's
-    forward and backward on every stage, and its activation and gradient between every two
-    adjacent stages (one event per planner rank of the micro-step, with this key)."""
-    f_starts, b_starts = (a.tolist() for a in dense_start_times(plan, num_stages))
+    forward and backward on every virtual stage, and its activation and gradient between every
+    two consecutive virtual stages (chunk v on stage P - 1 and chunk v + 1 on stage 0
+    included; one event per planner rank of the micro-step, with this key)."""
+    check_stages(num_stages, virtual_stages)
+    f_starts, b_starts = (a.tolist() for a in dense_start_times(plan, num_stages, virtual_stages))
+    num_virtual = num_stages * virtual_stages
     keys: list[Key] = []
-    for s in range(num_stages):
-        forwards, backwards = f_starts[s], b_starts[s]
-        below = b_starts[s + 1] if s + 1 < num_stages else None
+    for j in range(num_virtual):
+        forwards, backwards = f_starts[j], b_starts[j]
+        below = b_starts[j + 1] if j + 1 < num_virtual else None
         for m in range(len(plan.steps)):
-            keys.append((forwards[m], 1, s, 0, m))
-            keys.append((backwards[m], 1, s, 1, m))
+            keys.append((forwards[m], 1, j, 0, m))
+            keys.append((backwards[m], 1, j, 1, m))
             if below is not None:
-                # A message's key is its producer's end: stage s's forward, stage s + 1's backward.
-                keys.append((forwards[m] + _DENSE_FORWARD, 0, s, 0, m))
-                keys.append((below[m] + _DENSE_BACKWARD, 0, s, 1, m))
+                # A message's key is its producer's end: j's forward, j + 1's backward.
+                keys.append((forwards[m] + _DENSE_FORWARD, 0, j, 0, m))
+                keys.append((below[m] + _DENSE_BACKWARD, 0, j, 1, m))
     keys.sort()
     return keys
 
 
 @dataclass(frozen=True, order=True)
 class PipelineEvent:
-    """One event of a (stage, planner rank): a micro-step's forward or backward on its stage,
-    or one of its messages to or from an adjacent stage."""
+    """One event of a (stage, planner rank): a micro-step's forward or backward through one of
+    the stage's model chunks, or one of its messages to or from a neighbouring stage."""
 
     key: Key
     """``event_keys``' key: equal on every participant of the event; a rank runs its events in
@@ -183,6 +279,9 @@ class PipelineEvent:
     """Index of the micro-step in ``Plan.steps``."""
     peer_stage: int | None = None
     """The other stage of a message (at the same planner rank); ``None`` for F and B."""
+    chunk: int = 0
+    """The model chunk of this stage the event belongs to: the one that runs the forward or
+    backward, sends its output or input gradient, or receives its input or output gradient."""
 
 
 def message_batches(events: Sequence[PipelineEvent]) -> list[tuple[PipelineEvent, ...]]:
@@ -214,28 +313,34 @@ def rank_events(
     forward_only: bool = False,
 ) -> list[PipelineEvent]:
     """What planner rank ``rank`` of stage ``stage`` runs, in order: for each micro-step that
-    holds the rank, its receive of the activations (stages > 0), forward, send of them
-    (stages < P - 1), receive of the gradient, backward and send of the input gradient, each at
-    its key (``event_keys``). Its F and B events are the subsequence of
-    ``pipeline_order(plan)[stage]`` made of the rank's micro-steps. ``forward_only``
-    (evaluation): the forwards and activation messages alone, in the same key order; each
-    event dropped is dropped on all its participants (a backward has one, a gradient message
-    both its ends), so what is left keeps the order argument of docs/design.md."""
+    holds the rank and each of the stage's chunks, its receive of the activations (all but
+    virtual stage 0), forward, send of them (all but the last virtual stage), receive of the
+    gradient, backward and send of the input gradient, each at its key (``event_keys``). Its F
+    and B events are the subsequence of ``chunk_order(plan)[stage]`` made of the rank's
+    micro-steps. ``forward_only`` (evaluation): the forwards and activation messages alone, in
+    the same key order; each event dropped is dropped on all its participants (a backward has
+    one, a gradient message both its ends), so what is left keeps the order argument of
+    docs/design.md."""
     check_stages(num_stages, virtual_stages)
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
     events = []
-    for key in event_keys(plan, num_stages):
-        _, is_compute, s, kind, m = key
+    for key in event_keys(plan, num_stages, virtual_stages=virtual_stages):
+        _, is_compute, j, kind, m = key
         if rank not in plan.steps[m].ranks:
             continue
+        chunk, s = divmod(j, num_stages)
         if is_compute:
             if s == stage:
-                events.append(PipelineEvent(key, (FORWARD, BACKWARD)[kind], m))
-        elif s == stage:  # this stage sends the activation, receives the gradient
-            events.append(PipelineEvent(key, (SEND_ACTIVATION, RECV_GRADIENT)[kind], m, s + 1))
-        elif s + 1 == stage:
-            events.append(PipelineEvent(key, (RECV_ACTIVATION, SEND_GRADIENT)[kind], m, s))
+                events.append(PipelineEvent(key, (FORWARD, BACKWARD)[kind], m, chunk=chunk))
+            continue
+        upper_chunk, upper = divmod(j + 1, num_stages)
+        if s == stage:  # virtual stage j sends the activation, receives the gradient
+            kind_here = (SEND_ACTIVATION, RECV_GRADIENT)[kind]
+            events.append(PipelineEvent(key, kind_here, m, upper, chunk))
+        if upper == stage:  # virtual stage j + 1 receives the activation, sends the gradient
+            kind_here = (RECV_ACTIVATION, SEND_GRADIENT)[kind]
+            events.append(PipelineEvent(key, kind_here, m, s, upper_chunk))
     if forward_only:
         return [e for e in events if e.kind in _FORWARD_KINDS]
     return events
@@ -244,13 +349,30 @@ def rank_events(
 class StepCosts:
     """What the pipeline needs of each micro-step of one batch, computed once per distinct
     micro-step: its (forward, backward, exposed CP communication) seconds and activation bytes
-    on each stage, and its stage-to-stage transfer time (``PipelineCosts``)."""
+    on each stage (and on each virtual stage: ``chunk_times``, ``chunk_activations``), and its
+    stage-to-stage transfer time (``PipelineCosts``)."""
 
     def __init__(self, costs: PipelineCosts, lengths: Sequence[int]) -> None:
         self.costs = costs
         self.lengths = [int(x) for x in lengths]
         self._times: dict[MicroStep, tuple[tuple[float, float, float], ...]] = {}
         self._acts: dict[MicroStep, tuple[float, ...]] = {}
+        self._chunk_times: dict[MicroStep, tuple[tuple[float, float, float], ...]] = {}
+        self._chunk_acts: dict[MicroStep, tuple[float, ...]] = {}
+
+    def chunk_times(self, step: MicroStep) -> tuple[tuple[float, float, float], ...]:
+        """``times`` per virtual stage j = v P + s (the stages themselves when V = 1)."""
+        out = self._chunk_times.get(step)
+        if out is None:
+            out = self._chunk_times[step] = self.costs.chunk_step_times(step, self.lengths)
+        return out
+
+    def chunk_activations(self, step: MicroStep) -> tuple[float, ...]:
+        """``activations`` per virtual stage j = v P + s (the stages themselves when V = 1)."""
+        out = self._chunk_acts.get(step)
+        if out is None:
+            out = self._chunk_acts[step] = self.costs.chunk_activation_bytes(step, self.lengths)
+        return out
 
     def times(self, step: MicroStep) -> tuple[tuple[float, float, float], ...]:
         out = self._times.get(step)
@@ -290,20 +412,29 @@ def stage_peak_bytes(
 ) -> StageMemory:
     """Each (stage, planner rank)'s peak memory under ``pipeline_order`` (it depends on the
     order only, not on timing): its static bytes plus, at each of its forwards, the activation
-    bytes of its micro-steps in flight. ``order``: the plan's ``pipeline_order``, if made."""
+    bytes of its micro-steps in flight. ``order``: the plan's ``pipeline_order``, if made.
+    Under virtual stages (``costs.virtual_stages`` > 1) the order is ``chunk_order`` and each
+    (chunk, micro-step) in flight holds its chunk's bytes; ``order`` is then not taken."""
     step_costs = step_costs or StepCosts(costs, lengths)
-    order = order or pipeline_order(plan, costs.num_stages)
-    acts = [step_costs.activations(step) for step in plan.steps]
+    p, v = costs.num_stages, costs.virtual_stages
+    if v == 1:
+        order = order or pipeline_order(plan, p)
+        ops = [[(kind, 0, m) for kind, m in stage_ops] for stage_ops in order]
+    else:
+        if order is not None:
+            raise ValueError("order is pipeline_order's, without virtual stages")
+        ops = chunk_order(plan, p, virtual_stages=v)
+    acts = [step_costs.chunk_activations(step) for step in plan.steps]
     ranks = [step.ranks for step in plan.steps]
     num_ranks = costs.cost_model.num_ranks
     budget = costs.cost_model.mem_budget_bytes
-    peak = np.zeros((costs.num_stages, num_ranks))
+    peak = np.zeros((p, num_ranks))
     worst, worst_over = None, 0.0
-    for s, stage_ops in enumerate(order):
+    for s, stage_ops in enumerate(ops):
         static = costs.stages[s].static_mem_bytes
         live, top = [0.0] * num_ranks, [0.0] * num_ranks
-        for kind, m in stage_ops:
-            held = acts[m][s]
+        for kind, chunk, m in stage_ops:
+            held = acts[m][chunk * p + s]
             if kind == BACKWARD:
                 for r in ranks[m]:
                     live[r] -= held

@@ -6,7 +6,9 @@ ranks synchronise, as Megatron's Hybrid-CP schedule does after every group). Und
 parallelism (the spec's ``options.pipeline_parallel_size`` > 1) it runs every (stage, planner
 rank)'s events of ``dcp.planning.pipeline.rank_events`` instead: a forward or backward starts
 when every rank of its group on its stage is free, a message when its sender and receiver are
-(blocking pairs), each lasting its stage's time (``dcp.costmodel.pipeline``).
+(blocking pairs), each lasting its stage's time (``dcp.costmodel.pipeline``); with virtual
+stages (``PipelineCosts.virtual_stages`` > 1) the interleaved events, each chunk's forward and
+backward lasting the chunk's time.
 """
 
 from __future__ import annotations
@@ -144,16 +146,18 @@ def simulate_pipeline(
         if step.ranks[0] < 0 or step.ranks[-1] >= num_ranks:
             raise ValueError(f"step {index} uses ranks {step.ranks} outside [0, {num_ranks})")
     step_costs = step_costs or StepCosts(costs, lengths)
-    times = [step_costs.times(step) for step in plan.steps]
+    times = [step_costs.chunk_times(step) for step in plan.steps]
     transfer = [step_costs.transfer_s(step) for step in plan.steps]
     ranks_of = [step.ranks for step in plan.steps]
     free = [[0.0] * num_ranks for _ in range(num_stages)]
     busy = [[0.0] * num_ranks for _ in range(num_stages)]
     compute_total = comm_total = 0.0
-    for _, is_compute, s, kind, m in event_keys(plan, num_stages):
+    keys = event_keys(plan, num_stages, virtual_stages=costs.virtual_stages)
+    for _, is_compute, j, kind, m in keys:
         ranks = ranks_of[m]
+        s = j % num_stages  # virtual stage j is chunk j // P of stage j % P
         if is_compute:
-            duration = times[m][s][kind]
+            duration = times[m][j][kind]
             stage_free, stage_busy = free[s], busy[s]
             end = max(stage_free[r] for r in ranks) + duration
             for r in ranks:
@@ -161,14 +165,15 @@ def simulate_pipeline(
                 stage_busy[r] += duration
             compute_total += duration * len(ranks)
             if kind == 1:
-                comm_total += times[m][s][2] * len(ranks)
+                comm_total += times[m][j][2] * len(ranks)
             continue
-        upper, lower, duration = free[s], free[s + 1], transfer[m]
+        receiver = (j + 1) % num_stages
+        upper, lower, duration = free[s], free[receiver], transfer[m]
         for r in ranks:
             end = max(upper[r], lower[r]) + duration
             upper[r] = lower[r] = end
             busy[s][r] += duration
-            busy[s + 1][r] += duration
+            busy[receiver][r] += duration
     makespan = max(max(row) for row in free) if plan.steps else 0.0
     memory = stage_peak_bytes(plan, lengths, costs, step_costs=step_costs)
     stage_peaks = tuple(float(row.max()) for row in memory.peak_bytes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dcp.model import ModelConfig, build_gpt_model, token_multiple
+from dcp.model import ModelChunks, ModelConfig, build_gpt_model, token_multiple
 from dcp.optim import OptimConfig, lr_at
 from dcp.runtime.setup import init_megatron_parallel
 from megatron_patches.cpu_optimizer import cuda_on_cpu
@@ -25,16 +25,22 @@ def build_model_and_optimizer(
     seed: int = 1234,
 ):
     """The DDP-wrapped GPTModel (bf16 under megatron's ``Float16Module`` when ``model_cfg.dtype``
-    says so) and megatron-core's optimizer over it (distributed when ``optim_cfg.distributed``),
-    for megatron's parallel state (initialised at TP = PP = 1 if it is not yet)."""
+    says so; under virtual stages the stage's ``ModelChunks``, each chunk in its own) and
+    megatron-core's optimizer over it (distributed when ``optim_cfg.distributed``), for
+    megatron's parallel state (initialised at TP = PP = 1 if it is not yet)."""
     init_megatron_parallel()
     model = build_gpt_model(model_cfg, seed=seed)
     if model_cfg.dtype == "bf16":
         # megatron's mixed-precision wrapper: bf16 compute, fp32 logits/loss; the optimizer
-        # keeps fp32 main params.
+        # keeps fp32 main params. It casts inputs on the first chunk and outputs on the last.
         from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(model.config, model)
+        if isinstance(model, ModelChunks):
+            model.chunks = torch.nn.ModuleList(
+                Float16Module(chunk.config, chunk) for chunk in model.chunks
+            )
+        else:
+            model = Float16Module(model.config, model)
     model = wrap_ddp(model, distributed_optimizer=optim_cfg.distributed)
     return model, build_optimizer(model, model_cfg, optim_cfg)
 

@@ -36,6 +36,7 @@ import torch
 
 from dcp.attention.layout import ShardLayout
 from dcp.collectives import phase, run_device
+from dcp.model import model_chunks
 from dcp.plan import MicroStep, Recompute
 from dcp.runtime.builders import local_token_multiple
 from dcp.runtime.dispatch import WEIGHTS, LocalBatch, SequenceSource, local_batch
@@ -115,7 +116,8 @@ def masked_loss(
 
 
 def model_stage_layers(model) -> int:
-    """Transformer layers this rank's model (its pipeline stage) holds."""
+    """Transformer layers this rank's model (its pipeline stage) holds; under virtual stages,
+    each of its chunks (megatron's ``num_layers_per_pipeline_rank`` of a chunk's block)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     blocks = [m for m in unwrap(model).modules() if isinstance(m, TransformerBlock)]
@@ -128,11 +130,16 @@ class MicroStepExecutor:
     ``registry`` (a ``GroupRegistry``) resolves a plan step's planner ranks to this rank's CP
     group; megatron's forward step, which runs in megatron's fixed group, has none.
     ``token_multiple``: an extra alignment the caller needs (combined with the model's own).
+    Under virtual stages ``model`` holds the stage's chunks (``dcp.model.ModelChunks``): each
+    forward and switch names its ``chunk``, and ``inner`` is the first chunk's GPTModel (the
+    config every chunk shares the sizes of).
     """
 
     def __init__(self, model, *, registry=None, token_multiple: int = 1) -> None:
         self.model = model
-        self.inner = unwrap(model)
+        self.chunks = model_chunks(model)
+        """The modules this stage runs, one per model chunk (``[model]`` without chunks)."""
+        self.inner = unwrap(self.chunks[0])
         self.registry = registry
         self.device = run_device()
         self.token_multiple = math.lcm(token_multiple, local_token_multiple(self.inner))
@@ -142,7 +149,8 @@ class MicroStepExecutor:
         self._on_token_loss: Callable[[MicroStepInput, torch.Tensor], None] | None = None
         # Packed micro-steps of every length and CP group share one RoPE table, where megatron
         # would cache one per (length, group) on the device.
-        one_rope_table(self.inner)
+        for chunk in self.chunks:
+            one_rope_table(unwrap(chunk))
 
     def begin_step(self) -> None:
         """Call once per optimizer step, before its first micro-step. TE linears cache their FP8
@@ -222,33 +230,37 @@ class MicroStepExecutor:
         what: str,
         recompute: Recompute = Recompute.NONE,
         recompute_layers: int | None = None,
+        chunk: int = 0,
     ) -> Iterator[None]:
-        """Within the block the model runs context-parallel over the CP group of planner ranks
-        ``ranks`` and recomputes at ``recompute`` (``recompute_layers``: the plan's N, per
-        stage: ``MicroStep.stage_recompute_layers``); ``what`` names the phase for a rank
-        stuck in it."""
+        """Within the block model chunk ``chunk`` runs context-parallel over the CP group of
+        planner ranks ``ranks`` and recomputes at ``recompute`` (``recompute_layers``: the
+        plan's N, per stage or chunk: ``MicroStep.stage_recompute_layers``); ``what`` names
+        the phase for a rank stuck in it. One chunk runs at a time, so only it is switched."""
         registry = self.registry
         ranks = tuple(ranks)
+        model = self.chunks[chunk] if len(self.chunks) > 1 else self.model
         with (
             phase(f"{what} (CP group of ranks {list(ranks)})"),
             use_cp_group(
-                self.model,
+                model,
                 group=registry.get(ranks),
                 ranks=registry.cp_global_ranks(ranks),
                 tp_cp_group=registry.tp_cp(ranks),
             ),
-            use_recompute(self.model, recompute.megatron_granularity, recompute_layers),
+            use_recompute(model, recompute.megatron_granularity, recompute_layers),
         ):
             yield
 
-    def step_switched(self, step: MicroStep, *, what: str):
+    def step_switched(self, step: MicroStep, *, what: str, chunk: int = 0):
         """``switched`` for plan step ``step``: its CP group, its recompute level and layers on
-        this rank's stage."""
+        this rank's stage (under virtual stages, on each chunk: megatron's
+        ``recompute_num_layers`` counts a chunk's layers)."""
         return self.switched(
             step.ranks,
             what=what,
             recompute=step.recompute,
             recompute_layers=step.stage_recompute_layers(self.stage_layers),
+            chunk=chunk,
         )
 
     def forward(
@@ -257,13 +269,16 @@ class MicroStepExecutor:
         *,
         labels: bool = True,
         input_tensor: torch.Tensor | None = None,
+        chunk: int = 0,
     ) -> torch.Tensor:
-        """The model on ``micro``: token losses ``[1, t]`` with ``labels`` on the last stage,
-        else its output (logits, or a pipeline stage's activations). ``input_tensor``: the
-        activations a pipeline stage received from the one before."""
+        """The model (its chunk ``chunk`` under virtual stages) on ``micro``: token losses
+        ``[1, t]`` with ``labels`` on the last stage, else its output (logits, or a pipeline
+        stage's activations). ``input_tensor``: the activations a pipeline stage received from
+        the one before."""
+        model = self.chunks[chunk] if len(self.chunks) > 1 else self.model
         if input_tensor is not None:
-            self.inner.set_input_tensor(input_tensor)
-        return self.model(
+            unwrap(model).set_input_tensor(input_tensor)
+        return model(
             micro.batch.input_ids,
             micro.batch.position_ids,
             None,

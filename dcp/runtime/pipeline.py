@@ -7,11 +7,12 @@ backward runs the other way, each stage sending the gradient of its input to the
 Every rank knows the plan, so the receiver knows each message's shape (this rank's tokens of
 the step, over TP under sequence parallelism, times the hidden size) and no shape is exchanged.
 
-What runs when is ``dcp.planning.pipeline.rank_events``: the non-interleaved 1F1B order over the
-plan's slots, each rank's subsequence of its stage's order, the messages placed between, every
-event with a key all its participants share. This module runs those events in order, nothing
-else: a forward (``F``), a backward (``B``), or a batch of consecutive sends and receives to the
-same position on the next or previous stage, posted together and waited for together
+What runs when is ``dcp.planning.pipeline.rank_events``: the 1F1B order over the plan's slots
+(interleaved over the stage's model chunks under virtual stages), each rank's subsequence of its
+stage's order, the messages placed between, every event with a key all its participants share.
+This module runs those events in order, nothing else: a forward (``F``), a backward (``B``), or
+a batch of consecutive sends and receives to the same position on the next or previous stage,
+posted together and waited for together
 (``message_batches``: torch's ``batch_isend_irecv``, as megatron pairs a send with a receive).
 The order is why it cannot deadlock (docs/design.md, 'Pipelines'): each rank runs its events by
 increasing key, so the unfinished event with the least key has every participant at it (posted,
@@ -24,6 +25,14 @@ to its group). Between the two, the stage keeps the step's input activations and
 its output (the autograd graph); stage s has at most P - s steps in flight (the 1F1B bound the
 planner's memory check counts). ``recompute_layers`` counts the layers of this stage
 (``MicroStep.stage_recompute_layers``: megatron's ``recompute_num_layers`` is per pipeline stage).
+
+Under virtual stages (V model chunks per stage, ``dcp.model.ModelChunks``) every event names its
+chunk: a forward or backward runs that chunk, switched to the step's CP group and recompute
+level (``recompute_layers`` then counts the chunk's layers, as megatron's does per chunk), and a
+message goes to the stage the event names (chunk v of stage P - 1 sends to chunk v + 1 of stage
+0). The embedding is chunk 0 of stage 0, the loss chunk V - 1 of stage P - 1. A step's
+shard is read once per stage and kept until its last chunk's backward (or last forward, without
+a backward).
 
 The loss, counted labels and padding are counted on the last stage only (the others hold no
 loss), so the step's reduction over every rank adds each once; the divisor is the batch's counted
@@ -78,22 +87,23 @@ class _InFlight:
 
     micro: MicroStepInput
     input: torch.Tensor | None = None
-    """The activations received from the previous stage (stages > 0), requiring grad."""
+    """The activations received from the previous (virtual) stage, requiring grad."""
     output: torch.Tensor | None = None
     """This stage's output activations (the last stage: the step's summed token loss)."""
     grad: torch.Tensor | None = None
     """The gradient of ``output`` received from the next stage."""
 
 
-def _describe(event, stage: int) -> str:
+def _describe(event) -> str:
     """A message as a phase names it (a rank stuck in it says which)."""
+    peer = f"stage {event.peer_stage}"
     what = {
-        RECV_ACTIVATION: f"receiving plan step {event.step}'s activations from stage {stage - 1}",
-        SEND_ACTIVATION: f"sending plan step {event.step}'s activations to stage {stage + 1}",
-        RECV_GRADIENT: f"receiving plan step {event.step}'s gradient from stage {stage + 1}",
-        SEND_GRADIENT: f"sending plan step {event.step}'s input gradient to stage {stage - 1}",
+        RECV_ACTIVATION: f"receiving plan step {event.step}'s activations from {peer}",
+        SEND_ACTIVATION: f"sending plan step {event.step}'s activations to {peer}",
+        RECV_GRADIENT: f"receiving plan step {event.step}'s gradient from {peer}",
+        SEND_GRADIENT: f"sending plan step {event.step}'s input gradient to {peer}",
     }
-    return what[event.kind]
+    return what[event.kind] + (f" (chunk {event.chunk})" if event.chunk else "")
 
 
 def run_pipelined_plan(
@@ -111,8 +121,8 @@ def run_pipelined_plan(
     once sent, or once its loss is counted on the last stage."""
     model, registry = executor.model, executor.registry
     stage, stages = registry.stage, registry.pipeline_parallel_size
+    chunks = len(executor.chunks)
     me = registry.planner_rank
-    first, last = stage == 0, stage == stages - 1
     if plan.barriers:
         raise ValueError(
             f"plan {plan.planner!r} synchronises all ranks between its steps (barriers before "
@@ -127,72 +137,104 @@ def run_pipelined_plan(
     # Under sequence parallelism each TP rank holds 1/TP of the step's tokens between layers
     # (megatron's p2p sends the same: ``schedules.get_tensor_shapes``).
     tp_split = registry.tensor_parallel_size if config.sequence_parallel else 1
-    previous, following = (
-        registry.stage_peer(stage - 1) if not first else None,
-        registry.stage_peer(stage + 1) if not last else None,
-    )
     timer = MicroStepTimer(device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    live: dict[int, _InFlight] = {}
+    live: dict[tuple[int, int], _InFlight] = {}
+    """(chunk, step) → what that chunk keeps of the step between its forward and backward."""
+    micros: dict[int, list] = {}
+    """step → [its shard on this rank, chunk events still to run that need it]."""
     executor.begin_step()
 
-    def activation_buffer(flight: _InFlight) -> torch.Tensor:
-        tokens = flight.micro.layout.local_num_tokens // tp_split
+    def is_first(chunk: int) -> bool:
+        return stage == 0 and chunk == 0
+
+    def is_last(chunk: int) -> bool:
+        return stage == stages - 1 and chunk == chunks - 1
+
+    def micro_of(index: int) -> MicroStepInput:
+        """The step's shard, read at its first event on this stage."""
+        if index not in micros:
+            micros[index] = [executor.prepare_step(source, plan.steps[index]), chunks]
+        return micros[index][0]
+
+    def used(index: int) -> None:
+        """One of the step's forwards (forward-only) or backwards has run on this stage."""
+        micros[index][1] -= 1
+        if micros[index][1] == 0:
+            del micros[index]
+
+    def activation_buffer(micro: MicroStepInput) -> torch.Tensor:
+        tokens = micro.layout.local_num_tokens // tp_split
         return torch.empty(tokens, 1, config.hidden_size, dtype=hidden_dtype, device=device)
 
-    def switched(index: int, what: str):
+    def switched(event, what: str):
+        where = f"stage {stage}" + (f" chunk {event.chunk}" if chunks > 1 else "")
         return executor.step_switched(
-            plan.steps[index], what=f"plan step {index} {what} on stage {stage}"
+            plan.steps[event.step],
+            what=f"plan step {event.step} {what} on {where}",
+            chunk=event.chunk,
         )
 
     def post(event) -> tuple[str, torch.Tensor, int]:
         """The message ``event`` posts (its buffer ready for a receive)."""
-        index = event.step
+        key = (event.chunk, event.step)
+        peer = registry.stage_peer(event.peer_stage)
         if event.kind == RECV_ACTIVATION:
-            flight = live[index] = _InFlight(executor.prepare_step(source, plan.steps[index]))
-            flight.input = activation_buffer(flight)
-            return "recv", flight.input, previous
+            flight = live[key] = _InFlight(micro_of(event.step))
+            flight.input = activation_buffer(flight.micro)
+            return "recv", flight.input, peer
         if event.kind == SEND_ACTIVATION:
-            return "send", live[index].output.detach(), following
+            return "send", live[key].output.detach(), peer
         if event.kind == RECV_GRADIENT:
-            flight = live[index]
-            flight.grad = activation_buffer(flight)
-            return "recv", flight.grad, following
+            flight = live[key]
+            flight.grad = activation_buffer(flight.micro)
+            return "recv", flight.grad, peer
         assert event.kind == SEND_GRADIENT, event.kind
-        return "send", live[index].input.grad, previous
+        return "send", live[key].input.grad, peer
 
     def delivered(event) -> None:
         """What follows ``event`` once its batch has completed."""
-        index = event.step
+        key = (event.chunk, event.step)
         if event.kind == RECV_ACTIVATION and not forward_only:
-            live[index].input.requires_grad_()
+            live[key].input.requires_grad_()
         elif event.kind == SEND_ACTIVATION and forward_only:
-            del live[index]
+            del live[key]
         elif event.kind == SEND_GRADIENT:
-            del live[index]
+            del live[key]
 
-    events = rank_events(plan, stages, stage=stage, rank=me, forward_only=forward_only)
+    events = rank_events(
+        plan,
+        stages,
+        stage=stage,
+        rank=me,
+        virtual_stages=chunks,
+        forward_only=forward_only,
+    )
     timer.begin_loop()
     with around_steps(model, forward_only):
         for batch in message_batches(events):
             if batch[0].kind in MESSAGE_KINDS:
                 # Consecutive messages are posted at once and waited for together.
                 messages = [post(event) for event in batch]
-                with phase("; ".join(_describe(event, stage) for event in batch)):
+                with phase("; ".join(_describe(event) for event in batch)):
                     exchange(messages)
                 for event in batch:
                     delivered(event)
                 continue
             (event,) = batch
-            index = event.step
+            index, chunk = event.step, event.chunk
+            key = (chunk, index)
+            first, last = is_first(chunk), is_last(chunk)
             if event.kind == FORWARD:
                 if first:
-                    live[index] = _InFlight(executor.prepare_step(source, plan.steps[index]))
-                flight = live[index]
+                    live[key] = _InFlight(micro_of(index))
+                flight = live[key]
                 micro = flight.micro
                 timer.begin(index)
-                with switched(index, "forward"):
-                    out = executor.forward(micro, labels=last, input_tensor=flight.input)
+                with switched(event, "forward"):
+                    out = executor.forward(
+                        micro, labels=last, input_tensor=flight.input, chunk=chunk
+                    )
                     if last:
                         out = executor.loss(out, micro)
                 flight.output = out
@@ -201,24 +243,28 @@ def run_pipelined_plan(
                     loss_sum += out.detach()
                     result.count(micro)  # the loss and its tokens live on the last stage only
                     if forward_only:
-                        del live[index]
-                else:
+                        del live[key]
+                elif chunk == chunks - 1:  # each stage reads the step's shard once
                     result.tokens_read += micro.batch.tokens_read
+                if forward_only:
+                    used(index)
             elif event.kind == BACKWARD:
-                flight = live[index]
+                flight = live[key]
                 timer.begin(index)
-                with switched(index, "backward"):
+                with switched(event, "backward"):
                     if last:
                         (flight.output / result.global_loss_tokens).backward()
                     else:
                         torch.autograd.backward(flight.output, grad_tensors=flight.grad)
                 timer.end(index)
                 if first:
-                    del live[index]
+                    del live[key]
+                used(index)
             else:  # pragma: no cover - rank_events makes only the kinds above
                 raise AssertionError(f"unknown pipeline event {event.kind!r}")
     timer.end_loop()
-    assert not live, f"micro-steps {sorted(live)} were never finished"
+    assert not live, f"(chunk, micro-step)s {sorted(live)} were never finished"
+    assert not micros, f"micro-steps {sorted(micros)} still hold their shards"
     result.loss_sum = loss_sum
     if not forward_only:
         finalize_grads(model)

@@ -26,14 +26,16 @@ def init(
     timeout_s: float | None = None,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    virtual_pipeline_parallel_size: int = 1,
     expert_parallel_size: int = 1,
 ) -> None:
     """Prepare this process for DCP (idempotent): on a GPU machine select the device of
     ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
     megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
-    megatron's parallel state with ``tensor_parallel_size``, ``pipeline_parallel_size`` and
-    ``expert_parallel_size``, its groups created with ``timeout_s`` (default: torch's). A
-    torch outside the supported range raises ``dcp.versions.UnsupportedVersion`` first."""
+    megatron's parallel state with ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``virtual_pipeline_parallel_size`` and ``expert_parallel_size``, its groups created with
+    ``timeout_s`` (default: torch's). A torch outside the supported range raises
+    ``dcp.versions.UnsupportedVersion`` first."""
     require_supported_versions()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -56,6 +58,7 @@ def init(
         timeout_s=timeout_s,
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
+        virtual_pipeline_parallel_size=virtual_pipeline_parallel_size,
         expert_parallel_size=expert_parallel_size,
     )
 
@@ -65,11 +68,13 @@ def init_megatron_parallel(
     timeout_s: float | None = None,
     tensor_parallel_size: int | None = None,
     pipeline_parallel_size: int | None = None,
+    virtual_pipeline_parallel_size: int | None = None,
     expert_parallel_size: int | None = None,
 ) -> int:
     """Initialise megatron's parallel_state with ``tensor_parallel_size``,
-    ``pipeline_parallel_size`` and ``expert_parallel_size`` (default 1 each) and CP = 1
-    (idempotent; a second call asking for other sizes raises). Returns the TP size in effect."""
+    ``pipeline_parallel_size``, ``virtual_pipeline_parallel_size`` and ``expert_parallel_size``
+    (default 1 each) and CP = 1 (idempotent; a second call asking for other sizes raises).
+    Returns the TP size in effect."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -92,6 +97,12 @@ def init_megatron_parallel(
                 f"megatron's parallel state is already initialised with PP = {stages}, not "
                 f"{pipeline_parallel_size}"
             )
+        chunks = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+        if virtual_pipeline_parallel_size is not None and virtual_pipeline_parallel_size != chunks:
+            raise ValueError(
+                f"megatron's parallel state is already initialised with VP = {chunks}, not "
+                f"{virtual_pipeline_parallel_size}"
+            )
         experts = ps.get_expert_model_parallel_world_size()
         if expert_parallel_size is not None and expert_parallel_size != experts:
             raise ValueError(
@@ -101,12 +112,14 @@ def init_megatron_parallel(
         return current
     tp = 1 if tensor_parallel_size is None else tensor_parallel_size
     pp = 1 if pipeline_parallel_size is None else pipeline_parallel_size
+    vp = 1 if virtual_pipeline_parallel_size is None else virtual_pipeline_parallel_size
     ep = 1 if expert_parallel_size is None else expert_parallel_size
     # The world must split into TP groups and stages, the planner ranks into EP groups.
     mesh = Mesh(
         dist.get_world_size(),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        virtual_pipeline_parallel_size=vp,
         expert_parallel_size=ep,
     )
     extra = {}
@@ -115,6 +128,7 @@ def init_megatron_parallel(
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         context_parallel_size=1,
         expert_model_parallel_size=ep,
         # A gloo twin of every data-parallel group serves only megatron's dp-zero checkpoint
@@ -159,6 +173,7 @@ def init_megatron_mesh(mesh: Mesh) -> None:
         init_megatron_parallel(
             tensor_parallel_size=mesh.tensor_parallel_size,
             pipeline_parallel_size=mesh.pipeline_parallel_size,
+            virtual_pipeline_parallel_size=mesh.virtual_pipeline_parallel_size,
             expert_parallel_size=mesh.expert_parallel_size,
         )
     except ValueError as exc:
@@ -169,12 +184,15 @@ def init_megatron_mesh(mesh: Mesh) -> None:
 
 
 def model_mesh(model) -> Mesh:
-    """The mesh a megatron-core model was built for: its config's TP and PP sizes
-    (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``) over this job's ranks."""
+    """The mesh a megatron-core model was built for: its config's TP, PP, VP and EP sizes
+    (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+    ``virtual_pipeline_model_parallel_size``, ``expert_model_parallel_size``) over this job's
+    ranks."""
     config = model.config
     return Mesh(
         dist.get_world_size(),
         tensor_parallel_size=config.tensor_model_parallel_size,
         pipeline_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_parallel_size=config.virtual_pipeline_model_parallel_size or 1,
         expert_parallel_size=config.expert_model_parallel_size,
     )

@@ -19,7 +19,12 @@ from dcp.data.sampler import SamplerConfig
 from dcp.data.sft import ChatDataConfig
 from dcp.data.synthetic import SyntheticDataConfig
 from dcp.mesh import Mesh
-from dcp.model import WEIGHT_SHAPE_FIELDS, ModelConfig, check_tensor_parallel
+from dcp.model import (
+    WEIGHT_SHAPE_FIELDS,
+    ModelConfig,
+    check_tensor_parallel,
+    check_virtual_stages,
+)
 from dcp.observability.metrics import MetricsConfig
 from dcp.optim import OptimConfig
 from dcp.schema import MAX_SEED, check_range, config_keys, rename_key, wider
@@ -130,10 +135,13 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Pipeline stages: blocks of world / PP consecutive ranks, each holding a share of the
     layers (the first also the embedding, the last the output layer). Every stage runs each
-    micro-step at the same planner ranks, in the non-interleaved 1F1B order of the plan
-    (docs/design.md, 'Pipelines'); the cost model prices each stage."""
+    micro-step at the same planner ranks, in the 1F1B order of the plan (docs/design.md,
+    'Pipelines'); the cost model prices each stage."""
     virtual_pipeline_parallel_size: int = 1
-    """Interleaved (virtual) stages per rank: only 1, DCP's schedule is non-interleaved."""
+    """Model chunks per stage (interleaved virtual stages, megatron's order): chunk v of stage
+    s holds virtual stage v × PP + s's layers. More than 1 needs PP > 1 and ``model.num_layers``
+    a multiple of PP × VP. The planner's cost model and memory check still price the
+    non-interleaved order (docs/design.md, 'Pipelines')."""
     expert_parallel_size: int = 1
     """Ranks that share each MoE layer's experts (``model.num_experts`` divisible by it): a
     power of two dividing the planner ranks; each plan step then runs on whole EP groups
@@ -151,11 +159,11 @@ class ParallelConfig:
             integer=True,
         )
         check_range(self.expert_parallel_size, "parallel.expert_parallel_size", ge=1, integer=True)
-        if self.virtual_pipeline_parallel_size != 1:
+        if self.virtual_pipeline_parallel_size > 1 and self.pipeline_parallel_size == 1:
             raise ValueError(
-                f"parallel.virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size}: "
-                "interleaved virtual stages are not supported (DCP runs a non-interleaved 1F1B "
-                "schedule per plan); set it to 1"
+                f"parallel.virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size} "
+                "needs parallel.pipeline_parallel_size > 1 (virtual stages interleave model "
+                "chunks over the stages)"
             )
 
     def mesh(self, world_size: int) -> Mesh:
@@ -314,6 +322,7 @@ class PretrainConfig:
                 f"parallel.pipeline_parallel_size={stages} exceeds model.num_layers="
                 f"{self.model.num_layers}: every stage needs a layer"
             )
+        check_virtual_stages(self.model, stages, self.parallel.virtual_pipeline_parallel_size)
         self._check_experts()
 
     def _check_experts(self) -> None:

@@ -17,7 +17,9 @@ group's query heads, then its key head, then its value head; ``mlp.linear_fc1`` 
   is the model's layer ``L0``, the first stage's layer count): canonical names number layers
   across the whole model, from each layer's own ``layer_number`` (megatron's global, 1-based
   number), and the last stage's copy of a tied embedding (``output_layer.weight``, megatron's
-  ``shared_embedding``) is ``embedding.word_embeddings.weight``.
+  ``shared_embedding``) is ``embedding.word_embeddings.weight``;
+- under virtual pipeline stages a stage's chunks (``dcp.model.ModelChunks``) prefix each
+  chunk's names with ``chunks.<v>.``, each chunk named as a stage is.
 
 ``canonical_state`` maps a model's state dict to canonical names and ``load_canonical`` maps
 canonical names back onto any such model, so checkpoints and the Hugging Face converter
@@ -102,6 +104,14 @@ def _tied_copy(model: torch.nn.Module) -> bool:
 
 def state_names(model: torch.nn.Module) -> dict[str, str]:
     """The model's own state-dict name → canonical name, for every entry (module docstring)."""
+    chunks = getattr(_inner(model), "chunks", None)
+    if chunks is not None:
+        per_chunk = [state_names(chunk) for chunk in chunks]
+        out = {}
+        for name in model.state_dict():
+            chunk, rest = _strip_wrappers(name)[len("chunks.") :].split(".", 1)
+            out[name] = per_chunk[int(chunk)][rest]
+        return out
     layers = stage_layers(model)
     tied = _tied_copy(model)
     out = {}
@@ -126,9 +136,10 @@ def held_elsewhere(name: str, model: torch.nn.Module) -> bool:
     if getattr(config, "pipeline_model_parallel_size", 1) <= 1:
         return False
     if name.startswith(_LAYERS):
+        from dcp.model import held_layers
+
         index = int(name[len(_LAYERS) :].split(".", 1)[0])
-        own = set(stage_layers(model).values()) or set(range(len(inner.decoder.layers)))
-        return index not in own and 0 <= index < inner.config.num_layers
+        return index not in held_layers(model) and 0 <= index < inner.config.num_layers
     if name.startswith("embedding."):
         return not inner.pre_process
     if name.startswith(("decoder.final_layernorm.", "output_layer.")):

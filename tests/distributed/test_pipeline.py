@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from dcp.collectives import all_gather_object
-from dcp.model import ModelConfig
+from dcp.model import ModelConfig, held_layers
 from dcp.plan import Plan
 from dcp.runtime.dispatch import InMemorySource
 from dcp.runtime.runtime import Runtime
@@ -129,6 +129,55 @@ def test_pp2_parity_partial_recompute_per_stage():
     assert_parity(ref, got, what="partial recompute at PP 2")
 
 
+def test_pp2_vp2_parity():
+    """PP 2 x VP 2 on 4 ranks: an 8-layer model, each stage two chunks of two layers (virtual
+    stages 0-3, the second chunk of stage 0 fed by the first of stage 1), CP 1 and CP 2
+    interleaved, every recompute level and the first layer of each chunk (``recompute_layers``
+    counts a chunk's layers); evaluation and the post-training batch too."""
+    eight = {"num_layers": 8}
+    ref = run_on_ranks(1, reference_run, DOCS, model=eight)[0]
+    mixed = plan(
+        step([0], [0]),
+        partial([0, 1], [3], 1),
+        step([1], [1], "selective"),
+        step([0, 1], [2, 4]),
+        step([0], [5, 6], "full"),
+        partial([1], [7], 1),
+    )
+    got = run_on_ranks(
+        4,
+        pp_run,
+        DOCS,
+        [mixed],
+        pipeline_parallel_size=2,
+        virtual_pipeline_parallel_size=2,
+        model=eight,
+        post=True,
+        timeout_s=300,
+    )[0]
+    assert got["chunk_layers"] == [[0, 1], [4, 5]]  # stage 0 holds virtual stages 0 and 2
+    assert_parity(ref, got, what="PP 2 x VP 2")
+
+
+def test_pp4_vp2_parity_8_ranks():
+    """PP 4 x VP 2 on 8 ranks (2 planner ranks per stage): eight one-layer virtual stages,
+    the wrap from stage 3 to stage 0 at both planner ranks, CP 1 and 2, every recompute level."""
+    eight = {"num_layers": 8}
+    ref = run_on_ranks(1, reference_run, DOCS, model=eight)[0]
+    got = run_on_ranks(
+        8,
+        pp_run,
+        DOCS,
+        [PLANS["mixed_recompute"]],
+        pipeline_parallel_size=4,
+        virtual_pipeline_parallel_size=2,
+        model=eight,
+        timeout_s=600,
+    )[0]
+    assert got["chunk_layers"] == [[0], [4]]
+    assert_parity(ref, got, what="PP 4 x VP 2")
+
+
 def test_pp4_parity_one_planner_rank():
     """4 stages of one layer each on 4 ranks: the longest pipeline this machine runs."""
     ref = run_on_ranks(1, reference_run, DOCS, model=FOUR_LAYERS)[0]
@@ -223,6 +272,7 @@ def pp_run(
     plans: list[dict],
     *,
     pipeline_parallel_size: int,
+    virtual_pipeline_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     distributed: bool = True,
     model: dict | None = None,
@@ -235,6 +285,7 @@ def pp_run(
         init_megatron_parallel(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
+            virtual_pipeline_parallel_size=virtual_pipeline_parallel_size,
         )
         runtime = Runtime.from_config(
             ModelConfig(**{**TINY, **(model or {})}, core_attention="dcp"),
@@ -255,6 +306,7 @@ def pp_run(
             return merged
 
         out = {**evaluated, "loss": loss, "grads": whole_grads()}
+        out["chunk_layers"] = [sorted(held_layers(chunk)) for chunk in runtime.executor.chunks]
         if post:
             out["post"] = post_training(runtime, first, docs, whole_grads)
         return out if dist.get_rank() == 0 else None

@@ -1,9 +1,11 @@
 """Pipeline parallelism end to end: ``torchrun --nproc-per-node 4 -m pretrain.pretrain_gpt
---config pretrain/configs/tiny_cpu.yaml parallel.pipeline_parallel_size=2`` (4 gloo ranks = 2
-stages × 2 planner ranks, online calibration) trains the demo model on the PP = 1 demo's batches
-with its losses and refits its cost model on the stages' summed micro-step times, a PP = 2
-checkpoint resumes without pipelining on 2 ranks with the uninterrupted run's losses, and exports
-to Hugging Face as the PP = 1 run's checkpoint does."""
+--config pretrain/configs/tiny_cpu.yaml parallel.pipeline_parallel_size=2
+parallel.virtual_pipeline_parallel_size=2`` (4 gloo ranks = 2 stages × 2 planner ranks, each
+stage two one-layer chunks in the interleaved order, online calibration) trains the demo model
+on the PP = 1 demo's batches with its losses and refits its cost model on the stages' summed
+micro-step times; its checkpoint resumes without pipelining on 2 ranks and at PP = 2 without
+virtual stages on 4 (the plain 1F1B trainer from there on) with the uninterrupted run's losses,
+and exports to Hugging Face as the PP = 1 run's checkpoint does."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tools import convert_checkpoint
 
 STEPS = 10
 PP2 = ["parallel.pipeline_parallel_size=2"]
+VP2 = ["parallel.virtual_pipeline_parallel_size=2"]
 KEEP_ALL = "checkpoint.keep_last=0"
 
 
@@ -58,7 +61,7 @@ ONLINE = ("planning.calibration=online", "planning.refit_interval_steps=3")
 @pytest.fixture(scope="module")
 def pp2_run(tmp_path_factory) -> tuple[Path, str]:
     tmp = tmp_path_factory.mktemp("runs")
-    return _run(tmp, "pp2", *PP2, *ONLINE, "checkpoint.interval_steps=4", KEEP_ALL, nproc=4)
+    return _run(tmp, "pp2", *PP2, *VP2, *ONLINE, "checkpoint.interval_steps=4", KEEP_ALL, nproc=4)
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +81,24 @@ def test_the_demo_at_pp2_gives_the_pp1_demo_losses(pp2_run, pp1_run):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-def test_a_pp2_checkpoint_resumes_without_pipelining(pp2_run, tmp_path):
-    """Steps 5-10 of a PP = 2 run, resumed from its step-4 checkpoint on 2 ranks at PP = 1."""
+@pytest.mark.parametrize(
+    ("where", "extra", "nproc"),
+    [("TP 1", (), 2), ("TP 1 x PP 2", PP2, 4)],
+    ids=["pp1", "pp2_without_virtual_stages"],
+)
+def test_a_pp2_vp2_checkpoint_resumes_elsewhere(pp2_run, tmp_path, where, extra, nproc):
+    """Steps 5-10 of the PP 2 x VP 2 run, resumed from its step-4 checkpoint at PP = 1 on 2
+    ranks and at PP = 2 (one chunk per stage) on 4: checkpoints name tensors canonically, so a
+    chunk's layers land wherever the new mesh holds them."""
     pp2, _ = pp2_run
     resumed = tmp_path / "pp2"
     shutil.copytree(pp2, resumed)
     for later in ("step_000008", "step_000010"):
         shutil.rmtree(resumed / "checkpoints" / later)
     assert (resumed / "checkpoints" / "step_000004" / "manifest.json").is_file()
-    run_dir, out = _run(tmp_path, "pp2", *ONLINE, nproc=2)
-    assert "step_000004 (step 4; written by 4 ranks at TP 1 x PP 2, resharded" in out, out[-3000:]
+    run_dir, out = _run(tmp_path, "pp2", *extra, *ONLINE, nproc=nproc)
+    written = "written by 4 ranks at TP 1 x PP 2 x VP 2"
+    assert f"step_000004 (step 4; {written}, resharded to {nproc} at {where}:" in out, out[-3000:]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert _worst(losses(run_dir)[4:], losses(pp2)[4:]) <= 1e-5
@@ -117,10 +128,11 @@ def _export(run: Path, out: Path) -> tuple[dict, dict]:
 
 
 def test_a_pp2_checkpoint_exports_to_hf_as_the_pp1_one_does(pp2_run, pp1_run, tmp_path):
-    """Each stage wrote only its layers; the export holds the whole model, the PP = 1 run's
-    tensors under the same names. Same batches and losses, so the weights differ by float
-    rounding grown through four Adam steps (4.6e-4 of a tensor's largest value measured); a
-    layer of one stage exported as another's would be off by the whole tensor."""
+    """Each stage wrote only its chunks' layers; the export holds the whole model, the PP = 1
+    run's tensors under the same names. Same batches and losses, so the weights differ by float
+    rounding grown through four Adam steps (2.7e-4 of a tensor's largest value measured at
+    PP 2 x VP 2, 4.6e-4 at PP 2); a layer of one chunk exported as another's would be off by
+    the whole tensor."""
     config, got = _export(pp2_run[0], tmp_path / "pp2")
     want_config, want = _export(pp1_run, tmp_path / "pp1")
     assert config == want_config

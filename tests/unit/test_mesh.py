@@ -23,9 +23,10 @@ from dcp.mesh import Mesh
             "expert_parallel_size=8 must be a power of two dividing the 4 planner ranks",
         ),
         (
-            {"world_size": 8, "pipeline_parallel_size": 2, "virtual_pipeline_parallel_size": 2},
-            "virtual_pipeline_parallel_size=2 is not supported yet",
+            {"world_size": 8, "virtual_pipeline_parallel_size": 2},
+            "virtual_pipeline_parallel_size=2 needs pipeline_parallel_size > 1",
         ),
+        ({"world_size": 8, "virtual_pipeline_parallel_size": 0}, "virtual_pipeline_parallel_size"),
     ],
 )
 def test_refuses_what_it_cannot_arrange(kwargs, message):
@@ -49,6 +50,10 @@ def test_ranks_are_tp_innermost_and_stages_outermost():
     plain = Mesh(4)
     assert plain.cp_ranks((1, 2), 0) == plain.tp_cp_ranks((1, 2)) == (1, 2)
     assert (plain.describe(), mesh.describe()) == ("TP 1", "TP 2 x PP 2")
+    virtual = Mesh(8, pipeline_parallel_size=2, virtual_pipeline_parallel_size=2)
+    assert virtual.describe() == "TP 1 x PP 2 x VP 2"
+    # Virtual stages change no rank's place: a stage's ranks hold all its chunks.
+    assert virtual.stage(5) == 1 and virtual.num_planner_ranks == 4
 
 
 def test_the_checkpoint_json_keeps_its_keys():
@@ -59,6 +64,10 @@ def test_the_checkpoint_json_keeps_its_keys():
         "pipeline_parallel_size": 2,
     }
     assert Mesh.from_dict(mesh.to_dict()) == mesh
+    # Virtual stages are written only when there are some.
+    virtual = Mesh(8, pipeline_parallel_size=2, virtual_pipeline_parallel_size=2)
+    assert virtual.to_dict()["virtual_pipeline_parallel_size"] == 2
+    assert Mesh.from_dict(virtual.to_dict()) == virtual
     # Written before pipelining: no pipeline_parallel_size.
     assert Mesh.from_dict({"world_size": 4, "tensor_parallel_size": 2}) == Mesh(
         4, tensor_parallel_size=2

@@ -109,7 +109,7 @@ def megatron_mesh(args: argparse.Namespace) -> Mesh:
     """The run's mesh, from Megatron-LM's arguments: ``--tensor-model-parallel-size`` and
     ``--pipeline-model-parallel-size`` over its ``world_size`` ranks, with
     ``--expert-model-parallel-size`` (interleaved virtual stages are refused by ``check_args``
-    and by the mesh). Megatron initialises its parallel state from
+    in this loop). Megatron initialises its parallel state from
     the same arguments, in the rank order the mesh numbers."""
     return Mesh(
         args.world_size,

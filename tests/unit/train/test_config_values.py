@@ -106,6 +106,17 @@ def test_unusable_values_are_refused_naming_key_and_range(override, match):
     assert re.search(match, message), message
 
 
+def test_virtual_stages_need_a_pipeline_that_splits_the_layers():
+    pp2 = "parallel.pipeline_parallel_size=2"
+    assert _load(pp2, "parallel.virtual_pipeline_parallel_size=2").parallel.mesh(4).describe() == (
+        "TP 1 x PP 2 x VP 2"
+    )
+    message = _refused("parallel.virtual_pipeline_parallel_size=2")
+    assert message.startswith("parallel.virtual_pipeline_parallel_size=2 needs parallel."), message
+    message = _refused(pp2, "parallel.virtual_pipeline_parallel_size=3")  # 4 layers over 6
+    assert message.startswith("model.num_layers=4 must be a multiple of parallel."), message
+
+
 @pytest.mark.parametrize("allowed", [["optim.lr"], ["optim"], ["model.rope_scaling.factor"]])
 def test_allow_changes_takes_keys_and_sections(allowed):
     assert _load(f"resume.allow_changes=[{','.join(allowed)}]").resume.allow_changes == tuple(
