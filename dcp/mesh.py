@@ -40,10 +40,6 @@ def aligned_blocks(world_size: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-UNSUPPORTED_AXES = ("expert_parallel_size",)
-"""Axes the mesh has a place for but DCP does not run yet: only 1 is accepted."""
-
-
 @dataclass(frozen=True)
 class Mesh:
     """Where each global rank sits in world = PP × planner ranks × TP (TP innermost, stages
@@ -57,7 +53,10 @@ class Mesh:
     pipeline_parallel_size: int = 1
     """Pipeline stages (blocks of ``world_size / pipeline_parallel_size`` consecutive ranks)."""
     expert_parallel_size: int = 1
-    """Expert parallelism: not supported yet, only 1."""
+    """Ranks that share one layer's experts (each holds ``num_experts / EP``): within a stage,
+    the TP rank's ranks on an aligned block of EP planner ranks (``expert_block``), megatron's
+    expert groups. A power of two dividing the planner ranks; plans keep EP groups together
+    (``dcp.planning.experts``)."""
     virtual_pipeline_parallel_size: int = 1
     """Model chunks per pipeline stage (the interleaved schedule, ``dcp.planning.pipeline``):
     chunk v of stage s holds virtual stage v × PP + s's layers; more than 1 needs PP > 1."""
@@ -67,12 +66,6 @@ class Mesh:
             value = getattr(self, f.name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
-        for name in UNSUPPORTED_AXES:
-            if getattr(self, name) != 1:
-                raise ValueError(
-                    f"{name}={getattr(self, name)} is not supported yet (only 1): DCP's planner "
-                    "and runtime have no place for this axis"
-                )
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if self.virtual_pipeline_parallel_size > 1 and pp == 1:
             raise ValueError(
@@ -83,6 +76,14 @@ class Mesh:
             raise ValueError(
                 f"tensor_parallel_size={tp} times pipeline_parallel_size={pp} must divide "
                 f"world_size={self.world_size} (launch a multiple of TP x PP ranks)"
+            )
+        ep = self.expert_parallel_size
+        if ep & (ep - 1) or self.num_planner_ranks % ep:
+            # Only then is every EP group an aligned block, and every aligned block of at least
+            # EP planner ranks a union of whole EP groups (docs/design.md, 'Experts').
+            raise ValueError(
+                f"expert_parallel_size={ep} must be a power of two dividing the "
+                f"{self.num_planner_ranks} planner ranks (world / (TP x PP))"
             )
 
     @classmethod
@@ -115,12 +116,15 @@ class Mesh:
         return out
 
     def describe(self) -> str:
-        """``TP t``, ``TP t x PP p`` or ``TP t x PP p x VP v``: how the mesh splits its ranks."""
+        """``TP t``, then `` x PP p``, `` x VP v`` and `` x EP e`` where above 1: how the mesh
+        splits its ranks."""
         pp, vp = self.pipeline_parallel_size, self.virtual_pipeline_parallel_size
+        ep = self.expert_parallel_size
         return (
             f"TP {self.tensor_parallel_size}"
             + (f" x PP {pp}" if pp > 1 else "")
             + (f" x VP {vp}" if vp > 1 else "")
+            + (f" x EP {ep}" if ep > 1 else "")
         )
 
     @property
@@ -141,6 +145,12 @@ class Mesh:
     def planner_rank(self, rank: int) -> int:
         """The planner rank (TP group within its stage) of global rank ``rank``."""
         return rank % self.stage_size // self.tensor_parallel_size
+
+    def expert_block(self, planner_rank: int) -> range:
+        """The planner ranks of ``planner_rank``'s expert-parallel group: its aligned block of
+        ``expert_parallel_size``."""
+        first = planner_rank - planner_rank % self.expert_parallel_size
+        return range(first, first + self.expert_parallel_size)
 
     def tp_rank(self, rank: int) -> int:
         """The TP rank of global rank ``rank``."""

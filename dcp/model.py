@@ -130,8 +130,20 @@ class ModelConfig:
     ``delayed`` is refused: its amax reduction runs on a fixed group every micro-step while DCP
     ranks run different numbers of micro-steps (a hang)."""
 
+    num_experts: int | None = None
+    """Routed experts in every layer's MLP (megatron-core's ``MoELayer``, alltoall token
+    dispatcher, dropless, no router loss: docs/design.md, 'Experts'); None: a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (1 <= top-k <= num_experts)."""
+    moe_ffn_hidden_size: int | None = None
+    """Each routed expert's SwiGLU inner width; None: ``ffn_hidden_size``."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token also passes through (DeepSeek, Qwen2-MoE);
+    None: no shared expert."""
+
     def __post_init__(self) -> None:
         check_choice(self.core_attention, typing.get_args(CoreAttention), "core_attention")
+        self._check_experts()
         for name in (
             "num_layers",
             "hidden_size",
@@ -177,6 +189,32 @@ class ModelConfig:
                 f"core_attention={self.core_attention}"
             )
 
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields: ranges, and nothing set for a dense model."""
+        if self.num_experts is None:
+            given = [
+                name
+                for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+                if getattr(self, name) is not None
+            ]
+            if given or self.moe_router_topk != 2:
+                raise ValueError(
+                    f"{', '.join(given) or 'moe_router_topk'} is set but num_experts is not: "
+                    "set num_experts for a mixture-of-experts model, or drop it"
+                )
+            return
+        check_range(self.num_experts, "num_experts", ge=1, integer=True)
+        if self.fp8:
+            # Each expert's GEMM gets a data-dependent token count that FP8 GEMMs need padded
+            # (megatron's moe_router_padding_for_quantization), which DCP does not set up.
+            raise ValueError("fp8 is not supported with num_experts (mixture-of-experts) yet")
+        check_range(
+            self.moe_router_topk, "moe_router_topk", ge=1, le=self.num_experts, integer=True
+        )
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(self, name) is not None:
+                check_range(getattr(self, name), name, ge=1, integer=True)
+
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
@@ -204,10 +242,14 @@ class ModelConfig:
             ffn_hidden_size=self.ffn_hidden_size,
             vocab_size=self.vocab_size,
             kv_channels=self.kv_channels,
+            num_experts=self.num_experts,
+            moe_router_topk=None if self.num_experts is None else self.moe_router_topk,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
         )
 
     def num_params(self) -> int:
-        """Parameter count (for MFU: 6·N·tokens plus attention FLOPs)."""
+        """Parameter count, every expert included (what ``check_model_fits`` sizes)."""
         return self.shape.param_counts(tied_embeddings=self.tie_embeddings).total
 
 
@@ -222,6 +264,9 @@ WEIGHT_SHAPE_FIELDS = (
     "tie_embeddings",
     "add_qkv_bias",
     "qk_layernorm",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
 )
 """``ModelConfig`` fields that fix which tensors exist and their shapes: a model started from
 existing weights takes these from them."""
@@ -359,20 +404,26 @@ def model_state_bytes(
     tensor_parallel_size: int,
     optimizer_shards: int = 1,
     pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> float:
     """Bytes one rank holds for the model's weights (in ``cfg.dtype``), fp32 main grads and
     Adam state (``optimizer_bytes_per_param``, split over ``optimizer_shards`` ranks by the
     distributed optimizer), all split over TP, on the largest pipeline stage
-    (``stage_num_params``). Activations come on top."""
+    (``stage_num_params``). A rank holds 1/``expert_parallel_size`` of the routed experts, whose
+    state the distributed optimizer shards over the ranks holding the same experts (the
+    optimizer shards / EP of them). Activations come on top."""
     # The cost-model spec's default main-grad bytes: megatron's fp32 gradient buffer.
-    grad_bytes = Options.grad_bytes_per_param
-    per_param = (
-        cfg.torch_dtype.itemsize
-        + grad_bytes
-        + optimizer_bytes_per_param(cfg.dtype) / optimizer_shards
-    )
+    weight_bytes = cfg.torch_dtype.itemsize + Options.grad_bytes_per_param
+    state_bytes = optimizer_bytes_per_param(cfg.dtype)
     params = stage_num_params(cfg, pipeline_parallel_size)
-    return params / tensor_parallel_size * per_param
+    experts = cfg.shape.param_counts(tied_embeddings=cfg.tie_embeddings).expert
+    dense = params - experts
+    per_rank = (
+        dense * (weight_bytes + state_bytes / optimizer_shards)
+        + experts / expert_parallel_size * weight_bytes
+        + experts * state_bytes / max(expert_parallel_size, optimizer_shards)
+    )
+    return per_rank / tensor_parallel_size
 
 
 def available_memory_bytes() -> int | None:
@@ -399,6 +450,7 @@ def check_model_fits(
     tensor_parallel_size: int,
     optimizer_shards: int = 1,
     pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> None:
     """Raise ``ValueError`` when the model's weights, gradients and optimizer state alone
     (``model_state_bytes``) exceed the memory this process can still allocate, so a model that
@@ -410,6 +462,7 @@ def check_model_fits(
         tensor_parallel_size=tensor_parallel_size,
         optimizer_shards=optimizer_shards,
         pipeline_parallel_size=pipeline_parallel_size,
+        expert_parallel_size=expert_parallel_size,
     )
     free = available_memory_bytes()
     if free is None or need <= free:
@@ -429,7 +482,9 @@ def check_model_fits(
     )
 
 
-def transformer_config(cfg: ModelConfig, *, tensor_parallel_size: int = 1, **overrides):
+def transformer_config(
+    cfg: ModelConfig, *, tensor_parallel_size: int = 1, expert_parallel_size: int = 1, **overrides
+):
     """The megatron ``TransformerConfig`` for ``cfg``: per-token loss, no dropout; on the TE
     spec the RoPE, SwiGLU and weight-gradient-accumulation fusions and, with ``cfg.fp8``, FP8
     linears; no fusions on the torch path (CPU). With ``tensor_parallel_size`` > 1, megatron's
@@ -478,8 +533,36 @@ def transformer_config(cfg: ModelConfig, *, tensor_parallel_size: int = 1, **ove
     )
     if cfg.fp8:
         kwargs.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_param=False)
+    kwargs.update(moe_config(cfg, grouped_gemm=te, expert_parallel_size=expert_parallel_size))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_config(cfg: ModelConfig, *, grouped_gemm: bool, expert_parallel_size: int = 1) -> dict:
+    """The ``TransformerConfig`` fields of ``cfg``'s experts (empty for a dense model), each
+    rank holding ``num_experts / expert_parallel_size`` of them.
+
+    The alltoall dispatcher: megatron's default ``allgather`` dispatcher refuses packed
+    sequences of varying length, which every DCP micro-step is. Dropless (no capacity factor):
+    which expert a token reaches depends on that token alone, never on the other tokens of its
+    micro-step, so the result does not depend on how a plan packs and splits documents. No
+    router loss (``none``, coefficient 0): megatron's load-balancing losses are averages over a
+    micro-batch or its rows, which a plan chooses (docs/design.md, 'Experts'). TE's grouped
+    GEMM for the experts where the TE spec runs (``grouped_gemm``), megatron's sequential
+    per-expert MLPs otherwise."""
+    if cfg.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=grouped_gemm,
+        expert_model_parallel_size=expert_parallel_size,
+    )
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -516,12 +599,14 @@ def layer_spec(cfg: ModelConfig):
         from megatron_patches.te_attention import te_core_attention
 
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=cfg.qk_layernorm
+            num_experts=cfg.num_experts,
+            moe_grouped_gemm=cfg.num_experts is not None,
+            qk_layernorm=cfg.qk_layernorm,
         )
         core = te_core_attention()
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm
+            num_experts=cfg.num_experts, normalization="RMSNorm", qk_layernorm=cfg.qk_layernorm
         )
         if attention == "megatron_local":
             return spec
@@ -830,7 +915,12 @@ def _build(
     model_parallel_cuda_manual_seed(stage_seed(seed, stage))
     with cpu_tensors_stay():  # tied embeddings under PP copy the embedding with .cuda()
         model = GPTModel(
-            config=transformer_config(cfg, tensor_parallel_size=tp, **tf_overrides),
+            config=transformer_config(
+                cfg,
+                tensor_parallel_size=tp,
+                expert_parallel_size=_ep_size(pg_collection),
+                **tf_overrides,
+            ),
             transformer_layer_spec=block_spec(cfg, layers),
             vocab_size=cfg.padded_vocab_size,
             max_sequence_length=cfg.max_seq_len,
@@ -849,6 +939,12 @@ def _build(
         if first + rows > cfg.vocab_size:
             model.output_layer.register_forward_hook(_VocabPaddingMask(cfg.vocab_size - first))
     return model
+
+
+def _ep_size(pg_collection) -> int:
+    """The expert-parallel size of ``pg_collection`` (1 where it has no EP group)."""
+    group = getattr(pg_collection, "ep", None)
+    return 1 if group is None else group.size()
 
 
 class _VocabPaddingMask:

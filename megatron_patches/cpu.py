@@ -30,7 +30,11 @@ class _NullStream:
     def wait_event(self, _event: object) -> None:
         return None
 
-    def record_event(self, _event: object = None) -> None:
+    def record_event(self, _event: object = None) -> _NullStream:
+        """An event stand-in: its ``wait``/``synchronize`` are no-ops too."""
+        return self
+
+    def wait(self, _stream: object = None) -> None:
         return None
 
     def synchronize(self) -> None:
@@ -44,6 +48,16 @@ def _cpu_get_rng_state(device: object = "cuda", clone: bool = False, graph_safe:
 
 def _cpu_set_rng_state(new_state: torch.Tensor, device: object = -1, graph_safe: bool = False):
     torch.set_rng_state(new_state)
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's ``moe_utils.maybe_move_tensor_to_cpu`` on a machine whose tensors are all on
+    the host: the tensor itself, as numpy where asked. megatron's copies only CUDA tensors, so
+    on CPU the alltoall dispatcher's split sizes stayed tensors, which gloo's
+    ``all_to_all_single`` refuses (it takes sequences of ints, as the GPU path's numpy arrays)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
@@ -90,6 +104,7 @@ def apply() -> bool:
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as mcore_utils
+    from megatron.core.transformer.moe import token_dispatcher
 
     cuda = torch.cuda
     cuda.current_device = lambda: "cpu"
@@ -105,6 +120,10 @@ def apply() -> bool:
     cuda.empty_cache = lambda: None
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    # The alltoall MoE dispatcher makes one class-wide CUDA stream for its device-to-host
+    # copies of the token counts when the first one is built, and waits on an event of it.
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NullStream()
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     for module in (mcore_utils, fused_softmax):
         module.get_default_causal_mask = _cpu_default_causal_mask
         module.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             pipeline_parallel_size=cfg.parallel.pipeline_parallel_size,
             virtual_pipeline_parallel_size=cfg.parallel.virtual_pipeline_parallel_size,
+            expert_parallel_size=cfg.parallel.expert_parallel_size,
         )
         trainer = Trainer(cfg)
         trainer.train(stop)

@@ -41,11 +41,13 @@ def model_provider(
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)
+    # Experts in every layer (--num-experts; dcp_mlm.check_args refuses --moe-layer-freq).
+    experts = dict(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm)
     if args.transformer_impl == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(**experts, qk_layernorm=args.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(
-            normalization=args.normalization, qk_layernorm=args.qk_layernorm
+            **experts, normalization=args.normalization, qk_layernorm=args.qk_layernorm
         )
     spec = dcp_mlm.with_dcp_attention(spec)  # DCP
     return GPTModel(

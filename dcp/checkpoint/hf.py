@@ -126,6 +126,11 @@ def dcp_to_hf(
     if "model" not in run_config:
         raise ValueError(f"{path}: the checkpoint records no model config (extra.config.model)")
     cfg = from_dict(ModelConfig, run_config["model"], prefix="model")
+    if cfg.num_experts is not None:
+        raise ValueError(
+            f"{path}: Hugging Face export of mixture-of-experts models (model.num_experts) is "
+            "not supported yet"
+        )
     kind = kind or export_kind(cfg, extra)
     state = ckpt.canonical_state()
     # The recorded config is as untrusted as the rest of the directory and sizes the list of

@@ -561,10 +561,12 @@ def runtime_options(
     tensor_parallel_size: int | None = None,
     tied_embeddings: bool | None = None,
     pipeline_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
 ) -> dict:
     """The spec ``options`` a training run fixes (its model dtype, FP8, optimizer and, when
-    given, its TP size, embedding tying and PP size): the trainer and ``tools.memory_budget`` lay
-    them over the spec (``with_runtime_options``), so planner and runtime agree."""
+    given, its TP size, embedding tying, PP and EP sizes): the trainer and
+    ``tools.memory_budget`` lay them over the spec (``with_runtime_options``), so planner and
+    runtime agree."""
     options = {
         "dtype": dtype,
         "fp8": fp8,
@@ -577,6 +579,8 @@ def runtime_options(
         options["tied_embeddings"] = tied_embeddings
     if pipeline_parallel_size is not None:
         options["pipeline_parallel_size"] = pipeline_parallel_size
+    if expert_parallel_size is not None:
+        options["expert_parallel_size"] = expert_parallel_size
     return options
 
 

@@ -88,18 +88,21 @@ def static_configs(
     *,
     cp_size: int | None = None,
     recompute: str | None = None,
+    min_cp_size: int = 1,
 ) -> list[tuple[int, str]]:
     """Every (CP size, recompute) a static run sized for ``max_seq_len`` can use, smallest CP and
     cheapest recompute (``STATIC_RECOMPUTE``) first; ``cp_size``/``recompute``, where given, keep
-    only matching ones. ``BLOCK`` is a configuration where it recomputes fewer layers than
-    ``full`` (``block_layers``). The candidates of every static choice: the benchmark's fixed
-    runs, ``fixed_static_config`` and ``plan_static``. Under pipeline parallelism a configuration
-    must hold as many such micro-batches as a stage has in flight (``planning_view``)."""
+    only matching ones; none below ``min_cp_size`` (expert parallelism:
+    ``dcp.planning.experts.min_cp_size``). ``BLOCK`` is a configuration where it recomputes
+    fewer layers than ``full`` (``block_layers``). The candidates of every static choice: the
+    benchmark's fixed runs, ``fixed_static_config`` and ``plan_static``. Under pipeline
+    parallelism a configuration must hold as many such micro-batches as a stage has in flight
+    (``planning_view``)."""
     cost_model = planning_view(cost_model)
     configs = []
     for cp in pow2_sizes(cost_model.num_ranks):
         for lv in STATIC_RECOMPUTE:
-            if cp_size not in (None, cp) or recompute not in (None, lv):
+            if cp < min_cp_size or cp_size not in (None, cp) or recompute not in (None, lv):
                 continue
             if lv == BLOCK:
                 fits = block_layers(cost_model, max_seq_len, cp) is not None
@@ -146,9 +149,11 @@ def fixed_static_config(
     cp_size: int | None = None,
     recompute: str | None = None,
     on_oversize: str = "error",
+    min_cp_size: int = 1,
 ) -> tuple[int, str]:
     """The one (CP size, recompute) a static run trains every batch with: of ``static_configs``
-    (sized for the run's ``max_seq_len``, narrowed to ``cp_size``/``recompute`` where given), the
+    (sized for the run's ``max_seq_len``, narrowed to ``cp_size``/``recompute`` where given, at
+    least ``min_cp_size``), the
     one whose plans of ``batches`` (the run's own) take the least predicted time in total; ties
     go to the smaller CP size, then the cheaper recompute. ``ValueError`` when no configuration
     holds ``max_seq_len`` or ``batches`` is empty."""
@@ -158,7 +163,9 @@ def fixed_static_config(
         split_oversize(lengths, cost_model, on_oversize=on_oversize)
     if on_oversize == "drop":
         max_seq_len = _kept_max_seq_len(cost_model, max_seq_len)
-    configs = static_configs(cost_model, max_seq_len, cp_size=cp_size, recompute=recompute)
+    configs = static_configs(
+        cost_model, max_seq_len, cp_size=cp_size, recompute=recompute, min_cp_size=min_cp_size
+    )
     if not configs:
         raise _no_config_error(cost_model, max_seq_len, cp_size=cp_size, recompute=recompute)
     best, best_s = configs[0], math.inf

@@ -36,6 +36,7 @@ import torch
 
 from dcp.collectives import MAX, all_reduce, barrier, phase, to_device, to_host
 from dcp.plan import Plan
+from dcp.planning.experts import check_expert_lockstep
 from dcp.runtime.dispatch import SequenceSource, counted_labels
 from dcp.runtime.groups import GroupRegistry
 from dcp.runtime.microstep import MicroStepExecutor, MicroStepInput
@@ -118,14 +119,17 @@ def around_steps(model, forward_only: bool):
 
 def start_plan(plan: Plan, source: SequenceSource, registry: GroupRegistry) -> ScheduleResult:
     """What every schedule does first: the step's result with its global count of counted labels
-    (``ValueError`` on every rank when it is 0), and the checks that the plan's groups exist and
-    that every rank holds the same plan (a collective)."""
+    (``ValueError`` on every rank when it is 0), and the checks that the plan's groups exist,
+    that every rank holds the same plan (a collective) and that its steps keep expert-parallel
+    groups whole (``dcp.planning.experts``)."""
     result = ScheduleResult(
         global_loss_tokens=sum(counted_labels(source, i) for s in plan.steps for i in s.seq_ids)
     )
     check_groups(plan, registry)
     with phase("the plan agreement check before the first micro-step"):
         verify_plan_agreement(plan, result.global_loss_tokens)
+    # After the agreement, so every rank refuses the same plan together, before any MoE layer.
+    check_expert_lockstep(plan, registry.mesh)
     if result.global_loss_tokens == 0:
         # After the agreement: every rank holds this batch, so every rank raises here together.
         raise ValueError(

@@ -27,14 +27,15 @@ def init(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     virtual_pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> None:
     """Prepare this process for DCP (idempotent): on a GPU machine select the device of
     ``LOCAL_RANK`` (torchrun's; otherwise every rank would land on cuda:0), install the
     megatron patches this machine needs (the CPU shim when there is no GPU) and initialise
-    megatron's parallel state with ``tensor_parallel_size``, ``pipeline_parallel_size`` and
-    ``virtual_pipeline_parallel_size``, its
-    groups created with ``timeout_s`` (default: torch's). A torch outside the supported range
-    raises ``dcp.versions.UnsupportedVersion`` first."""
+    megatron's parallel state with ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``virtual_pipeline_parallel_size`` and ``expert_parallel_size``, its groups created with
+    ``timeout_s`` (default: torch's). A torch outside the supported range raises
+    ``dcp.versions.UnsupportedVersion`` first."""
     require_supported_versions()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -58,6 +59,7 @@ def init(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         virtual_pipeline_parallel_size=virtual_pipeline_parallel_size,
+        expert_parallel_size=expert_parallel_size,
     )
 
 
@@ -67,11 +69,12 @@ def init_megatron_parallel(
     tensor_parallel_size: int | None = None,
     pipeline_parallel_size: int | None = None,
     virtual_pipeline_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
 ) -> int:
     """Initialise megatron's parallel_state with ``tensor_parallel_size``,
-    ``pipeline_parallel_size`` and ``virtual_pipeline_parallel_size`` (default 1 each) and
-    CP = 1 (idempotent; a second call asking for other sizes raises). Returns the TP size in
-    effect."""
+    ``pipeline_parallel_size``, ``virtual_pipeline_parallel_size`` and ``expert_parallel_size``
+    (default 1 each) and CP = 1 (idempotent; a second call asking for other sizes raises).
+    Returns the TP size in effect."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -100,16 +103,24 @@ def init_megatron_parallel(
                 f"megatron's parallel state is already initialised with VP = {chunks}, not "
                 f"{virtual_pipeline_parallel_size}"
             )
+        experts = ps.get_expert_model_parallel_world_size()
+        if expert_parallel_size is not None and expert_parallel_size != experts:
+            raise ValueError(
+                f"megatron's parallel state is already initialised with EP = {experts}, not "
+                f"{expert_parallel_size}"
+            )
         return current
     tp = 1 if tensor_parallel_size is None else tensor_parallel_size
     pp = 1 if pipeline_parallel_size is None else pipeline_parallel_size
     vp = 1 if virtual_pipeline_parallel_size is None else virtual_pipeline_parallel_size
-    # The world must split into TP groups and stages.
+    ep = 1 if expert_parallel_size is None else expert_parallel_size
+    # The world must split into TP groups and stages, the planner ranks into EP groups.
     mesh = Mesh(
         dist.get_world_size(),
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         virtual_pipeline_parallel_size=vp,
+        expert_parallel_size=ep,
     )
     extra = {}
     if timeout_s is not None:
@@ -119,6 +130,7 @@ def init_megatron_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         context_parallel_size=1,
+        expert_model_parallel_size=ep,
         # A gloo twin of every data-parallel group serves only megatron's dp-zero checkpoint
         # formats, which DCP does not use: at 1,024 ranks each is start-up time and sockets.
         create_gloo_process_groups=False,
@@ -128,7 +140,25 @@ def init_megatron_parallel(
     # world / PP ranks, megatron's default order ("tp-cp-ep-dp-pp": TP innermost, PP outermost).
     assert ps.get_tensor_model_parallel_rank() == mesh.tp_rank(dist.get_rank())
     assert ps.get_pipeline_model_parallel_rank() == mesh.stage(dist.get_rank())
+    check_expert_groups(mesh)
     return tp
+
+
+def check_expert_groups(mesh: Mesh) -> None:
+    """Raise unless megatron's expert-parallel group of this rank is the mesh's: the TP rank's
+    ranks on the planner ranks of ``Mesh.expert_block`` (megatron's "tp-ep-dp-pp" order with
+    expert TP = TP), so that a plan step on whole blocks holds whole EP groups."""
+    from megatron.core import parallel_state as ps
+
+    rank = dist.get_rank()
+    block = mesh.expert_block(mesh.planner_rank(rank))
+    expected = mesh.cp_ranks(block, mesh.tp_rank(rank), mesh.stage(rank))
+    found = tuple(dist.get_process_group_ranks(ps.get_expert_model_parallel_group()))
+    if found != expected:
+        raise RuntimeError(
+            f"rank {rank}: megatron's expert-parallel group is {list(found)}, DCP's mesh "
+            f"expects {list(expected)} (planner ranks {list(block)})"
+        )
 
 
 def init_megatron_mesh(mesh: Mesh) -> None:
@@ -144,6 +174,7 @@ def init_megatron_mesh(mesh: Mesh) -> None:
             tensor_parallel_size=mesh.tensor_parallel_size,
             pipeline_parallel_size=mesh.pipeline_parallel_size,
             virtual_pipeline_parallel_size=mesh.virtual_pipeline_parallel_size,
+            expert_parallel_size=mesh.expert_parallel_size,
         )
     except ValueError as exc:
         raise ValueError(
@@ -153,13 +184,15 @@ def init_megatron_mesh(mesh: Mesh) -> None:
 
 
 def model_mesh(model) -> Mesh:
-    """The mesh a megatron-core model was built for: its config's TP, PP and VP sizes
+    """The mesh a megatron-core model was built for: its config's TP, PP, VP and EP sizes
     (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-    ``virtual_pipeline_model_parallel_size``) over this job's ranks."""
+    ``virtual_pipeline_model_parallel_size``, ``expert_model_parallel_size``) over this job's
+    ranks."""
     config = model.config
     return Mesh(
         dist.get_world_size(),
         tensor_parallel_size=config.tensor_model_parallel_size,
         pipeline_parallel_size=config.pipeline_model_parallel_size,
         virtual_pipeline_parallel_size=config.virtual_pipeline_model_parallel_size or 1,
+        expert_parallel_size=config.expert_model_parallel_size,
     )

@@ -41,6 +41,12 @@ from dcp.planning import (
     simulate,
 )
 from dcp.planning.dcp_planner import pin_label
+from dcp.planning.experts import (
+    check_expert_lockstep,
+    expert_units,
+    min_cp_size,
+    spread_over_ep_groups,
+)
 from dcp.runtime.dispatch import train_len
 
 logger = logging.getLogger(__name__)
@@ -193,6 +199,7 @@ class BatchPlanner:
                 tensor_parallel_size=mesh.tensor_parallel_size,
                 tied_embeddings=cfg.model.tie_embeddings,
                 pipeline_parallel_size=mesh.pipeline_parallel_size,
+                expert_parallel_size=mesh.expert_parallel_size,
             ),
             ranks_per_node=launch_ranks_per_node(),
             model=cfg.model.shape,
@@ -203,8 +210,12 @@ class BatchPlanner:
         planner uses gets: the configured one, and a refitted one carried from a checkpoint
         written at another layout)."""
         calibrated = "calibration" in spec
-        if self._runtime_options:
-            spec, changed = with_runtime_options(spec, self._runtime_options)
+        # The EP size goes on after the run's model: a spec written for a dense model refuses
+        # an EP size above 1 (its experts are the run's).
+        options = dict(self._runtime_options or {})
+        experts = {k: options.pop(k) for k in ("expert_parallel_size",) if k in options}
+        if options:
+            spec, changed = with_runtime_options(spec, options)
             spec, resized = with_launch(
                 spec, world_size=self.mesh.world_size, ranks_per_node=self._ranks_per_node
             )
@@ -229,6 +240,12 @@ class BatchPlanner:
                     "the spec was calibrated on another model: its measured per-token terms are "
                     "scaled to this model analytically until measured (online calibration, or "
                     "tools.profile with this model)"
+                )
+        if experts:
+            spec, changed = with_runtime_options(spec, experts)
+            for key, (old, new) in changed.items():
+                logger.info(
+                    "cost-model spec options.%s: %s -> %s (the run's setting)", key, old, new
                 )
         return spec
 
@@ -287,6 +304,7 @@ class BatchPlanner:
                 max_seq_len=max_seq_len,
                 cp_size=self.cfg.static_cp_size,
                 recompute=self.cfg.static_recompute,
+                min_cp_size=min_cp_size(self.mesh.expert_parallel_size),
                 on_oversize=self.cfg.on_oversize,
             )
         return self._static_config
@@ -317,9 +335,22 @@ class BatchPlanner:
         cost_model, version = self.cost_model, self.version  # one model for the whole plan
         if forward_only:
             cost_model = cost_model.forward_only()
-        options = self.planner_options(lengths, pinned=pinned)
-        plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, options=options)
+        ep = self.mesh.expert_parallel_size
+        if ep > 1 and self.cfg.planner == "dcp":
+            # EP groups as the planner's ranks: every step then runs on whole EP groups.
+            pinned = _pins_in_units(pinned, ep)
+            options = self.planner_options(lengths, pinned=pinned)
+            units = expert_units(cost_model, ep)
+            plan = plan_batch(lengths, cost_model=units, planner="dcp", options=options)
+            # 0: the prediction is the simulation of the real plan below.
+            plan = dataclasses.replace(spread_over_ep_groups(plan, ep), predicted_step_time_s=0.0)
+        else:
+            options = self.planner_options(lengths, pinned=pinned)
+            plan = plan_batch(
+                lengths, cost_model=cost_model, planner=self.cfg.planner, options=options
+            )
         plan.validate(num_sequences=len(lengths), num_ranks=self.num_planner_ranks)
+        check_expert_lockstep(plan, self.mesh)
         if forward_only:
             plan = plan.forward_only()
         sim = simulate(plan, lengths, cost_model)
@@ -339,6 +370,14 @@ class BatchPlanner:
         )
 
 
+def _pins_in_units(pinned: dict[int, tuple] | None, ep: int) -> dict[int, tuple] | None:
+    """Online calibration's pinned configurations in ``expert_units``' CP sizes: CP c is c / EP
+    units, and a CP size below EP (which would split an EP group) runs at one unit, CP = EP."""
+    if not pinned:
+        return pinned
+    return {i: (max(1, config[0] // ep), *config[1:]) for i, config in pinned.items()}
+
+
 def with_fixed_static_config(planner: BatchPlanner, batches: Iterable[GlobalBatch]):
     """``planner``'s planning config with ``planner=static``'s one (CP size, recompute) filled
     in, as a static Megatron run fixes it before it starts: ``fixed_static_config`` over the
@@ -356,6 +395,7 @@ def with_fixed_static_config(planner: BatchPlanner, batches: Iterable[GlobalBatc
         max_seq_len=longest if planner.max_seq_len is None else max(planner.max_seq_len, longest),
         cp_size=cfg.static_cp_size,
         recompute=cfg.static_recompute,
+        min_cp_size=min_cp_size(planner.mesh.expert_parallel_size),
         on_oversize=cfg.on_oversize,
     )
     logger.info(

@@ -115,6 +115,15 @@ class DistributedConfig:
             check_range(getattr(self, name), f"distributed.{name}", gt=0, le=_MAX_TIMEOUT_S)
 
 
+EXPERT_CHECKPOINTS = (
+    "checkpoints at parallel.expert_parallel_size > 1 are not supported yet (each rank holds "
+    "only its EP group's share of the experts, and nothing reshards them): set "
+    "checkpoint.interval_steps=0 and leave init.from_checkpoint / init.from_hf unset, or train "
+    "at expert_parallel_size 1"
+)
+"""The one-line refusal of saving, resuming or initialising from weights at EP > 1."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     """How the launched ranks are arranged: world = PP × planner ranks × TP."""
@@ -133,6 +142,10 @@ class ParallelConfig:
     s holds virtual stage v × PP + s's layers. More than 1 needs PP > 1 and ``model.num_layers``
     a multiple of PP × VP. The planner's cost model and memory check still price the
     non-interleaved order (docs/design.md, 'Pipelines')."""
+    expert_parallel_size: int = 1
+    """Ranks that share each MoE layer's experts (``model.num_experts`` divisible by it): a
+    power of two dividing the planner ranks; each plan step then runs on whole EP groups
+    (docs/design.md, 'Experts'). Above 1: no checkpoints yet, and planners dcp and static only."""
 
     def __post_init__(self) -> None:
         check_range(self.tensor_parallel_size, "parallel.tensor_parallel_size", ge=1, integer=True)
@@ -145,6 +158,7 @@ class ParallelConfig:
             ge=1,
             integer=True,
         )
+        check_range(self.expert_parallel_size, "parallel.expert_parallel_size", ge=1, integer=True)
         if self.virtual_pipeline_parallel_size > 1 and self.pipeline_parallel_size == 1:
             raise ValueError(
                 f"parallel.virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size} "
@@ -159,6 +173,7 @@ class ParallelConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             virtual_pipeline_parallel_size=self.virtual_pipeline_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
         )
 
 
@@ -308,6 +323,39 @@ class PretrainConfig:
                 f"{self.model.num_layers}: every stage needs a layer"
             )
         check_virtual_stages(self.model, stages, self.parallel.virtual_pipeline_parallel_size)
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """What runs with experts and at ``parallel.expert_parallel_size`` > 1 (docs/design.md,
+        'Experts')."""
+        ep = self.parallel.expert_parallel_size
+        if self.model.num_experts is not None and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "model.num_experts with parallel.pipeline_parallel_size > 1 is not supported yet "
+                "(not tested): train mixture-of-experts models without pipeline stages"
+            )
+        if ep == 1:
+            return
+        if self.model.num_experts is None or self.model.num_experts % ep:
+            raise ValueError(
+                f"parallel.expert_parallel_size={ep} needs model.num_experts divisible by it "
+                f"(each rank of an EP group holds num_experts / {ep}), got "
+                f"{self.model.num_experts}"
+            )
+        if self.checkpoint.interval_steps or self.init.from_checkpoint or self.init.from_hf:
+            raise ValueError(EXPERT_CHECKPOINTS)
+        if self.planning.static_cp_size is not None and self.planning.static_cp_size < ep:
+            raise ValueError(
+                f"planning.static_cp_size={self.planning.static_cp_size} would split "
+                f"expert-parallel groups: at parallel.expert_parallel_size={ep} it must be at "
+                f"least {ep}"
+            )
+        if self.planning.planner not in ("dcp", "static"):
+            raise ValueError(
+                f"planning.planner={self.planning.planner} does not keep expert-parallel groups "
+                f"together yet; at parallel.expert_parallel_size={ep} use planning.planner=dcp "
+                f"or static (every step then runs on whole EP groups, CP size >= {ep})"
+            )
 
 
 def _check_allow_changes(keys: tuple[str, ...]) -> None:

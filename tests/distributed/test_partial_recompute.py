@@ -2,7 +2,11 @@
 
 A 4-layer tiny model, so a full step may recompute 1, 2 or 3 of its layers (4 is all). Plans mix
 several N with the other levels and give ranks uneven micro-step counts; loss and every gradient
-must equal the single-process reference (relative error <= 1e-5) at TP = 1 and TP = 2.
+must equal the single-process reference (relative error <= 1e-5) at TP = 1 and TP = 2. The
+TP = 2 launch and the expert-parallel one (EP = 2) train a mixture-of-experts model
+(``EXPERTS``: every layer 4 routed experts, top-2, and a shared expert): regrouped CP, uneven
+micro-step counts and recompute re-running the token dispatch and its all-to-alls leave loss and
+gradients those of the reference.
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ from tests.distributed.test_runtime_parity import (
 from tests.distributed.tiny import OPTIM, SEED, TINY, cleanup
 
 MODEL = {"num_layers": 4, "vocab_size": 61, "make_vocab_size_divisible_by": 4}
+EXPERTS = {
+    **MODEL,
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 48,
+    "moe_shared_expert_intermediate_size": 32,
+}
 
 
 def step(ranks, seq_ids, recompute="none", layers=None) -> dict:
@@ -60,12 +71,88 @@ def test_partial_recompute_parity_tp1(reference, name):
     assert_parity(reference, got, what=f"{name} at TP 1")
 
 
-@pytest.mark.parametrize("name", sorted(PLANS))
-def test_partial_recompute_parity_tp2(reference, name):
+@pytest.fixture(scope="module")
+def experts_reference():
+    return run_on_ranks(1, reference_run, DOCS, model=EXPERTS)[0]
+
+
+def test_partial_recompute_parity_tp2_with_experts(experts_reference):
+    name = "several_n_mixed_uneven"
     got = run_on_ranks(
-        4, dcp_run, DOCS, [PLANS[name]], model=MODEL, tensor_parallel_size=2, timeout_s=300
+        4, dcp_run, DOCS, [PLANS[name]], model=EXPERTS, tensor_parallel_size=2, timeout_s=300
     )[0]
-    assert_parity(reference, got, what=f"{name} at TP 2")
+    assert any(".mlp.experts." in n for n in got["grads"]), "no expert parameters were built"
+    assert_parity(experts_reference, got, what=f"{name} at TP 2 with experts")
+
+
+# EP 2 on 4 planner ranks: EP groups {0, 1} and {2, 3}. Every step on whole EP groups (CP 2 or
+# 4), the groups running different numbers of steps, partial, selective and no recompute.
+EP_PLAN = plan(
+    step([0, 1], [0, 3], "selective"),
+    step([2, 3], [1, 2, 4], "full", 1),
+    step([0, 1, 2, 3], [5, 6], "full", 3),
+    step([2, 3], [7]),
+)
+
+
+def test_expert_parallel_parity_and_a_plan_that_splits_an_ep_group(experts_reference):
+    plans = [PLANS["several_n_mixed_uneven"], EP_PLAN]
+    initial = experts_reference["initial_weights"]
+    results = run_on_ranks(4, expert_parallel_run, DOCS, plans, initial, timeout_s=300)
+    # The plan that runs rank 0 alone is refused on every rank before any MoE layer runs.
+    for out in results:
+        assert "split the expert-parallel group [0, 1]" in out["refused"], out["refused"]
+        assert "\n" not in out["refused"]
+    # Each rank of the EP group {0, 1} holds half the experts: together, the whole model.
+    got = {**results[0], "grads": {**results[1]["grads"], **results[0]["grads"]}}
+    assert results[0]["grads"].keys() != results[1]["grads"].keys()
+    assert_parity(experts_reference, got, what="EP 2, CP 2 and 4, recompute mixed")
+
+
+def expert_parallel_run(docs, plans, initial) -> dict:
+    """Rank body at EP 2 (``EXPERTS``) from the reference's ``initial`` weights (megatron draws
+    each EP rank's experts from its own stream): the refusal of ``plans[0]``, then loss and
+    gradients of ``plans[1]``, this rank's experts named by their index in the whole layer."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from dcp.mesh import Mesh
+    from dcp.plan import Plan
+    from dcp.runtime.dispatch import InMemorySource
+    from tests.distributed.tiny import to_numpy
+
+    try:
+        runtime = Runtime.from_config(
+            ModelConfig(**{**TINY, **EXPERTS}, core_attention="dcp"),
+            OPTIM,
+            seed=SEED,
+            mesh=Mesh(dist.get_world_size(), expert_parallel_size=2),
+        )
+        local = EXPERTS["num_experts"] // ps.get_expert_model_parallel_world_size()
+        first = ps.get_expert_model_parallel_rank() * local
+
+        def whole_layer_name(name: str) -> str:
+            head, sep, tail = name.partition(".local_experts.")
+            if not sep:
+                return name
+            index, rest = tail.split(".", 1)
+            return f"{head}{sep}{first + int(index)}.{rest}"
+
+        with torch.no_grad():
+            for name, param in runtime.named_parameters():
+                param.copy_(torch.from_numpy(initial[whole_layer_name(name)]))
+        source = InMemorySource(docs)
+        try:
+            runtime.forward_backward(Plan.from_dict(plans[0]), source)
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        result = runtime.forward_backward(Plan.from_dict(plans[1]), source)
+        grads = {whole_layer_name(n): g for n, g in to_numpy(runtime.grads().items()).items()}
+        return {"loss": runtime.global_loss(result), "grads": grads, "refused": refused}
+    finally:
+        cleanup()
 
 
 def test_use_recompute_sets_block_method_and_restores():

@@ -4,7 +4,10 @@ The commands are README's "From Megatron-LM" block, run as written (plus shorter
 the same documents through Megatron's own schedule (static) and as DCP plans give the same loss
 every step, the same validation and test losses (Megatron's evaluation; under ``--dcp`` each
 validation batch's plan runs forward only) and the same weights; a Megatron checkpoint of the DCP
-run resumes with the losses of the uninterrupted run, its validation losses included.
+run resumes with the losses of the uninterrupted run, its validation losses included. The model
+is a mixture-of-experts one (``EXPERTS``, added to every command): the same launches check that
+megatron's MoE layers train exactly under DCP's plans in both modes and resume from Megatron's
+checkpoint (a dense model differs only in its MLP; the pipeline test runs one).
 """
 
 from __future__ import annotations
@@ -45,6 +48,21 @@ TEST_FLAGS = [
     "5",
     "--eval-iters",
     "1",
+]
+
+# 4 routed experts (top-2, megatron's alltoall dispatcher, dropless, no router loss) and a shared
+# expert in every layer: docs/megatron_lm.md, 'Mixture-of-experts'.
+EXPERTS = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "176",
+    "--moe-shared-expert-intermediate-size",
+    "128",
+    "--moe-token-dispatcher-type",
+    "alltoall",
 ]
 
 
@@ -159,7 +177,7 @@ def runs(corpus, tmp_path_factory) -> dict:
             commands[mode],
             data=corpus,
             out=root / mode,
-            extra=["--save", str(ckpt), "--save-interval", str(RESUME_FROM)],
+            extra=[*EXPERTS, "--save", str(ckpt), "--save-interval", str(RESUME_FROM)],
         )
         result[f"{mode}-ckpt"] = ckpt
     result["root"] = root
@@ -169,7 +187,10 @@ def runs(corpus, tmp_path_factory) -> dict:
         commands["dcp"],
         data=corpus,
         out=root / "resumed",
-        extra=["--load", str(resumed), "--save", str(resumed), "--save-interval", str(STEPS)],
+        extra=[
+            *EXPERTS,
+            *("--load", str(resumed), "--save", str(resumed), "--save-interval", str(STEPS)),
+        ],
     )
     result["resumed-ckpt"] = resumed
     return result
@@ -196,6 +217,8 @@ def test_dcp_plans_give_megatron_static_losses_and_weights(runs):
     steps = re.findall(r"^DCP step (\d+): cp \{", console, re.M)
     assert steps == ["1", "5", "10"], steps
     assert_same_weights(runs["static-ckpt"], runs["dcp-ckpt"])
+    experts = [k for k in weights(runs["dcp-ckpt"], STEPS) if ".mlp.experts." in k]
+    assert experts, "the model was built without experts"
 
 
 def test_dcp_evaluation_gives_the_static_runs_validation_and_test_losses(runs):
@@ -215,3 +238,23 @@ def test_megatron_checkpoint_of_a_dcp_run_resumes_exactly(runs):
     # The resumed run evaluates the validation batches the uninterrupted one did at step 10.
     root = runs["root"]
     assert "iteration 10" in assert_same_evaluations(root / "dcp", root / "resumed", rel=1e-6)
+
+
+def test_expert_parallel_static_and_dcp_plans_agree(corpus, tmp_path):
+    """EP 2 on the 2 ranks: Megatron's own schedule (each data-parallel rank its micro-batches,
+    the two in lockstep) and DCP's planner on EP groups as units (every step on the whole EP
+    group, CP 2) give the same losses. Four steps, no evaluation, no checkpoint (refused at
+    EP > 1)."""
+    commands = readme_commands()
+    ep2 = [*EXPERTS, "--expert-model-parallel-size", "2", "--eval-iters", "0"]
+    ep2 += ["--train-iters", "4", "--lr-decay-iters", "6"]
+    static = run(commands["static"], data=corpus, out=tmp_path / "static", extra=ep2)
+    dcp = run(commands["dcp"], data=corpus, out=tmp_path / "dcp", extra=ep2)
+    assert [r["step"] for r in static] == [r["step"] for r in dcp] == [1, 2, 3, 4]
+    for a, b in zip(static, dcp, strict=True):
+        assert a["tokens"] == b["tokens"]
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+    cp_sizes = {k.rsplit("/", 1)[1] for r in dcp for k in r if k.startswith("plan/cp_hist/")}
+    assert cp_sizes == {"2"}, cp_sizes  # never a step that splits the EP group
+    # Each rank holds half of the 4 experts: 1,004,672 parameters, not the EP 1 model's 1,545,344.
+    assert "model parallel rank (0, 0, 0): 1004672" in (tmp_path / "static/console.txt").read_text()

@@ -17,7 +17,11 @@ from dcp.mesh import Mesh
         ({"world_size": True}, "world_size must be an integer"),
         ({"world_size": 6, "tensor_parallel_size": 4}, "must divide world_size=6"),
         ({"world_size": 8, "tensor_parallel_size": 2, "pipeline_parallel_size": 3}, "must divide"),
-        ({"world_size": 8, "expert_parallel_size": 2}, "expert_parallel_size=2 is not supported"),
+        ({"world_size": 6, "expert_parallel_size": 3}, "expert_parallel_size=3 must be a power"),
+        (
+            {"world_size": 8, "tensor_parallel_size": 2, "expert_parallel_size": 8},
+            "expert_parallel_size=8 must be a power of two dividing the 4 planner ranks",
+        ),
         (
             {"world_size": 8, "virtual_pipeline_parallel_size": 2},
             "virtual_pipeline_parallel_size=2 needs pipeline_parallel_size > 1",
@@ -76,3 +80,12 @@ def test_the_checkpoint_json_keeps_its_keys():
     ]:
         with pytest.raises(ValueError, match=message):
             Mesh.from_dict(bad)
+
+
+def test_expert_groups_are_aligned_blocks_of_planner_ranks():
+    # megatron's expert groups ("tp-ep-dp-pp" with expert TP = TP): consecutive planner ranks.
+    mesh = Mesh(16, tensor_parallel_size=2, expert_parallel_size=4)
+    assert mesh.describe() == "TP 2 x EP 4"
+    assert [list(mesh.expert_block(p)) for p in (0, 3, 4, 7)] == [[0, 1, 2, 3]] * 2 + [
+        [4, 5, 6, 7]
+    ] * 2

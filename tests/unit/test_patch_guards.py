@@ -235,3 +235,18 @@ def test_megatrons_argument_list_prints_only_when_asked(capsys):
         arguments._print_args("arguments", argparse.Namespace(dcp_print_args=True, lr=0.1))
         assert "  lr ...." in capsys.readouterr().out
     assert arguments._print_args is original
+
+
+def test_the_alltoall_dispatcher_still_makes_its_stream_once_per_class():
+    # megatron_patches.cpu presets the class attribute so __init__ never calls torch.cuda.Stream.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    init = inspect.getsource(MoEAlltoAllTokenDispatcher.__init__)
+    assert "if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:" in init
+    assert hasattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream")
+    # ... and moves its split sizes to the host through this module-level name.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    source = inspect.getsource(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
+    assert "self.input_splits = maybe_move_tensor_to_cpu(" in source
+    assert hasattr(token_dispatcher, "maybe_move_tensor_to_cpu")

@@ -194,6 +194,94 @@ def overridden_flags(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def _nonzero(coeff) -> bool:
+    """Whether megatron's ``--moe-aux-loss-coeff`` (a number, or one per loss type) is set."""
+    return any(c != 0 for c in (coeff if isinstance(coeff, list) else [coeff]))
+
+
+def expert_problems(args: argparse.Namespace) -> list[str]:
+    """The mixture-of-experts settings DCP cannot honour, one line each with the flag to change
+    (docs/design.md, 'Experts'); both modes, since both run the packed documents of DCP's data
+    and ``pretrain_gpt_megatron``'s ``model_provider``."""
+    if not getattr(args, "num_experts", None):
+        if args.expert_model_parallel_size != 1:
+            return ["--expert-model-parallel-size needs a mixture-of-experts model: --num-experts"]
+        return []
+    problems = []
+    ep = args.expert_model_parallel_size
+    if ep > 1 and args.dcp and args.dcp_planner not in ("dcp", "static"):
+        # Megatron's own schedule runs the same micro-batches on every rank: lockstep as is.
+        problems.append(
+            f"at --expert-model-parallel-size {ep} every DCP plan step must run on whole "
+            "expert-parallel groups, which only DCP's own and static planners guarantee yet: "
+            "--dcp-planner dcp or static (CP sizes then start at the EP size)"
+        )
+    if ep > 1 and args.dcp and (args.dcp_static_cp_size or ep) < ep:
+        problems.append(
+            f"--dcp-static-cp-size {args.dcp_static_cp_size} would split expert-parallel "
+            f"groups: at least {ep}"
+        )
+    if ep > 1 and (args.save or args.load):
+        problems.append(
+            "checkpoints of expert-parallel runs are not tested with DCP yet: drop --save and "
+            "--load at --expert-model-parallel-size > 1"
+        )
+    if args.pipeline_model_parallel_size > 1:
+        problems.append(
+            "mixture-of-experts models under pipeline parallelism are not supported by DCP yet "
+            "(not tested): --pipeline-model-parallel-size 1"
+        )
+    if args.expert_tensor_parallel_size not in (None, args.tensor_model_parallel_size):
+        problems.append(
+            "experts split over the tensor-parallel group only: drop --expert-tensor-parallel-size"
+        )
+    if args.moe_token_dispatcher_type != "alltoall":
+        # TransformerConfig refuses variable lengths with allgather; flex needs DeepEP/HybridEP.
+        problems.append(
+            "DCP's packed micro-batches vary in length, which megatron routes with its alltoall "
+            "dispatcher only: --moe-token-dispatcher-type alltoall"
+        )
+    if args.moe_layer_freq != 1:
+        problems.append(
+            "every layer of DCP's Megatron-LM script is a mixture-of-experts layer: drop "
+            "--moe-layer-freq"
+        )
+    if args.moe_grouped_gemm and args.transformer_impl != "transformer_engine":
+        problems.append(
+            "grouped GEMM for the experts is Transformer Engine's: --transformer-impl "
+            "transformer_engine, or drop --moe-grouped-gemm"
+        )
+    # Each of these depends on which tokens share a micro-batch, which DCP's plans choose.
+    if _nonzero(args.moe_aux_loss_coeff):
+        problems.append(
+            "megatron's load-balancing losses average over a micro-batch (aux_loss), its rows "
+            "(seq_aux_loss) or the micro-batches so far (global_aux_loss), all of which DCP's "
+            "plans change: --moe-aux-loss-coeff 0"
+        )
+    routing = args.moe_router_load_balancing_type
+    if "sinkhorn" in (routing if isinstance(routing, list) else [routing]):
+        problems.append(
+            "sinkhorn routing normalises over a micro-batch's tokens, which DCP's plans choose: "
+            "--moe-router-load-balancing-type none"
+        )
+    if args.moe_z_loss_coeff:
+        problems.append("the router z-loss is a mean over a micro-batch: drop --moe-z-loss-coeff")
+    if args.moe_expert_capacity_factor is not None or args.moe_pad_expert_input_to_capacity:
+        problems.append(
+            "expert capacity is counted over each rank's tokens of a micro-step, so which tokens "
+            "are dropped would depend on the plan: drop --moe-expert-capacity-factor and "
+            "--moe-pad-expert-input-to-capacity (dropless)"
+        )
+    if args.moe_input_jitter_eps is not None:
+        problems.append("router input jitter is not supported: drop --moe-input-jitter-eps")
+    if args.moe_router_enable_expert_bias:
+        problems.append(
+            "the router's expert bias is not supported by DCP yet: drop "
+            "--moe-router-enable-expert-bias"
+        )
+    return problems
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` naming the flag for every Megatron setting DCP cannot run with."""
     problems = []
@@ -206,6 +294,7 @@ def check_args(args: argparse.Namespace) -> None:
             "interleaved virtual pipeline stages are not supported by DCP: drop "
             "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
         )
+    problems.extend(expert_problems(args))
     if args.micro_batch_size != 1:
         problems.append(
             "documents are packed into one sequence per micro-batch: --micro-batch-size 1"

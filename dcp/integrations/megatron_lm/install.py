@@ -97,18 +97,25 @@ def _model_spec(args: argparse.Namespace):
         ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=args.padded_vocab_size,
         kv_channels=args.kv_channels,
+        # Megatron's experts (every layer: check_args refuses --moe-layer-freq).
+        num_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk if args.num_experts else None,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size if args.num_experts else None,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
     )
 
 
 def megatron_mesh(args: argparse.Namespace) -> Mesh:
     """The run's mesh, from Megatron-LM's arguments: ``--tensor-model-parallel-size`` and
-    ``--pipeline-model-parallel-size`` over its ``world_size`` ranks (interleaved virtual stages
-    are refused by ``check_args`` in this loop). Megatron initialises its parallel state from
+    ``--pipeline-model-parallel-size`` over its ``world_size`` ranks, with
+    ``--expert-model-parallel-size`` (interleaved virtual stages are refused by ``check_args``
+    in this loop). Megatron initialises its parallel state from
     the same arguments, in the rank order the mesh numbers."""
     return Mesh(
         args.world_size,
         tensor_parallel_size=args.tensor_model_parallel_size,
         pipeline_parallel_size=args.pipeline_model_parallel_size,
+        expert_parallel_size=args.expert_model_parallel_size,
         virtual_pipeline_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None)
         or 1,
     )
@@ -209,11 +216,13 @@ class MegatronLMRun:
 
         from dcp.costmodel.spec import runtime_options
         from dcp.runtime.groups import start_groups
+        from dcp.runtime.setup import check_expert_groups
         from dcp.step.batches import BatchPlanner
         from dcp.step.planned import PlannedSteps
 
         args = get_args()
         mesh = megatron_mesh(args)
+        check_expert_groups(mesh)  # megatron made them; plans keep them whole
         planner = BatchPlanner(
             planning_config(args),
             mesh=mesh,
@@ -225,6 +234,7 @@ class MegatronLMRun:
                 tensor_parallel_size=mesh.tensor_parallel_size,
                 tied_embeddings=not args.untie_embeddings_and_output_weights,
                 pipeline_parallel_size=mesh.pipeline_parallel_size,
+                expert_parallel_size=mesh.expert_parallel_size,
             ),
             model=_model_spec(args),
         )

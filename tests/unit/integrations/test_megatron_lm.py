@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,54 @@ def test_unsupported_megatron_settings_are_refused_with_the_flag():
         "--split '90,x': give up to three comma-separated shares",
     ):
         assert flag in message, flag
+
+
+EXPERTS = ("--num-experts", "4", "--moe-token-dispatcher-type", "alltoall")
+
+
+@pytest.mark.parametrize("dcp", [False, True])
+def test_experts_run_in_both_modes(dcp):
+    mode = ["--dcp"] if dcp else []
+    dcp_mlm.check_args(megatron_args(*GOOD, *EXPERTS, *mode))
+    shared = ("--moe-shared-expert-intermediate-size", "64", "--moe-router-topk", "1")
+    dcp_mlm.check_args(megatron_args(*GOOD, *EXPERTS, *shared, *mode))
+
+
+@pytest.mark.parametrize("dcp", [False, True])
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (("--expert-model-parallel-size", "2"), "needs a mixture-of-experts model: --num-experts"),
+        ((*EXPERTS, "--expert-model-parallel-size", "2", "--save", "ckpt"), "drop --save"),
+        (("--num-experts", "4"), "--moe-token-dispatcher-type alltoall"),  # allgather: default
+        ((*EXPERTS, "--moe-aux-loss-coeff", "0.01"), "--moe-aux-loss-coeff 0"),
+        ((*EXPERTS, "--moe-z-loss-coeff", "0.001"), "drop --moe-z-loss-coeff"),
+        ((*EXPERTS, "--moe-expert-capacity-factor", "1.0"), "drop --moe-expert-capacity-factor"),
+        ((*EXPERTS, "--moe-router-enable-expert-bias"), "drop --moe-router-enable-expert-bias"),
+        ((*EXPERTS, "--moe-layer-freq", "2"), "drop --moe-layer-freq"),
+        ((*EXPERTS, "--pipeline-model-parallel-size", "2"), "--pipeline-model-parallel-size 1"),
+        ((*EXPERTS, "--moe-grouped-gemm"), "--transformer-impl transformer_engine"),
+        ((*EXPERTS, "--moe-router-load-balancing-type", "sinkhorn"), "sinkhorn routing"),
+    ],
+)
+def test_expert_settings_dcp_cannot_honour_are_refused(dcp, flags, match):
+    # Never a dense model or a plan-dependent loss in place of what was asked for.
+    args = megatron_args(*GOOD, "--transformer-impl", "local", *flags, *(["--dcp"] if dcp else []))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        dcp_mlm.check_args(args)
+
+
+def test_expert_parallelism_runs_static_or_with_dcps_planners():
+    ep2 = (*GOOD, *EXPERTS, "--expert-model-parallel-size", "2")
+    dcp_mlm.check_args(megatron_args(*ep2))  # Megatron's own schedule
+    dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", "static"))
+    dcp_mlm.check_args(megatron_args(*ep2, "--dcp"))
+    with pytest.raises(ValueError, match="only DCP's own and static planners guarantee yet"):
+        dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", "megatron"))
+    with pytest.raises(ValueError, match="--dcp-static-cp-size 1 would split"):
+        dcp_mlm.check_args(
+            megatron_args(*ep2, "--dcp", "--dcp-planner", "static", "--dcp-static-cp-size", "1")
+        )
 
 
 @pytest.mark.parametrize("dcp", [False, True])

@@ -66,10 +66,43 @@ def _refused(*overrides: str) -> str:
             r"^data\.sampler\.max_tokens_per_batch must be an integer >= 1 and <= 1099511627776",
         ),
         ("data.sampler.max_seqs_per_batch=2000000000000", r"max_seqs_per_batch must be"),
+        ("model.moe_router_topk=1", r"^model\.moe_router_topk is set but num_experts is not"),
+        ("model.moe_ffn_hidden_size=64", r"^model\.moe_ffn_hidden_size is set but num_experts"),
+        (
+            "model.num_experts=4 model.moe_router_topk=5",
+            r"^model\.moe_router_topk must be an integer >= 1 and <= 4, got 5",
+        ),
+        ("parallel.expert_parallel_size=2", r"needs model\.num_experts divisible by it"),
+        (
+            "model.num_experts=4 parallel.pipeline_parallel_size=2",
+            r"^model\.num_experts with parallel\.pipeline_parallel_size > 1 is not supported",
+        ),
+        (
+            "model.num_experts=3 parallel.expert_parallel_size=2",
+            r"needs model\.num_experts divisible by it .* got 3",
+        ),
+        (
+            "model.num_experts=4 parallel.expert_parallel_size=2",
+            r"^checkpoints at parallel\.expert_parallel_size > 1 are not supported yet",
+        ),
+        (
+            "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0 "
+            "planning.planner=megatron",
+            r"^planning\.planner=megatron does not keep expert-parallel groups together yet",
+        ),
+        (
+            "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0 "
+            "planning.planner=static planning.static_cp_size=1",
+            r"^planning\.static_cp_size=1 would split expert-parallel groups",
+        ),
+        (
+            "model.num_experts=4 model.dtype=bf16 model.fp8=true model.core_attention=te",
+            r"^model\.fp8 is not supported with num_experts",
+        ),
     ],
 )
 def test_unusable_values_are_refused_naming_key_and_range(override, match):
-    message = _refused(override)
+    message = _refused(*override.split())
     assert re.search(match, message), message
 
 
@@ -119,6 +152,7 @@ def _numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, type]]:
 # Overrides that make a field matter (its check runs only in that setting).
 _CONTEXT = {
     "model.rope_scaling": ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8"],
+    "model.moe_": ["model.num_experts=4"],
     "data.indexed.blend_num_tokens": ["data.indexed.weights=[1.0]"],
     "data.synthetic.length_choices": ["data.synthetic.length_dist=choice"],
     "data.synthetic.length_weights": [
@@ -328,6 +362,22 @@ def test_model_state_bytes_per_rank(dtype, tp, shards, per_param):
     cfg = ModelConfig(dtype=dtype)
     need = model_state_bytes(cfg, tensor_parallel_size=tp, optimizer_shards=shards)
     assert need == pytest.approx(cfg.num_params() * per_param)
+
+
+def test_a_rank_holds_its_share_of_the_experts():
+    cfg = ModelConfig(num_experts=8, moe_ffn_hidden_size=64)
+    experts = cfg.shape.param_counts().expert
+    dense = cfg.num_params() - experts
+    assert experts > dense > 0
+    # EP 4 without the distributed optimizer: a quarter of the experts, weights and state.
+    assert model_state_bytes(cfg, tensor_parallel_size=1, expert_parallel_size=4) == (
+        pytest.approx((dense + experts / 4) * (4 + 4 + 8))
+    )
+    # EP 4 over 8 optimizer shards: the experts' state is sharded over the 2 ranks per expert.
+    need = model_state_bytes(
+        cfg, tensor_parallel_size=1, expert_parallel_size=4, optimizer_shards=8
+    )
+    assert need == pytest.approx(dense * (8 + 8 / 8) + experts / 4 * 8 + experts * 8 / 8)
 
 
 def test_the_limit_is_the_per_rank_need(free_memory):

@@ -231,3 +231,18 @@ def test_repad_vocab_keeps_the_real_rows_and_zeroes_the_padding():
     assert torch.equal(repad_vocab(real, 8, vocab_size=5, name="w")[:5], real)
     with pytest.raises(ValueError, match="cannot hold the 5-token vocabulary"):
         repad_vocab(real[:4], 8, vocab_size=5, name="w")
+
+
+def test_export_of_a_mixture_of_experts_checkpoint_is_refused(hf_dirs, tmp_path):
+    # DCP has no Hugging Face names for experts yet: one line, not a half-matched state.
+    import shutil
+
+    ckpt = tmp_path / "run" / "step_000001"
+    shutil.copytree(hf_to_dcp(hf_dirs["llama"], tmp_path / "dcp"), ckpt)
+    shared = json.loads((ckpt / "shared.json").read_text())
+    shared["extra"]["config"]["model"]["num_experts"] = 4
+    (ckpt / "shared.json").write_text(json.dumps(shared))
+    rewrite_manifest(ckpt)
+    with pytest.raises(ValueError, match=r"export of mixture-of-experts models .* not supported"):
+        dcp_to_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
