@@ -61,6 +61,7 @@ def model_provider(
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         pg_collection=pg_collection,
+        vp_stage=vp_stage,  # which model chunk under virtual stages: its layers' offset
     )
 
 

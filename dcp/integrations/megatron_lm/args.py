@@ -156,6 +156,44 @@ _RECOMPUTE_FLAGS = (
 )
 
 
+def _virtual_stages(args: argparse.Namespace) -> bool:
+    """Whether ``args`` ask for interleaved virtual pipeline stages: either flag, or the size
+    megatron's validation derives from them (``None`` when 1)."""
+    flags = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+    return (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1 or any(
+        getattr(args, name, None) is not None for name in flags
+    )
+
+
+def _interleaved_batch_problems(args: argparse.Namespace) -> list[str]:
+    """Megatron's interleaved schedule (the static run under virtual stages) takes each
+    data-parallel rank's micro-batches in groups of G (``--microbatch-group-size-per-virtual-
+    pipeline-stage``, default PP): it raises at the first step unless G >= PP, there are at
+    least G and the last group is whole or holds at least PP (``schedules.py``,
+    ``forward_backward_pipelining_with_interleaving``). Checked once validation has derived the
+    data-parallel size."""
+    num_ranks = getattr(args, "data_parallel_size", None)
+    if not num_ranks:
+        return []
+    stages = args.pipeline_model_parallel_size
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or stages
+    if group < stages:
+        return [
+            f"--microbatch-group-size-per-virtual-pipeline-stage {group}: Megatron's "
+            f"interleaved schedule needs at least --pipeline-model-parallel-size ({stages})"
+        ]
+    per_rank = args.global_batch_size // (args.micro_batch_size * num_ranks)
+    if per_rank >= group and per_rank % group in (0, *range(stages, group)):
+        return []
+    return [
+        f"Megatron's interleaved schedule runs each data-parallel rank's micro-batches in groups "
+        f"of {group} (--microbatch-group-size-per-virtual-pipeline-stage, default "
+        f"--pipeline-model-parallel-size), and --global-batch-size {args.global_batch_size} "
+        f"gives each of the {num_ranks} data-parallel ranks {per_rank}: give a multiple of "
+        f"{group * num_ranks}"
+    ]
+
+
 def overridden_flags(args: argparse.Namespace) -> list[str]:
     """Under ``--dcp``, one line for each Megatron setting DCP's plans replace (printed at the
     start of the run, so no flag is silently ignored); empty without ``--dcp``."""
@@ -190,6 +228,16 @@ def overridden_flags(args: argparse.Namespace) -> list[str]:
         lines.append(
             "--overlap-grad-reduce: gives no overlap; DCP runs its micro-steps under DDP's "
             "no_sync and reduces the gradients once after the last micro-step"
+        )
+    if _virtual_stages(args) and args.overlap_p2p_comm:
+        # On by default under virtual stages (megatron's validation demands it at PP = 2).
+        flush = getattr(args, "overlap_p2p_comm_warmup_flush", False)
+        lines.append(
+            "--overlap-p2p-communication"
+            + (" --overlap-p2p-communication-warmup-flush" if flush else "")
+            + " (megatron's default under virtual stages): gives no overlap; DCP's pipeline "
+            "executor posts each batch of its messages and waits for them before the next "
+            "forward or backward"
         )
     return lines
 
@@ -285,15 +333,6 @@ def expert_problems(args: argparse.Namespace) -> list[str]:
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` naming the flag for every Megatron setting DCP cannot run with."""
     problems = []
-    # Either flag asks for virtual stages; validation derives the size (None when 1).
-    flags = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
-    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1 or any(
-        getattr(args, name, None) is not None for name in flags
-    ):
-        problems.append(
-            "interleaved virtual pipeline stages are not supported by DCP: drop "
-            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
-        )
     problems.extend(expert_problems(args))
     if args.micro_batch_size != 1:
         problems.append(
@@ -360,6 +399,8 @@ def check_args(args: argparse.Namespace) -> None:
             "0.19.2 (training.py replaces the RerunDataIterator that train_step requires; "
             "docs/megatron_lm.md): drop it, or run its scheduler with --dcp --dcp-planner megatron"
         )
+    if not args.dcp and _virtual_stages(args):
+        problems.extend(_interleaved_batch_problems(args))
     if args.dcp:
         if not args.calculate_per_token_loss:
             problems.append(
@@ -388,6 +429,15 @@ def check_args(args: argparse.Namespace) -> None:
                 "rank inside each rank's first forward of a step, and DCP's ranks start their "
                 "steps in different CP groups, which can hang: drop --overlap-param-gather (the "
                 "distributed optimizer then gathers them after its step)"
+            )
+        group_size = getattr(args, "microbatch_group_size_per_vp_stage", None)
+        stages = args.pipeline_model_parallel_size
+        if _virtual_stages(args) and group_size not in (None, stages):
+            # dcp.planning.pipeline.slot_order: groups of P slots per chunk, megatron's default.
+            problems.append(
+                "DCP's interleaved order runs each model chunk over groups of "
+                "--pipeline-model-parallel-size micro-steps (megatron's default): drop "
+                f"--microbatch-group-size-per-virtual-pipeline-stage {group_size}"
             )
         if args.dcp_calibration == "online" and not (args.dcp_metrics or args.save):
             problems.append(

@@ -106,11 +106,12 @@ def _model_spec(args: argparse.Namespace):
 
 
 def megatron_mesh(args: argparse.Namespace) -> Mesh:
-    """The run's mesh, from Megatron-LM's arguments: ``--tensor-model-parallel-size`` and
-    ``--pipeline-model-parallel-size`` over its ``world_size`` ranks, with
-    ``--expert-model-parallel-size`` (interleaved virtual stages are refused by ``check_args``
-    in this loop). Megatron initialises its parallel state from
-    the same arguments, in the rank order the mesh numbers."""
+    """The run's mesh, from Megatron-LM's arguments: ``--tensor-model-parallel-size``,
+    ``--pipeline-model-parallel-size``, the virtual stages megatron's validation derives
+    (``virtual_pipeline_model_parallel_size``) and ``--expert-model-parallel-size`` over its
+    ``world_size`` ranks. Megatron initialises its parallel state from the same arguments, in
+    the rank order the mesh numbers, and builds chunk v of stage s as virtual stage v x PP + s,
+    as the mesh does."""
     return Mesh(
         args.world_size,
         tensor_parallel_size=args.tensor_model_parallel_size,
@@ -162,13 +163,19 @@ class MegatronLMRun:
     def datasets_provider(self, train_val_test_num_samples, vp_stage=None):
         """Megatron's ``train_valid_test_datasets_provider``: batch iterators over the
         training, validation and test documents of ``--split`` (validation and test only with
-        ``--eval-iters``; test ``None`` when its share holds no document)."""
+        ``--eval-iters``; test ``None`` when its share holds no document). Under virtual stages
+        megatron asks once per model chunk (``vp_stage``): the static run's chunks each get
+        their own iterators over the same batches, which only chunk 0's report to the
+        recorder; ``--dcp`` plans whole batches from chunk 0's and the other chunks get none."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         args = self.args
+        first_chunk = vp_stage in (None, 0)
+        if args.dcp and not first_chunk:
+            return None, None, None
         parts = split_documents(self.dataset, args)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and first_chunk:
             sizes = zip(SPLIT_NAMES, parts, strict=True)
             counts = ", ".join(f"{ids.size} {name}" for name, ids in sizes)
             print(f"DCP documents of --data-path by --split {args.split}: {counts}", flush=True)
@@ -194,7 +201,8 @@ class MegatronLMRun:
                 on_batch=on_batch,
             )
 
-        return packed(train, self.recorder.on_batch), *(
+        on_batch = self.recorder.on_batch if first_chunk else (lambda batch: None)
+        return packed(train, on_batch), *(
             None if b is None else packed(b, lambda batch: None) for b in evaluated
         )
 

@@ -7,8 +7,13 @@
   THD attention expects). The static baseline, and what any run without ``--dcp`` does.
 - ``DCPForwardBackward``: a ``forward_backward_func`` with Megatron's signature that plans the
   whole global batch and runs the plan (``dcp.runtime.schedule.run_plan``; under pipeline
-  parallelism ``dcp.runtime.pipeline.run_pipelined_plan``): per-micro-step CP groups and
-  recompute levels, each rank reading only its own shards.
+  parallelism ``dcp.runtime.pipeline.run_pipelined_plan``, over the stage's model chunks under
+  virtual stages: ``MegatronChunks``): per-micro-step CP groups and recompute levels, each rank
+  reading only its own shards.
+
+Under virtual stages Megatron gives the static run one ``PackedMicroBatches`` per model chunk
+(its interleaved schedule reads micro-batch k of chunk v from chunk v's iterator), each drawing
+the same batches; ``--dcp`` reads chunk 0's global batches only.
 
 Both divide by the global batch's token count (``--calculate-per-token-loss``) and report
 ``{'lm loss': [loss sum, tokens]}``, which Megatron's ``train_step`` sums over the
@@ -17,6 +22,7 @@ data-parallel ranks: the same loss, gradients and optimizer step for the same do
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +31,7 @@ import torch
 
 from dcp.collectives import phase, to_device
 from dcp.integrations.megatron_lm.data import DocumentBatch, DocumentBatches
+from dcp.model import ModelChunks
 from dcp.runtime.dispatch import LocalBatch, compute_device
 from dcp.runtime.microstep import MicroStepExecutor, masked_loss
 from dcp.runtime.pipeline import execute_plan
@@ -108,6 +115,30 @@ def packed_forward_step(data_iterator, model):
     return token_loss, functools.partial(_loss_func, micro.batch)
 
 
+class MegatronChunks(ModelChunks):
+    """Megatron's model list under virtual stages (``get_model``: chunk v of stage s holds
+    virtual stage v x PP + s, each chunk in its own DDP) as the one stage module DCP's pipeline
+    executor runs (``dcp.model.ModelChunks``, whose chunks it runs one at a time). DDP's
+    ``no_sync`` and ``finish_grad_sync`` act on every chunk, so megatron's
+    ``finalize_model_grads([stage])`` reduces what ``finalize_model_grads(model list)`` does."""
+
+    @property
+    def ddp_config(self):
+        """The chunks' DDP settings (``get_model`` gives every chunk the same)."""
+        return self.chunks[0].ddp_config
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for chunk in self.chunks:
+                stack.enter_context(chunk.no_sync())
+            yield
+
+    def finish_grad_sync(self, **kwargs) -> None:
+        for chunk in self.chunks:
+            chunk.finish_grad_sync(**kwargs)
+
+
 class DCPForwardBackward:
     """Megatron's ``forward_backward_func`` for ``--dcp``: plan the next global batch, run this
     rank's micro-steps, leave the reduced gradients in the model for Megatron's optimizer."""
@@ -127,14 +158,17 @@ class DCPForwardBackward:
         self._executor: MicroStepExecutor | None = None
 
     def __call__(self, *, data_iterator, model, forward_only: bool = False, **_unused):
-        if len(model) != 1:
-            raise RuntimeError("--dcp runs one model chunk (no virtual pipeline stages)")
+        """``model``: megatron's list of this rank's model chunks; ``data_iterator``: the global
+        batches, one iterator per chunk under virtual stages (chunk 0's is read)."""
+        if isinstance(data_iterator, list):
+            data_iterator = data_iterator[0]
         batch: DocumentBatch = next(data_iterator)
+        stage = self._stage(model)
         if forward_only:
-            return self._evaluate(model[0], batch)
+            return self._evaluate(stage, batch)
         planned = self.steps.plan_batch(batch, step=self.step)
         scalars = self.observers.contribute(self.step)
-        result = self._run(model[0], planned.plan, batch)
+        result = self._run(stage, planned.plan, batch)
         # The slowest rank's time of every micro-step (calibration records, the step's compute
         # time): one reduction and one host read per step, the plan agreement the other.
         num_steps = len(planned.plan.steps)
@@ -160,6 +194,16 @@ class DCPForwardBackward:
         )
         self.step += 1
         return [{"lm loss": _loss_report(result)}]
+
+    def _stage(self, model: list):
+        """The module the executor runs for megatron's chunk list: the one chunk, or the
+        chunks as one ``MegatronChunks`` (kept while megatron passes the same chunks)."""
+        if len(model) == 1:
+            return model[0]
+        held = self._executor.model if self._executor is not None else None
+        if isinstance(held, MegatronChunks) and list(held.chunks) == list(model):
+            return held
+        return MegatronChunks(model)
 
     def _run(self, model, plan, batch: DocumentBatch, *, forward_only: bool = False):
         if self._executor is None or self._executor.model is not model:

@@ -163,15 +163,71 @@ def test_a_bad_split_is_refused_by_flag(text):
         parse_split(text)
 
 
-def test_pipeline_parallelism_runs_with_either_calibration_and_no_virtual_stages():
-    pp = ("--pipeline-model-parallel-size", "2")
-    dcp_mlm.check_args(megatron_args(*GOOD, *pp))  # static: Megatron's own 1F1B
+@pytest.mark.parametrize(
+    "virtual",
+    [
+        (),
+        ("--num-virtual-stages-per-pipeline-rank", "2"),
+        ("--num-layers-per-virtual-pipeline-stage", "1"),
+    ],
+    ids=["no-virtual-stages", "virtual-stages", "layers-per-virtual-stage"],
+)
+def test_pipeline_parallelism_runs_with_either_calibration_and_virtual_stages(virtual):
+    pp = ("--pipeline-model-parallel-size", "2", *virtual)
+    dcp_mlm.check_args(megatron_args(*GOOD, *pp))  # static: Megatron's own (interleaved) 1F1B
     dcp_mlm.check_args(megatron_args(*GOOD, *pp, "--dcp", "--dcp-calibration", "fixed"))
     online = ("--dcp-calibration", "online", "--dcp-metrics", "m.jsonl")
     dcp_mlm.check_args(megatron_args(*GOOD, *pp, "--dcp", *online))
-    virtual = megatron_args(*GOOD, *pp, "--num-virtual-stages-per-pipeline-rank", "2")
-    with pytest.raises(ValueError, match="interleaved virtual pipeline stages"):
-        dcp_mlm.check_args(virtual)
+
+
+@pytest.mark.parametrize(
+    ("batch", "group", "ok"),
+    [("4", (), True), ("2", (), False), ("6", (), False), ("8", (), True)]
+    + [("6", ("--microbatch-group-size-per-virtual-pipeline-stage", "3"), True)]
+    + [("10", ("--microbatch-group-size-per-virtual-pipeline-stage", "3"), True)]
+    + [("14", ("--microbatch-group-size-per-virtual-pipeline-stage", "3"), False)]
+    + [("4", ("--microbatch-group-size-per-virtual-pipeline-stage", "1"), False)],
+)
+def test_the_static_interleaved_schedule_needs_whole_micro_batch_groups(batch, group, ok):
+    """Megatron's interleaved schedule raises at its first step unless each data-parallel rank
+    has at least one group of micro-batches and its last group is whole or holds >= PP; DCP
+    says so before anything is built, naming --global-batch-size (2 data-parallel ranks)."""
+    pp = ("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2")
+    args = megatron_args(*GOOD, *pp, *group, "--global-batch-size", batch)
+    args.data_parallel_size = 2  # what megatron's validation derives from the launch
+    if ok:
+        dcp_mlm.check_args(args)
+    else:
+        fix = "at least --pipeline-model-parallel-size" if group[-1:] == ("1",) else "give a"
+        with pytest.raises(ValueError, match=fix):
+            dcp_mlm.check_args(args)
+    if not group:
+        args.dcp = True  # DCP's plans need no micro-batch groups
+        dcp_mlm.check_args(args)
+
+
+def test_dcp_refuses_another_interleaved_group_size_and_names_p2p_overlap():
+    """DCP's interleaved order runs groups of PP micro-steps per chunk (megatron's default);
+    megatron's p2p overlap, on by default under virtual stages, has no counterpart in it."""
+    pp = ("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2")
+    group = ("--microbatch-group-size-per-virtual-pipeline-stage", "4")
+    with pytest.raises(ValueError) as err:
+        dcp_mlm.check_args(megatron_args(*GOOD, *pp, *group, "--dcp"))
+    (line,) = [x for x in str(err.value).splitlines() if "group-size" in x]
+    assert "drop --microbatch-group-size-per-virtual-pipeline-stage 4" in line, line
+    dcp_mlm.check_args(megatron_args(*GOOD, *pp, *group))  # Megatron's own schedule runs it
+    same = ("--microbatch-group-size-per-virtual-pipeline-stage", "2")
+    dcp_mlm.check_args(megatron_args(*GOOD, *pp, *same, "--dcp"))  # megatron's default, given
+    (line,) = [x for x in overridden_flags(megatron_args(*GOOD, *pp, "--dcp")) if "p2p" in x]
+    assert line.startswith("--overlap-p2p-communication (megatron's default under virtual"), line
+    assert "gives no overlap" in line
+    flush = megatron_args(*GOOD, *pp, "--dcp", "--overlap-p2p-communication-warmup-flush")
+    assert any("--overlap-p2p-communication-warmup-flush" in x for x in overridden_flags(flush))
+    # Turned off, or without virtual stages (megatron then turns it off), nothing to name.
+    off = megatron_args(*GOOD, *pp, "--dcp", "--no-overlap-p2p-communication")
+    assert not any("p2p" in x for x in overridden_flags(off))
+    plain = ("--pipeline-model-parallel-size", "2", "--dcp")
+    assert not any("p2p" in x for x in overridden_flags(megatron_args(*GOOD, *plain)))
 
 
 def test_a_batch_size_ramp_up_is_refused():
