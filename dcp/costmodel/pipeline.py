@@ -28,7 +28,8 @@ sequence parallelism: ``pipeline_parallel.schedules.get_tensor_shapes``), over t
 link when a stage fills at least a node (TP × planner ranks >= GPUs per node: stages are
 megatron's outermost rank axis), else over the intra-node link, plus one link latency.
 
-Interleaved virtual stages (``virtual_stages`` V > 1, megatron's virtual pipeline): the layers
+Interleaved virtual stages (``virtual_stages`` V > 1, megatron's virtual pipeline; a spec's
+``options.virtual_pipeline_parallel_size``, which ``PipelineCosts.of`` takes): the layers
 are cut into P × V chunks (``chunk_layer_counts``) and rank s holds chunks s, s + P, ...,
 s + (V - 1)P, so the embedding stays on rank 0 and the output layer on rank P - 1.
 ``PipelineCosts.chunks`` prices each chunk like a stage (its fixed per-micro-step costs a V-th
@@ -137,16 +138,22 @@ class PipelineCosts:
     """Chunk v·P + s's cost model (rank s's v-th chunk); with V = 1 the stages themselves."""
 
     @classmethod
-    def of(cls, cost_model: CostModel, *, virtual_stages: int = 1) -> PipelineCosts:
+    def of(cls, cost_model: CostModel, *, virtual_stages: int | None = None) -> PipelineCosts:
         """The stages of ``cost_model`` (it needs a model spec and options), each holding
-        ``virtual_stages`` model chunks."""
+        ``virtual_stages`` model chunks (default: the spec's
+        ``options.virtual_pipeline_parallel_size``, so every planner, check and simulation of
+        a run at VP > 1 sees its interleaved schedule)."""
         model, options = cost_model.model, cost_model.options
         if model is None or options is None:
             raise ValueError("a pipeline needs a cost model built from a spec with a model")
+        if virtual_stages is None:
+            virtual_stages = cost_model.virtual_pipeline_parallel_size
         num_stages = cost_model.pipeline_parallel_size
         chunk_counts = chunk_layer_counts(model.num_layers, num_stages, virtual_stages)
         # A stage, a chunk, and the planner's view are models without pipelining of their own.
-        flat = dataclasses.replace(options, pipeline_parallel_size=1)
+        flat = dataclasses.replace(
+            options, pipeline_parallel_size=1, virtual_pipeline_parallel_size=1
+        )
 
         # The layers of each chunk, and of each stage (its chunks s, s + P, ...).
         starts = [sum(chunk_counts[:c]) for c in range(len(chunk_counts))]

@@ -58,6 +58,15 @@ def test_load_cost_model_checks_the_jobs_pipeline():
         load_cost_model(spec, mesh=Mesh(32))
     with pytest.raises(ValueError, match=r"describes 32 GPUs \(8 planner ranks x TP 1 x PP 4\)"):
         load_cost_model(spec, mesh=Mesh(16, pipeline_parallel_size=4))
+    # Virtual stages: the spec's interleaving must be the run's, or the planner checks memory
+    # and predicts times for another schedule.
+    interleaved = {**spec, "options": {**spec["options"], "virtual_pipeline_parallel_size": 2}}
+    vp2 = Mesh(32, pipeline_parallel_size=4, virtual_pipeline_parallel_size=2)
+    assert PipelineCosts.of(load_cost_model(interleaved, mesh=vp2)).virtual_stages == 2
+    with pytest.raises(ValueError, match=r"plans with 1 virtual stage\(s\) .* the run uses 2"):
+        load_cost_model(spec, mesh=vp2)
+    with pytest.raises(ValueError, match=r"plans with 2 virtual stage\(s\) .* the run uses 1"):
+        load_cost_model(interleaved, mesh=Mesh(32, pipeline_parallel_size=4))
 
 
 def test_stages_split_the_whole_models_terms():
