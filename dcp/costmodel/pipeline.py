@@ -11,7 +11,9 @@ one formula (``CostModel._time_terms``), so no second formula exists:
   MoE token exchange by the stage's share of the MoE layers;
 - the output layer and loss (time and logits bytes) on the last stage only;
 - full recompute keeps one layer's working set whatever the layer count, so a stage's ``full``
-  bytes are ``share·full + (1 - share)·none / L``;
+  bytes are ``share·full + (1 - share)·none / L`` (a chunk of V: ``share·full + (1/V -
+  share)·none / L``, the working set split over the rank's V chunks, so each micro-step in
+  flight counts one, as without interleaving, not one per chunk);
 - static memory by the stage's share of the parameters: its layers, the embedding on the first
   stage, the final norm and output layer on the last (megatron keeps a copy of a tied embedding
   on the last stage too);
@@ -310,8 +312,8 @@ class PipelineCosts:
 
     def step_activation_bytes(self, step: MicroStep, lengths: Sequence[int]) -> tuple[float, ...]:
         """Bytes ``step`` keeps on each rank of its group, per stage, from its forward to its
-        backward: the sum over the stage's chunks (under full recompute with V > 1 each chunk
-        counts a layer's working set, an upper bound: one runs at a time)."""
+        backward: the sum over the stage's chunks (under full recompute each chunk counts a
+        V-th of a layer's working set: the stage's bytes without interleaving)."""
         chunks = self.chunk_activation_bytes(step, lengths)
         if self.virtual_stages == 1:
             return chunks
@@ -409,7 +411,9 @@ def _part_coefficients(
 ) -> Coefficients:
     """The coefficients of a stage or chunk of ``stage_layers`` layers, ``moe_layers`` of them
     mixture-of-experts layers (module docstring): ``first`` holds the embedding, ``last`` the
-    output layer; ``fixed_share`` of the fixed per-micro-step costs."""
+    output layer; ``fixed_share`` of the fixed per-micro-step costs and of full recompute's
+    one-layer working set (a chunk of V: a V-th of each, so a micro-step's V chunks on a rank
+    hold what its stage holds without interleaving)."""
     c = cost_model.coefficients
     model, options = cost_model.model, cost_model.options
     layers = model.num_layers
@@ -436,7 +440,7 @@ def _part_coefficients(
         {
             "none": share * act[Recompute.NONE],
             "selective": share * act[Recompute.SELECTIVE],
-            "full": share * act[Recompute.FULL] + (1.0 - share) * one_layer,
+            "full": share * act[Recompute.FULL] + (fixed_share - share) * one_layer,
         }
     )
 

@@ -177,7 +177,7 @@ def test_virtual_stages_plans_fit_the_interleaved_in_flight_bound(planner):
     holds 4 + 3/2 micro-steps in flight, not 4, and a lognormal batch planned as if V = 1 does
     not fit the interleaved schedule's memory; planned at V = 2 it does, and its prediction is
     the interleaved simulation's."""
-    spec = "h200x64+llama3-70b+pipeline_parallel_size=4"
+    spec = "h200x128+llama3-70b+pipeline_parallel_size=4"
     plain, interleaved = (
         load_cost_model(spec),
         load_cost_model(f"{spec}+virtual_pipeline_parallel_size=2"),
