@@ -6,7 +6,9 @@
 ``--lengths``: a JSON list of positive ints (at most 100,000). ``--spec``: a spec string,
 presets, spec JSON files and ``key=value`` overrides joined by ``+``, later parts winning
 (``h200x256+llama3-70b+pipeline_parallel_size=4``, ``h200x128+llama3-70b+my.json``;
-``dcp.costmodel.load``).
+``dcp.costmodel.load``); ``virtual_pipeline_parallel_size=V`` plans, checks and predicts the
+interleaved schedule of V model chunks per stage (``h200x1024+llama3-70b+tensor_parallel_size=4+
+pipeline_parallel_size=8+virtual_pipeline_parallel_size=5``, as NVIDIA's recipe runs it).
 The spec's ``options.tensor_parallel_size`` sets TP: plan ranks are planner ranks, one per TP group
 (``cluster.num_gpus / TP`` of them; ``h200x256+llama3-70b`` plans 32 at TP = 8).
 ``--option key=value`` sets a field of the planner's options class (``dcp.planning``:
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     trained = [x for i, x in enumerate(lengths) if i not in dropped]
     bound = lower_bound_s(trained, cost_model)
     tp, pp = cost_model.tensor_parallel_size, cost_model.pipeline_parallel_size
-    mesh = f"TP {tp}" if pp == 1 else f"TP {tp} x PP {pp}"
+    vp = cost_model.virtual_pipeline_parallel_size
+    mesh = f"TP {tp}" + (f" x PP {pp}" if pp > 1 else "") + (f" x VP {vp}" if vp > 1 else "")
     print(
         f"{args.planner}: {len(lengths)} sequences -> {len(plan.steps)} micro-steps on "
         f"{cost_model.num_ranks} planner ranks ({mesh}: {cost_model.num_ranks * tp * pp} GPUs), "

@@ -6,6 +6,8 @@ simulated H200 clusters.
     python -m tools.simulate --quick      # 8 and 32 GPUs, one small batch each: seconds
     python -m tools.simulate --model llama3-70b --clusters 64,256,1024   # TP = 8 (the preset's)
     python -m tools.simulate --model llama3-70b+pipeline_parallel_size=4 --clusters 256
+    python -m tools.simulate --model llama3-70b-tp4pp8+virtual_pipeline_parallel_size=5 \
+                             --clusters 32,64,128,256   # interleaved, as NVIDIA's recipe
     python -m tools.simulate --data data/stdlib --spec h200x8+llama3-8b --batch-tokens 65536
                              [--max-seq-len L] [--batches 8]   # your own corpus
 

@@ -105,6 +105,12 @@ class CostModel:
                 f"options.pipeline_parallel_size={pp} must divide cluster.num_gpus / TP = "
                 f"{cluster.num_gpus // tp} and be at most model.num_layers={model.num_layers}"
             )
+        vp = options.virtual_pipeline_parallel_size
+        if pp * vp > model.num_layers:
+            raise ValueError(
+                f"options.pipeline_parallel_size x virtual_pipeline_parallel_size = {pp} x {vp} "
+                f"model chunks exceeds model.num_layers={model.num_layers}"
+            )
         # megatron-core's rank order puts PP outermost: the planner plans one stage's ranks.
         num_ranks = cluster.num_gpus // (tp * pp)
         ep = options.expert_parallel_size
@@ -406,6 +412,12 @@ class CostModel:
         ``dcp.costmodel.pipeline`` prices each stage."""
         return self.options.pipeline_parallel_size if self.options is not None else 1
 
+    @property
+    def virtual_pipeline_parallel_size(self) -> int:
+        """Model chunks per pipeline stage (the spec's
+        ``options.virtual_pipeline_parallel_size``; 1 without interleaving)."""
+        return self.options.virtual_pipeline_parallel_size if self.options is not None else 1
+
     def tp_time_s(
         self,
         lengths: Sequence[int],
@@ -454,7 +466,8 @@ class CostModel:
         ranks = f"{self.num_ranks} planner ranks" + (" per stage" if pp > 1 else "")
         if ep > 1:
             ranks += f" in EP groups of {ep}"
-        shape = f"TP {tp}" + (f" x PP {pp}" if pp > 1 else "")
+        vp = self.virtual_pipeline_parallel_size
+        shape = f"TP {tp}" + (f" x PP {pp}" if pp > 1 else "") + (f" x VP {vp}" if vp > 1 else "")
         gpus = tp * pp
         each = f"each {shape} = {gpus} GPUs" if gpus > 1 else "each 1 GPU"
         nodes = self.nodes_per_planner_rank()

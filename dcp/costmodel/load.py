@@ -329,9 +329,10 @@ def load_cost_model(
     source: str | Path | dict | CostModel, *, mesh: Mesh | None = None
 ) -> CostModel:
     """A ``CostModel`` from any spec source, checked against the job's ``mesh`` when given: the
-    spec's ``options.tensor_parallel_size`` and ``options.pipeline_parallel_size`` must be the
-    mesh's, and its ``cluster.num_gpus`` (its planner ranks times its TP and PP sizes) the
-    mesh's ``world_size``. Without a mesh the spec's own cluster is planned (``tools.plan``)."""
+    spec's ``options.tensor_parallel_size``, ``options.pipeline_parallel_size`` and
+    ``options.virtual_pipeline_parallel_size`` must be the mesh's, and its ``cluster.num_gpus``
+    (its planner ranks times its TP and PP sizes) the mesh's ``world_size``. Without a mesh the
+    spec's own cluster is planned (``tools.plan``)."""
     model = source if isinstance(source, CostModel) else CostModel.from_spec(load_spec(source))
     if mesh is None:
         return model
@@ -350,6 +351,14 @@ def load_cost_model(
             f"cost-model spec {model.name!r} plans with pipeline parallelism {spec_pp} "
             f"(options.pipeline_parallel_size) but the run uses {mesh.pipeline_parallel_size} "
             "pipeline stage(s); use a spec with that options.pipeline_parallel_size"
+        )
+    spec_vp = model.virtual_pipeline_parallel_size
+    if spec_vp != mesh.virtual_pipeline_parallel_size:
+        raise ValueError(
+            f"cost-model spec {model.name!r} plans with {spec_vp} virtual stage(s) per pipeline "
+            f"stage (options.virtual_pipeline_parallel_size) but the run uses "
+            f"{mesh.virtual_pipeline_parallel_size}; use a spec with that "
+            "options.virtual_pipeline_parallel_size"
         )
     gpus = model.num_ranks * spec_tp * spec_pp
     if gpus != mesh.world_size:

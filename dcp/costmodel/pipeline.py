@@ -11,7 +11,9 @@ one formula (``CostModel._time_terms``), so no second formula exists:
   MoE token exchange by the stage's share of the MoE layers;
 - the output layer and loss (time and logits bytes) on the last stage only;
 - full recompute keeps one layer's working set whatever the layer count, so a stage's ``full``
-  bytes are ``share·full + (1 - share)·none / L``;
+  bytes are ``share·full + (1 - share)·none / L`` (a chunk of V: ``share·full + (1/V -
+  share)·none / L``, the working set split over the rank's V chunks, so each micro-step in
+  flight counts one, as without interleaving, not one per chunk);
 - static memory by the stage's share of the parameters: its layers, the embedding on the first
   stage, the final norm and output layer on the last (megatron keeps a copy of a tied embedding
   on the last stage too);
@@ -28,7 +30,8 @@ sequence parallelism: ``pipeline_parallel.schedules.get_tensor_shapes``), over t
 link when a stage fills at least a node (TP × planner ranks >= GPUs per node: stages are
 megatron's outermost rank axis), else over the intra-node link, plus one link latency.
 
-Interleaved virtual stages (``virtual_stages`` V > 1, megatron's virtual pipeline): the layers
+Interleaved virtual stages (``virtual_stages`` V > 1, megatron's virtual pipeline; a spec's
+``options.virtual_pipeline_parallel_size``, which ``PipelineCosts.of`` takes): the layers
 are cut into P × V chunks (``chunk_layer_counts``) and rank s holds chunks s, s + P, ...,
 s + (V - 1)P, so the embedding stays on rank 0 and the output layer on rank P - 1.
 ``PipelineCosts.chunks`` prices each chunk like a stage (its fixed per-micro-step costs a V-th
@@ -137,16 +140,22 @@ class PipelineCosts:
     """Chunk v·P + s's cost model (rank s's v-th chunk); with V = 1 the stages themselves."""
 
     @classmethod
-    def of(cls, cost_model: CostModel, *, virtual_stages: int = 1) -> PipelineCosts:
+    def of(cls, cost_model: CostModel, *, virtual_stages: int | None = None) -> PipelineCosts:
         """The stages of ``cost_model`` (it needs a model spec and options), each holding
-        ``virtual_stages`` model chunks."""
+        ``virtual_stages`` model chunks (default: the spec's
+        ``options.virtual_pipeline_parallel_size``, so every planner, check and simulation of
+        a run at VP > 1 sees its interleaved schedule)."""
         model, options = cost_model.model, cost_model.options
         if model is None or options is None:
             raise ValueError("a pipeline needs a cost model built from a spec with a model")
+        if virtual_stages is None:
+            virtual_stages = cost_model.virtual_pipeline_parallel_size
         num_stages = cost_model.pipeline_parallel_size
         chunk_counts = chunk_layer_counts(model.num_layers, num_stages, virtual_stages)
         # A stage, a chunk, and the planner's view are models without pipelining of their own.
-        flat = dataclasses.replace(options, pipeline_parallel_size=1)
+        flat = dataclasses.replace(
+            options, pipeline_parallel_size=1, virtual_pipeline_parallel_size=1
+        )
 
         # The layers of each chunk, and of each stage (its chunks s, s + P, ...).
         starts = [sum(chunk_counts[:c]) for c in range(len(chunk_counts))]
@@ -303,8 +312,8 @@ class PipelineCosts:
 
     def step_activation_bytes(self, step: MicroStep, lengths: Sequence[int]) -> tuple[float, ...]:
         """Bytes ``step`` keeps on each rank of its group, per stage, from its forward to its
-        backward: the sum over the stage's chunks (under full recompute with V > 1 each chunk
-        counts a layer's working set, an upper bound: one runs at a time)."""
+        backward: the sum over the stage's chunks (under full recompute each chunk counts a
+        V-th of a layer's working set: the stage's bytes without interleaving)."""
         chunks = self.chunk_activation_bytes(step, lengths)
         if self.virtual_stages == 1:
             return chunks
@@ -402,7 +411,9 @@ def _part_coefficients(
 ) -> Coefficients:
     """The coefficients of a stage or chunk of ``stage_layers`` layers, ``moe_layers`` of them
     mixture-of-experts layers (module docstring): ``first`` holds the embedding, ``last`` the
-    output layer; ``fixed_share`` of the fixed per-micro-step costs."""
+    output layer; ``fixed_share`` of the fixed per-micro-step costs and of full recompute's
+    one-layer working set (a chunk of V: a V-th of each, so a micro-step's V chunks on a rank
+    hold what its stage holds without interleaving)."""
     c = cost_model.coefficients
     model, options = cost_model.model, cost_model.options
     layers = model.num_layers
@@ -429,7 +440,7 @@ def _part_coefficients(
         {
             "none": share * act[Recompute.NONE],
             "selective": share * act[Recompute.SELECTIVE],
-            "full": share * act[Recompute.FULL] + (1.0 - share) * one_layer,
+            "full": share * act[Recompute.FULL] + (fixed_share - share) * one_layer,
         }
     )
 

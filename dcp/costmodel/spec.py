@@ -202,6 +202,11 @@ class Options:
     """Pipeline stages (non-interleaved 1F1B): the cluster's GPUs are TP × PP × planner ranks
     and the planner plans over the planner ranks of one stage; each stage holds its share of
     the layers (``dcp.costmodel.pipeline``)."""
+    virtual_pipeline_parallel_size: int = 1
+    """Model chunks per pipeline stage (megatron's interleaved 1F1B, the run's
+    ``parallel.virtual_pipeline_parallel_size``): the layers split into PP × VP chunks, and the
+    bubble, the messages and the activations in flight are the interleaved schedule's
+    (``dcp.costmodel.pipeline``); more than 1 needs ``pipeline_parallel_size`` > 1."""
     expert_parallel_size: int = 1
     """Expert parallelism (megatron's ``expert_model_parallel_size``) of a mixture-of-experts
     model: each MoE layer's routed experts are split over groups of this many consecutive planner
@@ -299,9 +304,20 @@ class Options:
             object.__setattr__(
                 self, "optimizer_bytes_per_param", optimizer_bytes_per_param(self.dtype)
             )
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "virtual_pipeline_parallel_size",
+            "expert_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"options.{name} must be >= 1, got {getattr(self, name)}")
+        if self.virtual_pipeline_parallel_size > 1 and self.pipeline_parallel_size == 1:
+            raise ValueError(
+                f"options.virtual_pipeline_parallel_size={self.virtual_pipeline_parallel_size} "
+                "needs options.pipeline_parallel_size > 1 (virtual stages interleave model "
+                "chunks over stages)"
+            )
         for name in (
             "linear_efficiency",
             "fp8_linear_efficiency",
@@ -562,9 +578,10 @@ def runtime_options(
     tied_embeddings: bool | None = None,
     pipeline_parallel_size: int | None = None,
     expert_parallel_size: int | None = None,
+    virtual_pipeline_parallel_size: int | None = None,
 ) -> dict:
     """The spec ``options`` a training run fixes (its model dtype, FP8, optimizer and, when
-    given, its TP size, embedding tying, PP and EP sizes): the trainer and
+    given, its TP size, embedding tying, PP and EP sizes and virtual stages): the trainer and
     ``tools.memory_budget`` lay them over the spec (``with_runtime_options``), so planner and
     runtime agree."""
     options = {
@@ -581,6 +598,8 @@ def runtime_options(
         options["pipeline_parallel_size"] = pipeline_parallel_size
     if expert_parallel_size is not None:
         options["expert_parallel_size"] = expert_parallel_size
+    if virtual_pipeline_parallel_size is not None:
+        options["virtual_pipeline_parallel_size"] = virtual_pipeline_parallel_size
     return options
 
 

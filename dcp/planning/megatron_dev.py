@@ -23,7 +23,8 @@ Every rank runs one micro-batch per group, so a group's CP groups become one mic
 them (there is none in the no-pipelining or 1F1B schedules); under pipeline parallelism the
 groups are the 1F1B schedule's micro-batches and the cap is what a rank holds with a stage's
 micro-batches in flight (``planning_view``). Left out: ``align_sample_id_groups`` (it only
-splits groups for interleaved virtual stages, which DCP's cost model does not price) and
+splits groups for interleaved virtual stages; at VP > 1 the groups run as they are, the last
+group of fewer than PP padded as DCP's executor pads it, ``dense_slots``) and
 ``thd_max_packed_sequences`` (no cap on sequences per pack: megatron's default).
 """
 

@@ -408,22 +408,15 @@ def stage_peak_bytes(
     costs: PipelineCosts,
     *,
     step_costs: StepCosts | None = None,
-    order: tuple[tuple[Op, ...], ...] | None = None,
+    order: tuple[tuple[ChunkOp, ...], ...] | None = None,
 ) -> StageMemory:
-    """Each (stage, planner rank)'s peak memory under ``pipeline_order`` (it depends on the
-    order only, not on timing): its static bytes plus, at each of its forwards, the activation
-    bytes of its micro-steps in flight. ``order``: the plan's ``pipeline_order``, if made.
-    Under virtual stages (``costs.virtual_stages`` > 1) the order is ``chunk_order`` and each
-    (chunk, micro-step) in flight holds its chunk's bytes; ``order`` is then not taken."""
+    """Each (stage, planner rank)'s peak memory under ``chunk_order`` with the pipeline's
+    virtual stages (``costs.virtual_stages``; it depends on the order only, not on timing): its
+    static bytes plus, at each of its forwards, the activation bytes its (chunk, micro-step)
+    pairs in flight hold, each its chunk's. ``order``: the plan's ``chunk_order``, if made."""
     step_costs = step_costs or StepCosts(costs, lengths)
     p, v = costs.num_stages, costs.virtual_stages
-    if v == 1:
-        order = order or pipeline_order(plan, p)
-        ops = [[(kind, 0, m) for kind, m in stage_ops] for stage_ops in order]
-    else:
-        if order is not None:
-            raise ValueError("order is pipeline_order's, without virtual stages")
-        ops = chunk_order(plan, p, virtual_stages=v)
+    ops = order or chunk_order(plan, p, virtual_stages=v)
     acts = [step_costs.chunk_activations(step) for step in plan.steps]
     ranks = [step.ranks for step in plan.steps]
     num_ranks = costs.cost_model.num_ranks

@@ -2,7 +2,8 @@
 
 ``dcp_planner.plan_dcp`` first plans the batch as without pipelining, on the pipeline's planning
 view (``PipelineCosts.planning_model``: every stage's time bounded by one model; a micro-step
-fits when the P - s micro-steps stage s holds in flight would fit were they all as large). That
+fits when the P - s micro-steps stage s holds in flight would fit were they all as large; with
+the spec's V virtual stages, megatron's interleaved warm-up: P + (P - 1) / V on stage 0). That
 balances each position's work. ``arrange`` then makes what 1F1B needs of it:
 
 - **rounds**: the micro-steps are laid out in K rounds in which each position runs at most one
@@ -18,11 +19,12 @@ balances each position's work. ``arrange`` then makes what 1F1B needs of it:
   drain of the pipeline run them), or costliest and cheapest in turn (fewer heavy micro-steps
   in flight together);
 - **recompute where the in-flight activations need it**: the exact per-stage memory with the
-  micro-steps in flight (``stage_peak_bytes``) is checked; where a GPU would exceed its budget,
-  the in-flight micro-step that saves the most bytes per second of recompute gets the next
-  recompute setting, and then every recomputing micro-step gets the least recompute that
-  keeps every stage within budget (``MicroStep.recompute`` applies on every stage,
-  ``recompute_layers`` per stage).
+  micro-steps in flight (``stage_peak_bytes``, each chunk's bytes under virtual stages) is
+  checked; where a GPU would exceed its budget, the in-flight micro-step that saves the most
+  bytes per second of recompute gets the next recompute setting, and then every recomputing
+  micro-step gets the least recompute that keeps every stage within budget
+  (``MicroStep.recompute`` applies on every stage, ``recompute_layers`` per stage, or per model
+  chunk under virtual stages).
 
 Each arrangement (K in {the least that holds every position's micro-steps, P, 2P, 4P, 8P},
 with and without the variant, times the orders; and the plan as made) is simulated on the
@@ -47,7 +49,7 @@ from dcp.planning.pipeline import (
     BACKWARD,
     StageMemory,
     StepCosts,
-    pipeline_order,
+    chunk_order,
     stage_peak_bytes,
 )
 from dcp.planning.simulator import simulate_pipeline
@@ -366,7 +368,7 @@ class _Recompute:
         costs, step_costs = self.costs, self.step_costs
         steps = list(plan.steps)
         # Recompute changes no micro-step's ranks: the order stays the plan's.
-        order = pipeline_order(plan, costs.num_stages)
+        order = chunk_order(plan, costs.num_stages, virtual_stages=costs.virtual_stages)
         budget = costs.cost_model.mem_budget_bytes
         while (memory := self._memory(steps, order)).worst is not None:
             s, rank, m = memory.worst
@@ -394,7 +396,9 @@ class _Recompute:
         """Lower each recomputing micro-step, most time saved first, as far as every stage
         still fits: a step may grow by its least headroom (budget minus the most bytes held
         while it is in flight, on any of its GPUs); growing takes as much from the headroom of
-        the steps in flight with it (an upper bound on what it costs them)."""
+        the steps in flight with it (an upper bound on what it costs them). A step's growth on
+        a stage is counted over all the stage's chunks, as if all were in flight at once (with
+        virtual stages an upper bound; without, exact)."""
         costs, step_costs = self.costs, self.step_costs
         budget = costs.cost_model.mem_budget_bytes
         lowerable = {
@@ -409,17 +413,17 @@ class _Recompute:
         for s, stage_ops in enumerate(order):
             free = budget - costs.stages[s].static_mem_bytes
             live: dict[int, float] = {}
-            flying: dict[int, list[int]] = {}
-            for kind, m in stage_ops:
+            flying: dict[int, list[tuple[int, int]]] = {}
+            for kind, chunk, m in stage_ops:
+                held = step_costs.chunk_activations(steps[m])[chunk * costs.num_stages + s]
                 for r in steps[m].ranks:
                     if kind == BACKWARD:
-                        flying[r].remove(m)
-                        live[r] -= step_costs.activations(steps[m])[s]
+                        flying[r].remove((chunk, m))
+                        live[r] -= held
                         continue
-                    others = flying.setdefault(r, [])
-                    others.append(m)
-                    live[r] = live.get(r, 0.0) + step_costs.activations(steps[m])[s]
-                    for j in others:
+                    flying.setdefault(r, []).append((chunk, m))
+                    live[r] = live.get(r, 0.0) + held
+                    for j in dict.fromkeys(j for _, j in flying[r]):
                         headroom[j][s] = min(headroom[j][s], free - live[r])
                         if j != m:
                             together[j].add((s, m))
@@ -444,19 +448,21 @@ class _Recompute:
 
 
 def _in_flight(stage_ops, steps: list[MicroStep], rank: int, step: int) -> list[int]:
-    """Micro-steps holding ``rank`` in flight on a stage (its ops ``stage_ops``) right after
-    ``step``'s forward."""
-    live: list[int] = []
-    for kind, m in stage_ops:
+    """Micro-steps holding ``rank`` in flight on a stage (its ``chunk_order`` ops
+    ``stage_ops``) right after one of ``step``'s forwards there (with virtual stages, any of
+    its chunks': the stage's peak is at one of them), each once, in the order they came."""
+    live: list[tuple[int, int]] = []
+    seen: dict[int, None] = {}
+    for kind, chunk, m in stage_ops:
         if rank not in steps[m].ranks:
             continue
         if kind == BACKWARD:
-            live.remove(m)
-        else:
-            live.append(m)
-            if m == step:
-                return live
-    return live
+            live.remove((chunk, m))
+            continue
+        live.append((chunk, m))
+        if m == step:
+            seen.update((j, None) for _, j in live)
+    return list(seen)
 
 
 def longest_first(

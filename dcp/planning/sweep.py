@@ -481,6 +481,8 @@ def run_sweep(
         results["tensor_parallel_size"] = cost_model.tensor_parallel_size
         results.update(peaks(cost_model.cluster))
         results["pipeline_parallel_size"] = cost_model.pipeline_parallel_size
+        if cost_model.virtual_pipeline_parallel_size > 1:
+            results["virtual_pipeline_parallel_size"] = cost_model.virtual_pipeline_parallel_size
         log(describe(cost_model))
         static = planning_view(cost_model).static_mem_bytes
         if static >= cost_model.mem_budget_bytes:

@@ -123,6 +123,8 @@ def format_pipeline_table(results: dict) -> str:
     """The sweep of a model with pipeline parallelism: step times and bubble fractions."""
     nan = float("nan")
     tp, pp = results.get("tensor_parallel_size", 1), results["pipeline_parallel_size"]
+    vp = results.get("virtual_pipeline_parallel_size", 1)
+    schedule = f"interleaved 1F1B, VP {vp}" if vp > 1 else "non-interleaved 1F1B"
     names = [p for p in _SHORT if p in results["planners"]]
     head = f"{'cluster':>10} {'workload':>10} {'seqs':>6}" + "".join(
         f" {_SHORT[p] + ' s':>10} {'bubble':>6}" for p in names
@@ -134,7 +136,7 @@ def format_pipeline_table(results: dict) -> str:
     lines = [
         f"SIMULATED step times (dcp cost model, not measured on GPUs), {results['model']}, "
         f"TP {tp} x PP {pp}: a planner rank is {tp * pp} GPUs (its TP group in each stage), "
-        f"h200xN has N/{tp * pp} of them; non-interleaved 1F1B",
+        f"h200xN has N/{tp * pp} of them; {schedule}",
         *([describe_check(results["cost_model_check"])] if "cost_model_check" in results else []),
         *_throughput_note(results),
         head,

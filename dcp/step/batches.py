@@ -200,6 +200,7 @@ class BatchPlanner:
                 tied_embeddings=cfg.model.tie_embeddings,
                 pipeline_parallel_size=mesh.pipeline_parallel_size,
                 expert_parallel_size=mesh.expert_parallel_size,
+                virtual_pipeline_parallel_size=mesh.virtual_pipeline_parallel_size,
             ),
             ranks_per_node=launch_ranks_per_node(),
             model=cfg.model.shape,

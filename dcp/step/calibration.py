@@ -42,10 +42,7 @@ import torch.distributed as dist
 from dcp.costmodel import CostModel, MicroStepRecord, append_records, fit_records
 from dcp.costmodel.microsteps import truncate_records
 from dcp.costmodel.online import record_time_s
-from dcp.costmodel.pipeline import (
-    planning_view,
-    stage_layer_counts,
-)
+from dcp.costmodel.pipeline import chunk_layer_counts, planning_view
 from dcp.plan import RECOMPUTE_LEVELS, Plan, Recompute
 from dcp.planning.common import pow2_sizes
 from dcp.planning.dcp_planner import pin_label
@@ -212,14 +209,16 @@ class OnlineCalibrator:
         lengths: list[int],
         slowest_times_s: list[float],
         *,
-        stage_layers: tuple[int, ...] = (),
+        pipeline_stages: int = 1,
+        chunk_layers: tuple[int, ...] = (),
     ) -> list[MicroStepRecord]:
         """Record this step's micro-steps from ``slowest_times_s``: per plan step, the time of
         its slowest rank (``StepStats.slowest_step_times_s``, reduced with the step's other
-        scalars, so every rank records the same). Under pipelines (``stage_layers``: each
-        stage's layer count) each time is the sum over the stages of the stage's slowest rank
+        scalars, so every rank records the same). Under pipelines (``pipeline_stages`` P > 1,
+        ``chunk_layers``: each model chunk's layer count, the stages' own without virtual
+        stages) each time is the sum over the stages of the stage's slowest rank
         (``whole_model_times``), and a partial full recompute is recorded as the layers it
-        recomputes over all stages."""
+        recomputes over all chunks (megatron's ``recompute_num_layers`` counts a chunk's)."""
         new = [
             MicroStepRecord(
                 step=step,
@@ -227,8 +226,8 @@ class OnlineCalibrator:
                 seq_lens=tuple(lengths[i] for i in s.seq_ids),
                 recompute=s.recompute,
                 time_s=slowest_times_s[index],
-                recompute_layers=s.whole_model_recompute_layers(stage_layers),
-                pipeline_stages=max(1, len(stage_layers)),
+                recompute_layers=s.whole_model_recompute_layers(chunk_layers),
+                pipeline_stages=pipeline_stages,
             )
             for index, s in enumerate(plan.steps)
             if slowest_times_s[index] > 0
@@ -245,9 +244,20 @@ class OnlineCalibrator:
         the planner's cost model changed."""
         model = planner.cost_model
         stages = model.pipeline_parallel_size
-        stage_layers = stage_layer_counts(model.num_layers, stages) if stages > 1 else ()
+        chunk_layers = ()
+        if stages > 1:
+            chunk_layers = chunk_layer_counts(
+                model.num_layers, stages, model.virtual_pipeline_parallel_size
+            )
         plan, lengths = planned.plan, planned.lengths
-        self.observe(step, plan, lengths, slowest_times_s, stage_layers=stage_layers)
+        self.observe(
+            step,
+            plan,
+            lengths,
+            slowest_times_s,
+            pipeline_stages=stages,
+            chunk_layers=chunk_layers,
+        )
         refit = self.maybe_refit(step, model)
         self._forget_before(first_kept_step(step, self.cfg))
         if refit is None or not refit.accepted:

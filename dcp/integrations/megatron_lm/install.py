@@ -243,6 +243,7 @@ class MegatronLMRun:
                 tied_embeddings=not args.untie_embeddings_and_output_weights,
                 pipeline_parallel_size=mesh.pipeline_parallel_size,
                 expert_parallel_size=mesh.expert_parallel_size,
+                virtual_pipeline_parallel_size=mesh.virtual_pipeline_parallel_size,
             ),
             model=_model_spec(args),
         )

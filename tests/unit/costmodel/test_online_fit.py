@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,8 +15,13 @@ from dcp.costmodel import CostModel, load_cost_model, load_preset
 from dcp.costmodel.microsteps import MicroStepRecord, append_records, read_records
 from dcp.costmodel.online import fit_records, record_time_s
 from dcp.costmodel.pipeline import PipelineCosts
-from dcp.plan import RECOMPUTE_LEVELS, MicroStep
+from dcp.mesh import Mesh
+from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan
 from dcp.planning import THREE_LEVEL_OPTIONS, DCPOptions, lower_bound_s, plan_dcp, simulate
+from dcp.step import calibration
+from dcp.step.batches import BatchPlanner
+from dcp.step.calibration import OnlineCalibrator
+from dcp.step.config import PlanningConfig
 
 PRIOR = "cpu-tiny-uncalibrated+cpu-wrong"
 SHAPES = [[64], [256], [1024], [4096], [8192], [32] * 16, [128] * 8, [512] * 4, [100, 700, 3000]]
@@ -252,6 +258,40 @@ def test_pipeline_records_sum_their_stages_and_refit_exactly():
     exact = fit_records(records, prior=at_pp2(load_preset(PRIOR)), prior_weight=0.0)
     _assert_coefficients(exact.cost_model, truth, rel=1e-9)
     assert exact.cost_model.pipeline_parallel_size == 2
+
+
+def test_records_at_virtual_stages_count_each_chunks_recomputed_layers(tmp_path, monkeypatch):
+    """At PP 2 x VP 2 (8 layers: four chunks of 2) a micro-step's ``recompute_layers`` N counts
+    per model chunk, as megatron's ``recompute_num_layers`` does and ``PipelineCosts`` prices
+    it: the run's calibration records N x 4 layers of the whole model (not N per stage), so
+    ``record_time_s`` predicts what the chunks' times sum to."""
+    monkeypatch.setattr(calibration.dist, "get_rank", lambda: 0)
+    spec = (
+        "cpu-tiny-uncalibrated+num_layers=8+num_gpus=4+pipeline_parallel_size=2"
+        "+virtual_pipeline_parallel_size=2"
+    )
+    mesh = Mesh(4, pipeline_parallel_size=2, virtual_pipeline_parallel_size=2)
+    planner = BatchPlanner(PlanningConfig(spec=spec), mesh=mesh)
+    costs = PipelineCosts.of(planner.cost_model)
+    assert costs.virtual_stages == 2 and [c.num_layers for c in costs.chunks] == [2] * 4
+    lengths = [300, 900, 2000]
+    steps = (
+        MicroStep(ranks=(0,), seq_ids=(0,), recompute="full", recompute_layers=1),
+        MicroStep(ranks=(1,), seq_ids=(1,), recompute="full"),
+        MicroStep(ranks=(0, 1), seq_ids=(2,), recompute="selective"),
+    )
+    times = [sum(f + b for f, b, _ in costs.step_times(step, lengths)) for step in steps]
+    path = tmp_path / calibration.RECORDS_FILENAME
+    calibrator = OnlineCalibrator(
+        PlanningConfig(spec=spec), spec=planner.spec, records_path=path, records=[]
+    )
+    planned = SimpleNamespace(plan=Plan(steps=steps, planner="test"), lengths=lengths)
+    calibrator.calibrate(1, planned, times, planner)
+    records = read_records(path)
+    assert [r.recompute_layers for r in records] == [4, None, None]
+    assert {r.pipeline_stages for r in records} == {2}
+    for record, time_s in zip(records, times, strict=True):
+        assert record_time_s(planner.cost_model, record) == pytest.approx(time_s, rel=1e-12)
 
 
 def test_bounded_error_with_noise():

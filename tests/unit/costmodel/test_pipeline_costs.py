@@ -58,6 +58,15 @@ def test_load_cost_model_checks_the_jobs_pipeline():
         load_cost_model(spec, mesh=Mesh(32))
     with pytest.raises(ValueError, match=r"describes 32 GPUs \(8 planner ranks x TP 1 x PP 4\)"):
         load_cost_model(spec, mesh=Mesh(16, pipeline_parallel_size=4))
+    # Virtual stages: the spec's interleaving must be the run's, or the planner checks memory
+    # and predicts times for another schedule.
+    interleaved = {**spec, "options": {**spec["options"], "virtual_pipeline_parallel_size": 2}}
+    vp2 = Mesh(32, pipeline_parallel_size=4, virtual_pipeline_parallel_size=2)
+    assert PipelineCosts.of(load_cost_model(interleaved, mesh=vp2)).virtual_stages == 2
+    with pytest.raises(ValueError, match=r"plans with 1 virtual stage\(s\) .* the run uses 2"):
+        load_cost_model(spec, mesh=vp2)
+    with pytest.raises(ValueError, match=r"plans with 2 virtual stage\(s\) .* the run uses 1"):
+        load_cost_model(interleaved, mesh=Mesh(32, pipeline_parallel_size=4))
 
 
 def test_stages_split_the_whole_models_terms():
@@ -257,7 +266,9 @@ def test_chunk_layer_counts():
 
 def test_a_ranks_chunks_do_its_stages_work():
     """Under V chunks per rank, rank s holds chunks s, s + P, ...: their layers, times and
-    activations add up to the non-interleaved stage's (at CP 1, where the time is additive),
+    activations add up to the non-interleaved stage's (at CP 1, where the time is additive;
+    activations at every recompute, a partial one at the same share of a chunk's and a stage's
+    layers),
     the embedding sits in chunk 0 and the output layer in the last chunk, and each chunk
     pays a V-th of the fixed per-micro-step cost."""
     plain, interleaved = _costs(4, 1), _costs(4, 2)
@@ -280,10 +291,20 @@ def test_a_ranks_chunks_do_its_stages_work():
     assert interleaved.step_times(step, lengths)[1][1] == pytest.approx(
         by_chunk[1][1] + by_chunk[5][1]
     )
-    none = MicroStep(ranks=(0,), seq_ids=(0, 1))
-    assert interleaved.step_activation_bytes(none, lengths) == pytest.approx(
-        plain.step_activation_bytes(none, lengths)
-    )
+    # A micro-step's chunks on a rank hold what its stage holds without interleaving, at every
+    # recompute: full recompute's one-layer working set is split over the V chunks, not
+    # counted in each (else 47 chunks in flight on rank 0 at PP 8 x VP 5 count 47 of them,
+    # where the planning view counts 9.4 micro-steps' worth, and plans it passes fail the check).
+    # (N counts per chunk: 2 of a chunk's 4 layers are 4 of a stage's 8.)
+    for level, chunk_n, stage_n in [("none", None, None), ("selective", None, None)] + [
+        ("full", None, None),
+        ("full", 2, 4),
+    ]:
+        by_chunks = MicroStep((0,), (0, 1), level, chunk_n)
+        by_stage = MicroStep((0,), (0, 1), level, stage_n)
+        assert interleaved.step_activation_bytes(by_chunks, lengths) == pytest.approx(
+            plain.step_activation_bytes(by_stage, lengths)
+        )
     assert interleaved.messages_per_micro_step == 2 * plain.messages_per_micro_step == 4
 
 

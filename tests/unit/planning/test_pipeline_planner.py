@@ -169,3 +169,26 @@ def test_one_planner_rank_holds_long_sequences_with_recompute(workload):
     assert sum(x > 80_000 for x in lengths) >= 2
     plan = plan_dcp(lengths, cost_model=cm)
     _check(plan, lengths, cm)
+
+
+@pytest.mark.parametrize("planner", [plan_dcp, plan_static])
+def test_virtual_stages_plans_fit_the_interleaved_in_flight_bound(planner):
+    """A spec's ``virtual_pipeline_parallel_size`` reaches the planners: at PP 4 × VP 2 stage 0
+    holds 4 + 3/2 micro-steps in flight, not 4, and a lognormal batch planned as if V = 1 does
+    not fit the interleaved schedule's memory; planned at V = 2 it does, and its prediction is
+    the interleaved simulation's."""
+    spec = "h200x128+llama3-70b+pipeline_parallel_size=4"
+    plain, interleaved = (
+        load_cost_model(spec),
+        load_cost_model(f"{spec}+virtual_pipeline_parallel_size=2"),
+    )
+    costs = PipelineCosts.of(interleaved)
+    assert costs.virtual_stages == 2
+    lengths = make_batch("lognormal", num_ranks=plain.num_ranks, tokens_per_rank=512 * 1024)
+    with pytest.raises(ValueError, match="stage 0, planner rank"):
+        check_pipeline_memory(planner(lengths, cost_model=plain), lengths, costs)
+    plan = planner(lengths, cost_model=interleaved)
+    check_pipeline_memory(plan, lengths, costs)
+    assert plan.predicted_step_time_s == pytest.approx(
+        simulate(plan, lengths, interleaved).makespan_s
+    )

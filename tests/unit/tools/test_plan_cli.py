@@ -188,15 +188,44 @@ def test_plan_cli_plans_planner_ranks_under_tp(lengths_file, capsys):
     assert max(r for s in plan.steps for r in s.ranks) < 32
 
 
-def test_plan_cli_plans_one_stage_of_a_pipeline(lengths_file, capsys):
-    spec = "h200x128+llama3-70b-tp4pp8"
+@pytest.mark.parametrize(
+    ("overlay", "mesh"),
+    [("", "TP 4 x PP 8"), ("+virtual_pipeline_parallel_size=5", "TP 4 x PP 8 x VP 5")],
+)
+def test_plan_cli_plans_one_stage_of_a_pipeline(lengths_file, capsys, overlay, mesh):
+    spec = "h200x128+llama3-70b-tp4pp8" + overlay
     rc = plan_cli.main(["--lengths", str(lengths_file), "--spec", spec])
     captured = capsys.readouterr()
     assert rc == 0
-    assert "on 4 planner ranks (TP 4 x PP 8: 128 GPUs)" in captured.err
+    assert f"on 4 planner ranks ({mesh}: 128 GPUs), predicted " in captured.err
+    assert "MFU" in captured.err
     plan = Plan.from_dict(json.loads(captured.out))
     lengths = json.loads(lengths_file.read_text())
-    # The predicted time is the pipelined simulator's.
+    # The predicted time is the pipelined simulator's, of the spec's own schedule (the
+    # interleaved one with VP 5, which times the same plan differently).
     assert plan.predicted_step_time_s == pytest.approx(
         simulate(plan, lengths, load_cost_model(spec)).makespan_s
     )
+    other = "h200x128+llama3-70b-tp4pp8" + ("" if overlay else "+virtual_pipeline_parallel_size=5")
+    assert simulate(plan, lengths, load_cost_model(other)).makespan_s != pytest.approx(
+        plan.predicted_step_time_s
+    )
+
+
+@pytest.mark.parametrize(
+    ("overlay", "message"),
+    [
+        (
+            "h200x256+llama3-70b+virtual_pipeline_parallel_size=2",
+            "virtual_pipeline_parallel_size=2 needs options.pipeline_parallel_size > 1",
+        ),
+        (
+            "h200x128+llama3-70b-tp4pp8+virtual_pipeline_parallel_size=11",
+            "8 x 11 model chunks exceeds model.num_layers=80",
+        ),
+    ],
+)
+def test_plan_cli_refuses_virtual_stages_it_cannot_lay_out(lengths_file, capsys, overlay, message):
+    rc = plan_cli.main(["--lengths", str(lengths_file), "--spec", overlay])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
