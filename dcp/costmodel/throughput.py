@@ -280,13 +280,7 @@ def pipeline_step_s(row: PublishedRow, cost_model: CostModel) -> float:
     fill and drain (P - 1) / (V·m) of the m micro-batches
     (``PipelineCosts.schedule_time_s``)."""
     costs = row_pipeline(row, cost_model)
-    level, layers, _ = row_recompute(row, cost_model)
-    step = MicroStep(
-        ranks=tuple(range(row.cp)),
-        seq_ids=tuple(range(row.micro_batch)),
-        recompute=level,
-        recompute_layers=layers,
-    )
+    step = row_micro_step(row, cost_model)
     times = costs.step_times(step, [row.seq_len] * row.micro_batch)
     slowest = max(forward + backward for forward, backward, _ in times)
     transfer = costs.p2p_time_s(row.micro_batch * row.seq_len / row.cp)
@@ -295,6 +289,18 @@ def pipeline_step_s(row: PublishedRow, cost_model: CostModel) -> float:
         row.micro_batches_per_rank,
         transfer_s=transfer,
         overlap_p2p=costs.virtual_stages > 1,
+    )
+
+
+def row_micro_step(row: PublishedRow, cost_model: CostModel) -> MicroStep:
+    """One of ``row``'s micro-batches as a micro-step: its sequences over the row's CP group,
+    at the recompute the row runs (``row_recompute``)."""
+    level, layers, _ = row_recompute(row, cost_model)
+    return MicroStep(
+        ranks=tuple(range(row.cp)),
+        seq_ids=tuple(range(row.micro_batch)),
+        recompute=level,
+        recompute_layers=layers,
     )
 
 
@@ -311,13 +317,7 @@ def dp_reduction_s(row: PublishedRow, cost_model: CostModel) -> float:
     n = cost_model.num_ranks
     if n == 1:
         return 0.0
-    level, layers, _ = row_recompute(row, cost_model)
-    step = MicroStep(
-        ranks=tuple(range(row.cp)),
-        seq_ids=tuple(range(row.micro_batch)),
-        recompute=level,
-        recompute_layers=layers,
-    )
+    step = row_micro_step(row, cost_model)
     lengths = [row.seq_len] * row.micro_batch
     if row.pp > 1:
         costs = row_pipeline(row, cost_model)
@@ -326,7 +326,9 @@ def dp_reduction_s(row: PublishedRow, cost_model: CostModel) -> float:
         forward_s, backward_s, _ = costs.chunk_step_times(step, lengths)[0]
     else:
         params = part_param_count(cost_model, cost_model.num_layers, first=True, last=True)
-        micro_s = cost_model.step_time_s(lengths, row.cp, level, recompute_layers=layers)
+        micro_s = cost_model.step_time_s(
+            lengths, row.cp, step.recompute, recompute_layers=step.recompute_layers
+        )
         forward_s, backward_s = FORWARD_SHARE * micro_s, (1.0 - FORWARD_SHARE) * micro_s
     options = cost_model.options
     ring_bytes = params / options.tensor_parallel_size * _DTYPE_BYTES[options.dtype] * (n - 1) / n
