@@ -21,6 +21,7 @@ from dcp.data.sampler import GlobalBatch
 from dcp.observability.host import RunLoad
 from dcp.observability.record import StepRecord
 from dcp.planning import StaticOptions, fixed_static_config, plan_static
+from dcp.planning.experts import min_cp_size
 from dcp.step.batches import BatchPlanner, seq_lengths
 from dcp.train.side_by_side import STATIC, SideBySide
 
@@ -68,7 +69,11 @@ def compare_with_fixed(
     config = fixed_s = reason = None
     try:
         config = fixed_static_config(
-            lengths, cost_model=cost_model, max_seq_len=max_seq_len, on_oversize=on_oversize
+            lengths,
+            cost_model=cost_model,
+            max_seq_len=max_seq_len,
+            min_cp_size=min_cp_size(planner.mesh.expert_parallel_size),
+            on_oversize=on_oversize,
         )
         options = StaticOptions(
             cp_size=config[0], recompute=config[1], max_seq_len=max_seq_len, on_oversize=on_oversize

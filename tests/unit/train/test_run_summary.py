@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import sys
 
 import numpy as np
 import pytest
@@ -150,3 +151,32 @@ def test_a_static_run_is_not_told_to_measure_itself_and_a_measured_run_shows_it(
     lines = summary_lines(c, run_name="demo", measured=measured)
     assert lines[-3:] == measured.summary_lines()
     assert not any("to measure it" in line for line in lines)
+
+
+def test_the_fixed_configuration_of_an_expert_parallel_run_keeps_ep_groups_whole(monkeypatch):
+    """At EP 2 the fixed configuration starts at CP 2 (every step on whole EP groups), so the
+    side-by-side measurement's static plans pass the runtime's lockstep check, even on short
+    documents, where CP 1 would be the fastest."""
+    short = np.random.default_rng(1).integers(40, 600, size=400)
+    monkeypatch.setattr(sys.modules[__name__], "LENGTHS", short)
+    from dcp.costmodel.spec import runtime_options
+    from dcp.model import ModelConfig
+    from dcp.planning.experts import check_expert_lockstep
+
+    mesh = Mesh(4, expert_parallel_size=2)
+    planner = BatchPlanner(
+        PlanningConfig(spec=SPEC, calibration="fixed"),
+        mesh=mesh,
+        max_seq_len=600,
+        runtime_options=runtime_options(
+            dtype="fp32", distributed_optimizer=True, expert_parallel_size=2
+        ),
+        model=ModelConfig(num_experts=4, moe_router_topk=2).shape,
+    )
+    records = _records(planner, range(1, 6), lambda step: 1.0)
+    c = compare_with_fixed(records, _batches(), planner)
+    assert c.fixed_config is not None and c.fixed_config[0] >= 2, c
+    options = StaticOptions(cp_size=c.fixed_config[0], recompute=c.fixed_config[1])
+    for batch in _batches(1, 5):
+        plan = plan_static(seq_lengths(batch), cost_model=planner.cost_model, options=options)
+        check_expert_lockstep(plan, mesh)
