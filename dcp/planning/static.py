@@ -232,7 +232,9 @@ def plan_static(
         capacities = {max_seq_len}
         if tuned:
             capacities.add(cp * cost_model.max_tokens_per_rank(level, layers))
-        for capacity in sorted(capacities):
+        # A capacity below the longest sequence holds no plan (the tuned one can fall below it
+        # where the per-rank token bound and the memory check round differently).
+        for capacity in sorted(c for c in capacities if c >= longest):
             plan = _static_for_config(
                 lens, keep, cost_model, cp, level, capacity, tuned, recompute_layers=layers
             )
@@ -288,6 +290,8 @@ def _static_for_config(
     layers = recompute_layers
     replicas = cost_model.num_ranks // cp
     kept = lens[keep].astype(np.float64)
+    if kept.size and kept.max() > cap:
+        raise ValueError(f"a {int(kept.max())}-token sequence exceeds {cap}-token micro-batches")
     if tuned:
         # Marginal cost of each sequence in a micro-batch (solo time minus the step constant).
         cost = cost_model.solo_step_time_s(kept, cp, level, layers) - cost_model.step_constant_s(

@@ -86,3 +86,53 @@ def test_dcp_plans_on_ep_groups_as_units():
     planner.cost_model.check_plan_memory(plan, lengths)
     assert sorted(i for s in plan.steps for i in s.seq_ids) == list(range(len(lengths)))
     assert planned.predicted_step_time_s > 0  # simulated on the real ranks
+
+
+def test_forward_only_plans_of_an_expert_model_finish():
+    """Evaluation plans (forward-only memory) of a MoE model: DCP's static candidate once asked
+    a tuned static packing for micro-batches smaller than the batch's longest sequence and
+    looped for ever (Megatron's loop hung at its first evaluation)."""
+    import signal
+
+    import numpy as np
+
+    from dcp.costmodel.spec import runtime_options
+    from dcp.model import ModelConfig
+    from dcp.step.batches import BatchPlanner
+    from dcp.step.config import PlanningConfig
+
+    model = ModelConfig(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=352,
+        vocab_size=257,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=176,
+        moe_shared_expert_intermediate_size=128,
+        max_seq_len=4096,
+    )
+    planner = BatchPlanner(
+        PlanningConfig(spec="cpu-tiny+cpu-mem-demo", calibration="fixed"),
+        mesh=Mesh(2),
+        max_seq_len=4096,
+        runtime_options=runtime_options(dtype="fp32", distributed_optimizer=True),
+        model=model.shape,
+    )
+
+    def hung(*_):
+        raise TimeoutError("forward-only planning did not finish in 60 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        rng = np.random.default_rng(0)
+        for _ in range(200):
+            lengths = [int(x) for x in rng.integers(40, 4097, size=rng.integers(1, 4))]
+            planned = planner.plan_lengths(lengths, forward_only=True)
+            assert planned.plan.forward_only
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
