@@ -111,7 +111,8 @@ def test_a_resume_on_data_whose_tokens_changed_is_refused(tmp_path):
     lengths = rng.integers(16, 300, size=120)
     prefix = tmp_path / "corpus"
     _write_corpus(prefix, [rng.integers(0, 256, size=n) for n in lengths])
-    data = ["data.source=indexed", f"data.indexed={{prefixes: [{prefix}]}}"]
+    # The launch's synthetic section cleared: another source's section is refused, not ignored.
+    data = ["data.source=indexed", f"data.indexed={{prefixes: [{prefix}]}}", "data.synthetic={}"]
     finish(launch(tmp_path, "data", *FAST, "train.steps=2", *data))
 
     # The same document lengths, other tokens: the sampler's state alone cannot tell.
