@@ -329,11 +329,6 @@ class PretrainConfig:
         """What runs with experts and at ``parallel.expert_parallel_size`` > 1 (docs/design.md,
         'Experts')."""
         ep = self.parallel.expert_parallel_size
-        if self.model.num_experts is not None and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError(
-                "model.num_experts with parallel.pipeline_parallel_size > 1 is not supported yet "
-                "(not tested): train mixture-of-experts models without pipeline stages"
-            )
         if ep == 1:
             return
         if self.model.num_experts is None or self.model.num_experts % ep:

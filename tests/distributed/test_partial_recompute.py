@@ -3,10 +3,11 @@
 A 4-layer tiny model, so a full step may recompute 1, 2 or 3 of its layers (4 is all). Plans mix
 several N with the other levels and give ranks uneven micro-step counts; loss and every gradient
 must equal the single-process reference (relative error <= 1e-5) at TP = 1 and TP = 2. The
-TP = 2 launch and the expert-parallel one (EP = 2) train a mixture-of-experts model
-(``EXPERTS``: every layer 4 routed experts, top-2, and a shared expert): regrouped CP, uneven
-micro-step counts and recompute re-running the token dispatch and its all-to-alls leave loss and
-gradients those of the reference.
+TP = 2 launch and the expert-parallel one (EP 2, EP 4, EP 2 x PP 2 and EP 2 x PP 2 x VP 2, one
+after another on the same 4 ranks) train a mixture-of-experts model (``EXPERTS``: every layer 4
+routed experts, top-2, and a shared expert): regrouped CP, uneven micro-step counts, pipeline
+stages and recompute re-running the token dispatch and its all-to-alls leave loss and gradients
+those of the reference.
 """
 
 from __future__ import annotations
@@ -93,65 +94,132 @@ EP_PLAN = plan(
     step([0, 1, 2, 3], [5, 6], "full", 3),
     step([2, 3], [7]),
 )
+ALL = [0, 1, 2, 3]
+# EP 4 on 4 planner ranks: one EP group, so every step runs on all ranks (CP 4).
+EP4_PLAN = plan(
+    step(ALL, [0, 3], "selective"),
+    step(ALL, [1, 2, 4], "full", 1),
+    step(ALL, [5, 6], "full", 3),
+    step(ALL, [7]),
+)
+# EP 2 x PP 2 on 4 ranks: 2 planner ranks per stage, one EP group per stage, every step at CP 2;
+# four micro-steps so both stages hold two in flight; recompute per stage (1 of its 2 layers).
+EP_PP_PLAN = plan(
+    step([0, 1], [0, 3], "selective"),
+    step([0, 1], [1, 2, 4], "full", 1),
+    step([0, 1], [5, 6], "full"),
+    step([0, 1], [7]),
+)
+# (name, expert_parallel_size, pipeline_parallel_size, virtual_pipeline_parallel_size, plan),
+# run in one launch; at PP 2 x VP 2 each of a stage's two chunks holds one of the 4 layers.
+EP_CASES = [
+    ("EP 2, CP 2 and 4, recompute mixed", 2, 1, 1, EP_PLAN),
+    ("EP 4, recompute mixed", 4, 1, 1, EP4_PLAN),
+    ("EP 2 x PP 2, recompute mixed", 2, 2, 1, EP_PP_PLAN),
+    ("EP 2 x PP 2 x VP 2, recompute mixed", 2, 2, 2, EP_PP_PLAN),
+]
 
 
 def test_expert_parallel_parity_and_a_plan_that_splits_an_ep_group(experts_reference):
-    plans = [PLANS["several_n_mixed_uneven"], EP_PLAN]
+    """EP 2, EP 4, EP 2 x PP 2 and EP 2 x PP 2 x VP 2 in one launch of 4 ranks, each from the
+    reference's weights: loss and every gradient within 1e-5, the all-to-alls ran; and a plan
+    that runs rank 0 alone at EP 2 refused on every rank before any MoE layer runs."""
     initial = experts_reference["initial_weights"]
-    results = run_on_ranks(4, expert_parallel_run, DOCS, plans, initial, timeout_s=300)
-    # The plan that runs rank 0 alone is refused on every rank before any MoE layer runs.
+    results = run_on_ranks(
+        4,
+        expert_parallel_run,
+        DOCS,
+        PLANS["several_n_mixed_uneven"],
+        EP_CASES,
+        initial,
+        timeout_s=600,
+    )
     for out in results:
         assert "split the expert-parallel group [0, 1]" in out["refused"], out["refused"]
         assert "\n" not in out["refused"]
-    # Each rank of the EP group {0, 1} holds half the experts: together, the whole model.
-    got = {**results[0], "grads": {**results[1]["grads"], **results[0]["grads"]}}
-    assert results[0]["grads"].keys() != results[1]["grads"].keys()
-    assert_parity(experts_reference, got, what="EP 2, CP 2 and 4, recompute mixed")
+    for name, ep, *_ in EP_CASES:
+        got = results[0][name]
+        # Each rank of an EP group holds 1/EP of the experts: no rank holds them all.
+        assert got["experts_per_rank"] == EXPERTS["num_experts"] // ep, (name, got)
+        assert got["all_to_alls"] > 0, name
+        assert_parity(experts_reference, got, what=name)
 
 
-def expert_parallel_run(docs, plans, initial) -> dict:
-    """Rank body at EP 2 (``EXPERTS``) from the reference's ``initial`` weights (megatron draws
-    each EP rank's experts from its own stream): the refusal of ``plans[0]``, then loss and
-    gradients of ``plans[1]``, this rank's experts named by their index in the whole layer."""
+def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
+    """Rank body: the refusal of ``refused_plan`` at EP 2, then each of ``cases`` (``EP_CASES``)
+    from the reference's ``initial`` weights (megatron draws each EP rank's experts from its own
+    stream): loss and the whole model's gradients (every stage's and EP rank's, experts named by
+    their index in the whole layer), the experts this rank holds and the all-to-alls it ran."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from dcp.collectives import all_gather_object
     from dcp.mesh import Mesh
     from dcp.plan import Plan
     from dcp.runtime.dispatch import InMemorySource
+    from dcp.weights.canonical import state_names
     from tests.distributed.tiny import to_numpy
 
+    source = InMemorySource(docs)
+    out: dict = {}
+    calls = [0]
+    all_to_all = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = counted
     try:
-        runtime = Runtime.from_config(
-            ModelConfig(**{**TINY, **EXPERTS}, core_attention="dcp"),
-            OPTIM,
-            seed=SEED,
-            mesh=Mesh(dist.get_world_size(), expert_parallel_size=2),
-        )
-        local = EXPERTS["num_experts"] // ps.get_expert_model_parallel_world_size()
-        first = ps.get_expert_model_parallel_rank() * local
+        for name, ep, pp, vp, case_plan in cases:
+            runtime = Runtime.from_config(
+                ModelConfig(**{**TINY, **EXPERTS}, core_attention="dcp"),
+                OPTIM,
+                seed=SEED,
+                mesh=Mesh(
+                    dist.get_world_size(),
+                    expert_parallel_size=ep,
+                    pipeline_parallel_size=pp,
+                    virtual_pipeline_parallel_size=vp,
+                ),
+            )
+            local = EXPERTS["num_experts"] // ps.get_expert_model_parallel_world_size()
+            first = ps.get_expert_model_parallel_rank() * local
+            names = state_names(runtime.model.module)
 
-        def whole_layer_name(name: str) -> str:
-            head, sep, tail = name.partition(".local_experts.")
-            if not sep:
-                return name
-            index, rest = tail.split(".", 1)
-            return f"{head}{sep}{first + int(index)}.{rest}"
+            def whole_name(name: str, names=names, first=first) -> str:
+                head, sep, tail = names[name].partition(".local_experts.")
+                if not sep:
+                    return head
+                index, rest = tail.split(".", 1)
+                return f"{head}{sep}{first + int(index)}.{rest}"
 
-        with torch.no_grad():
-            for name, param in runtime.named_parameters():
-                param.copy_(torch.from_numpy(initial[whole_layer_name(name)]))
-        source = InMemorySource(docs)
-        try:
-            runtime.forward_backward(Plan.from_dict(plans[0]), source)
-            refused = ""
-        except ValueError as exc:
-            refused = str(exc)
-        result = runtime.forward_backward(Plan.from_dict(plans[1]), source)
-        grads = {whole_layer_name(n): g for n, g in to_numpy(runtime.grads().items()).items()}
-        return {"loss": runtime.global_loss(result), "grads": grads, "refused": refused}
+            with torch.no_grad():
+                for n, param in runtime.named_parameters():
+                    param.copy_(torch.from_numpy(initial[whole_name(n)]))
+            if not out:
+                try:
+                    runtime.forward_backward(Plan.from_dict(refused_plan), source)
+                    out["refused"] = ""
+                except ValueError as exc:
+                    out["refused"] = str(exc)
+            calls[0] = 0
+            result = runtime.forward_backward(Plan.from_dict(case_plan), source)
+            grads: dict = {}
+            mine = {whole_name(n): g for n, g in to_numpy(runtime.grads().items()).items()}
+            for part in all_gather_object(mine):
+                grads.update(part)
+            out[name] = {
+                "loss": runtime.global_loss(result),
+                "grads": grads,
+                "experts_per_rank": local,
+                "all_to_alls": calls[0],
+            }
+            cleanup()
+        return out
     finally:
+        dist.all_to_all_single = all_to_all
         cleanup()
 
 

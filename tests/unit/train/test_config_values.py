@@ -74,10 +74,6 @@ def _refused(*overrides: str) -> str:
         ),
         ("parallel.expert_parallel_size=2", r"needs model\.num_experts divisible by it"),
         (
-            "model.num_experts=4 parallel.pipeline_parallel_size=2",
-            r"^model\.num_experts with parallel\.pipeline_parallel_size > 1 is not supported",
-        ),
-        (
             "model.num_experts=3 parallel.expert_parallel_size=2",
             r"needs model\.num_experts divisible by it .* got 3",
         ),
@@ -115,6 +111,19 @@ def test_virtual_stages_need_a_pipeline_that_splits_the_layers():
     assert message.startswith("parallel.virtual_pipeline_parallel_size=2 needs parallel."), message
     message = _refused(pp2, "parallel.virtual_pipeline_parallel_size=3")  # 4 layers over 6
     assert message.startswith("model.num_layers=4 must be a multiple of parallel."), message
+
+
+def test_experts_train_with_pipeline_stages():
+    """Experts with pipeline and virtual stages, at EP 1 and EP 2 (parity:
+    tests/distributed/test_partial_recompute.py); an EP size that does not divide a stage's
+    planner ranks is the mesh's to refuse."""
+    experts = ["model.num_experts=4", "checkpoint.interval_steps=0"]
+    pp2 = ["parallel.pipeline_parallel_size=2", "parallel.virtual_pipeline_parallel_size=2"]
+    assert _load(*experts, *pp2).parallel.mesh(4).describe() == "TP 1 x PP 2 x VP 2"
+    cfg = _load(*experts, *pp2, "parallel.expert_parallel_size=2")
+    assert cfg.parallel.mesh(4).expert_parallel_size == 2
+    with pytest.raises(ValueError, match="expert_parallel_size=2 must be a power of two"):
+        cfg.parallel.mesh(2)  # PP 2 on 2 ranks: one planner rank per stage
 
 
 @pytest.mark.parametrize("allowed", [["optim.lr"], ["optim"], ["model.rope_scaling.factor"]])
