@@ -79,8 +79,9 @@ report: dict = {
     "outside_steps": [],
     "collectives": {},
 }
-"""``steps``: one entry per training step (host syncs with their callers, collectives by name and
-caller, torch calls the mode saw: proof that it was active); ``evaluations``: the same per
+"""``steps``: one entry per training step (host syncs with their callers, dcp's collectives by
+name and caller, every collective by name whoever calls it, megatron's MoE all-to-alls included,
+torch calls the mode saw: proof that it was active); ``evaluations``: the same per
 evaluated batch (Megatron's evaluation under ``--dcp``);
 ``outside_steps`` / ``collectives``: the same for everything else (start-up, checkpoints)."""
 _local = threading.local()
@@ -228,7 +229,11 @@ def _checked(name: str, fn):
 
 
 def _check_call(name: str, args, kwargs) -> None:
-    """Count a collective made by dcp/ code and check its tensors against the NCCL rule."""
+    """Count a collective made by dcp/ code and check its tensors against the NCCL rule; count
+    every collective of a step by name."""
+    if _in_step() and not getattr(_local, "in_object_collective", False):
+        every = _entry()["all_collectives"]
+        every[name] = every.get(name, 0) + 1
     where = _caller()
     if where is None or getattr(_local, "in_object_collective", False):
         return
@@ -286,7 +291,12 @@ def _counted_step(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         kind = "evaluations" if kwargs.get("forward_only") else "steps"
-        _local.entry = {"host_syncs": [], "collectives": {}, "torch_calls": 0}
+        _local.entry = {
+            "host_syncs": [],
+            "collectives": {},
+            "all_collectives": {},
+            "torch_calls": 0,
+        }
         report[kind].append(_local.entry)
         _local.in_step = True
         try:
