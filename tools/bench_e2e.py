@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         dcp.init(
             tensor_parallel_size=base_cfg.parallel.tensor_parallel_size,
             pipeline_parallel_size=base_cfg.parallel.pipeline_parallel_size,
+            virtual_pipeline_parallel_size=base_cfg.parallel.virtual_pipeline_parallel_size,
+            expert_parallel_size=base_cfg.parallel.expert_parallel_size,
         )
         results = run_benchmark(
             base_cfg,

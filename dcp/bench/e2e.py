@@ -30,6 +30,7 @@ from dcp.observability.host import RunLoad, load_warnings
 from dcp.observability.record import StepRecord
 from dcp.plan import MEGATRON_DEV
 from dcp.planning import THREE_LEVEL_OPTIONS, static_configs
+from dcp.planning.experts import min_cp_size
 from dcp.planning.sweep import THREE_LEVEL
 from dcp.step.batches import BatchPlanner, build_dataset, longest_seq_len
 from dcp.train.config import PretrainConfig
@@ -46,16 +47,19 @@ _VARIANTS = {THREE_LEVEL: ("dcp", THREE_LEVEL_OPTIONS)}
 
 def static_variants(base_cfg: PretrainConfig) -> list[tuple[str, dict]]:
     """Every fixed (CP size, recompute) a static run can use: sized for the run's longest
-    sequence (the dataset's longest document), as in Megatron's static setup. The same
+    sequence (the dataset's longest document), as in Megatron's static setup, and from CP = EP
+    up under expert parallelism (a smaller CP group would split an EP group). The same
     candidates ``planner=static`` chooses its run's one configuration from
     (``dcp.planning.static_configs``); the benchmark measures each instead of predicting."""
     dataset = build_dataset(base_cfg.data, vocab_size=base_cfg.model.vocab_size)
-    cost_model = BatchPlanner.for_run(
-        base_cfg, mesh=base_cfg.parallel.mesh(dist.get_world_size()), dataset=dataset
-    ).cost_model
+    mesh = base_cfg.parallel.mesh(dist.get_world_size())
+    cost_model = BatchPlanner.for_run(base_cfg, mesh=mesh, dataset=dataset).cost_model
+    configs = static_configs(
+        cost_model, longest_seq_len(dataset), min_cp_size=min_cp_size(mesh.expert_parallel_size)
+    )
     return [
         (f"static-cp{cp}-{level}", {"static_cp_size": cp, "static_recompute": level})
-        for cp, level in static_configs(cost_model, longest_seq_len(dataset))
+        for cp, level in configs
     ]
 
 

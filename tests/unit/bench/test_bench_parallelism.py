@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from dcp.bench.e2e import with_spec_parallelism
 from dcp.schema import load_config
 from dcp.train.config import PretrainConfig
@@ -33,3 +35,55 @@ def test_the_relaunch_leaves_nproc_to_torchrun():
 
     argv = ["--nproc", "4", "--steps", "6", "--nproc=8", "parallel.pipeline_parallel_size=2"]
     assert without_nproc(argv) == ["--steps", "6", "parallel.pipeline_parallel_size=2"]
+
+
+EXPERTS = ["model.num_experts=4", "checkpoint.interval_steps=0"]
+
+
+def test_static_variants_start_at_the_ep_size(monkeypatch):
+    """At EP 2 on 4 ranks a static configuration below CP 2 would split EP groups (the trainer
+    refuses it): the benchmark runs none of them."""
+    import dcp.bench.e2e as e2e
+
+    monkeypatch.setattr(e2e.dist, "get_world_size", lambda: 4)
+    roomy = [*EXPERTS, "planning.spec=cpu-tiny"]  # no memory limit: CP 1 holds every sequence
+
+    def cp_sizes(*overrides: str) -> set[int]:
+        cfg = load_config(PretrainConfig, CONFIG, [*roomy, *overrides])
+        return {opts["static_cp_size"] for _, opts in e2e.static_variants(cfg)}
+
+    assert min(cp_sizes()) == 1
+    assert min(cp_sizes("parallel.expert_parallel_size=2")) == 2
+
+
+def test_the_benchmark_initialises_the_runs_mesh(monkeypatch):
+    """Megatron's parallel state gets the config's VP and EP sizes too (else every run at
+    EP 2 or VP 2 stops on the mesh check and the table shows only errors)."""
+    import torch.distributed as dist
+
+    import dcp
+    from tools.bench_e2e import main
+
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        raise Started
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dcp, "init", init)
+    overrides = [
+        *EXPERTS,
+        "parallel.expert_parallel_size=2",
+        "parallel.pipeline_parallel_size=2",
+        "parallel.virtual_pipeline_parallel_size=2",
+    ]
+    with pytest.raises(Started):
+        main(["--config", CONFIG, *overrides])
+    assert seen["expert_parallel_size"] == 2 and seen["virtual_pipeline_parallel_size"] == 2
+    assert seen["pipeline_parallel_size"] == 2
