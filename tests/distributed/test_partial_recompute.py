@@ -110,6 +110,20 @@ EP_PP_PLAN = plan(
     step([0, 1], [5, 6], "full"),
     step([0, 1], [7]),
 )
+# EP 4 on 8 planner ranks (folded into an 8-rank launch of test_pipeline.py): EP groups {0-3}
+# and {4-7}, steps at CP 4 and 8, the groups running different numbers of steps.
+EP4_8_RANKS = (
+    "EP 4 on 8 ranks, CP 4 and 8, recompute mixed",
+    4,
+    1,
+    1,
+    plan(
+        step([0, 1, 2, 3], [0, 3], "selective"),
+        step([4, 5, 6, 7], [1, 2, 4], "full", 1),
+        step(range(8), [5, 6], "full", 3),
+        step([4, 5, 6, 7], [7]),
+    ),
+)
 # (name, expert_parallel_size, pipeline_parallel_size, virtual_pipeline_parallel_size, plan),
 # run in one launch; at PP 2 x VP 2 each of a stage's two chunks holds one of the 4 layers.
 EP_CASES = [
@@ -137,19 +151,26 @@ def test_expert_parallel_parity_and_a_plan_that_splits_an_ep_group(experts_refer
     for out in results:
         assert "split the expert-parallel group [0, 1]" in out["refused"], out["refused"]
         assert "\n" not in out["refused"]
-    for name, ep, *_ in EP_CASES:
-        got = results[0][name]
+    assert_expert_parity(experts_reference, results[0], EP_CASES)
+
+
+def assert_expert_parity(reference: dict, results: dict, cases) -> None:
+    """Each of ``cases`` (``expert_parallel_run``'s ``results`` on rank 0): its experts split
+    over EP, its all-to-alls run, its loss and gradients within 1e-5 of ``reference``'s."""
+    for name, ep, *_ in cases:
+        got = results[name]
         # Each rank of an EP group holds 1/EP of the experts: no rank holds them all.
         assert got["experts_per_rank"] == EXPERTS["num_experts"] // ep, (name, got)
         assert got["all_to_alls"] > 0, name
-        assert_parity(experts_reference, got, what=name)
+        assert_parity(reference, got, what=name)
 
 
 def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
-    """Rank body: the refusal of ``refused_plan`` at EP 2, then each of ``cases`` (``EP_CASES``)
-    from the reference's ``initial`` weights (megatron draws each EP rank's experts from its own
-    stream): loss and the whole model's gradients (every stage's and EP rank's, experts named by
-    their index in the whole layer), the experts this rank holds and the all-to-alls it ran."""
+    """Rank body: the refusal of ``refused_plan`` (if given) in the first case, then each of
+    ``cases`` (``EP_CASES``) from the reference's ``initial`` weights (megatron draws each EP
+    rank's experts from its own stream): loss and the whole model's gradients (every stage's
+    and EP rank's, experts named by their index in the whole layer), the experts this rank
+    holds and the all-to-alls it ran."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -198,7 +219,7 @@ def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
             with torch.no_grad():
                 for n, param in runtime.named_parameters():
                     param.copy_(torch.from_numpy(initial[whole_name(n)]))
-            if not out:
+            if refused_plan is not None and not out:
                 try:
                     runtime.forward_backward(Plan.from_dict(refused_plan), source)
                     out["refused"] = ""

@@ -18,6 +18,12 @@ from dcp.runtime.runtime import Runtime
 from dcp.runtime.setup import init_megatron_parallel
 from dcp.weights.canonical import state_names
 from tests.distributed.harness import run_on_ranks
+from tests.distributed.test_partial_recompute import (
+    EP4_8_RANKS,
+    EXPERTS,
+    assert_expert_parity,
+    expert_parallel_run,
+)
 from tests.distributed.test_runtime_parity import (
     DOCS,
     assert_parity,
@@ -220,11 +226,28 @@ def test_pp2_parity_tied_embeddings():
 
 @pytest.mark.parametrize("name", sorted(PLANS_4))
 def test_pp2_parity_4_planner_ranks(name):
+    """On the same 8 ranks afterwards: a mixture-of-experts model at EP 4 without pipeline
+    stages, two EP groups, steps at CP 4 and 8 (``EP4_8_RANKS``)."""
     ref = run_on_ranks(1, reference_run, DOCS_11)[0]
-    got = run_on_ranks(
-        8, pp_run, DOCS_11, [PLANS_4[name]], pipeline_parallel_size=2, timeout_s=600
+    experts_ref = run_on_ranks(1, reference_run, DOCS, model=EXPERTS)[0]
+    got, experts = run_on_ranks(
+        8,
+        pp_then_experts,
+        DOCS_11,
+        [PLANS_4[name]],
+        pipeline_parallel_size=2,
+        experts=(DOCS, None, [EP4_8_RANKS], experts_ref["initial_weights"]),
+        timeout_s=600,
     )[0]
     assert_parity(ref, got, what=name)
+    assert_expert_parity(experts_ref, experts, [EP4_8_RANKS])
+
+
+def pp_then_experts(docs, plans, *, experts: tuple, **kwargs) -> tuple | None:
+    """``pp_run``, then ``expert_parallel_run(*experts)`` on the same ranks; both on rank 0."""
+    got = pp_run(docs, plans, **kwargs)
+    out = expert_parallel_run(*experts)
+    return (got, out) if dist.get_rank() == 0 else None
 
 
 def test_pp2_tp2_parity():
