@@ -241,13 +241,18 @@ def test_megatron_checkpoint_of_a_dcp_run_resumes_exactly(runs):
 
 
 def test_expert_parallel_static_and_dcp_plans_agree(corpus, tmp_path):
-    """EP 2 on the 2 ranks: Megatron's own schedule (each data-parallel rank its micro-batches,
-    the two in lockstep) and DCP's planner on EP groups as units (every step on the whole EP
-    group, CP 2) give the same losses. Four steps, no evaluation, no checkpoint (refused at
-    EP > 1)."""
-    commands = readme_commands()
+    """EP 2 with 2 pipeline stages on 4 ranks (each stage one EP group of its 2 data-parallel
+    ranks): Megatron's own 1F1B schedule (each data-parallel rank its micro-batches, the two in
+    lockstep) and DCP's planner on EP groups as units through DCP's pipelined executor (every
+    step on the stage's whole EP group, CP 2) give the same losses. Four steps, no evaluation,
+    no checkpoint (refused at EP > 1)."""
+    commands = {}
+    for mode, argv in readme_commands().items():
+        at = argv.index("--nproc-per-node")
+        commands[mode] = [*argv[: at + 1], "4", *argv[at + 2 :]]
     ep2 = [*EXPERTS, "--expert-model-parallel-size", "2", "--eval-iters", "0"]
     ep2 += ["--train-iters", "4", "--lr-decay-iters", "6"]
+    ep2 += ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
     static = run(commands["static"], data=corpus, out=tmp_path / "static", extra=ep2)
     dcp = run(commands["dcp"], data=corpus, out=tmp_path / "dcp", extra=ep2)
     assert [r["step"] for r in static] == [r["step"] for r in dcp] == [1, 2, 3, 4]
@@ -256,5 +261,8 @@ def test_expert_parallel_static_and_dcp_plans_agree(corpus, tmp_path):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
     cp_sizes = {k.rsplit("/", 1)[1] for r in dcp for k in r if k.startswith("plan/cp_hist/")}
     assert cp_sizes == {"2"}, cp_sizes  # never a step that splits the EP group
-    # Each rank holds half of the 4 experts: 1,004,672 parameters, not the EP 1 model's 1,545,344.
-    assert "model parallel rank (0, 0, 0): 1004672" in (tmp_path / "static/console.txt").read_text()
+    # Each rank holds half of the 4 experts of its stage's layers: the stages' 502,272 and
+    # 502,400 parameters are the 1,004,672 of an EP 2 rank without stages, not EP 1's 1,545,344.
+    console = (tmp_path / "static/console.txt").read_text()
+    assert "model parallel rank (0, 0, 0): 502272" in console
+    assert "model parallel rank (0, 0, 1): 502400" in console

@@ -274,10 +274,11 @@ def expert_problems(args: argparse.Namespace) -> list[str]:
             "checkpoints of expert-parallel runs are not tested with DCP yet: drop --save and "
             "--load at --expert-model-parallel-size > 1"
         )
-    if args.pipeline_model_parallel_size > 1:
+    if _virtual_stages(args):
         problems.append(
-            "mixture-of-experts models under pipeline parallelism are not supported by DCP yet "
-            "(not tested): --pipeline-model-parallel-size 1"
+            "mixture-of-experts models with interleaved virtual pipeline stages are not tested "
+            "in DCP's Megatron-LM loop: drop --num-layers-per-virtual-pipeline-stage (pipeline "
+            "stages alone are tested)"
         )
     if args.expert_tensor_parallel_size not in (None, args.tensor_model_parallel_size):
         problems.append(

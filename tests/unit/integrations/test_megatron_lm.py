@@ -110,7 +110,11 @@ def test_experts_run_in_both_modes(dcp):
         ((*EXPERTS, "--moe-expert-capacity-factor", "1.0"), "drop --moe-expert-capacity-factor"),
         ((*EXPERTS, "--moe-router-enable-expert-bias"), "drop --moe-router-enable-expert-bias"),
         ((*EXPERTS, "--moe-layer-freq", "2"), "drop --moe-layer-freq"),
-        ((*EXPERTS, "--pipeline-model-parallel-size", "2"), "--pipeline-model-parallel-size 1"),
+        (
+            (*EXPERTS, "--pipeline-model-parallel-size", "2")
+            + ("--num-layers-per-virtual-pipeline-stage", "1"),
+            "drop --num-layers-per-virtual-pipeline-stage",
+        ),
         ((*EXPERTS, "--moe-grouped-gemm"), "--transformer-impl transformer_engine"),
         ((*EXPERTS, "--moe-router-load-balancing-type", "sinkhorn"), "sinkhorn routing"),
     ],
@@ -127,6 +131,9 @@ def test_expert_parallelism_runs_static_or_with_dcps_planners():
     dcp_mlm.check_args(megatron_args(*ep2))  # Megatron's own schedule
     dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", "static"))
     dcp_mlm.check_args(megatron_args(*ep2, "--dcp"))
+    # ... with pipeline stages too (tests/e2e/test_megatron_lm.py runs EP 2 x PP 2).
+    dcp_mlm.check_args(megatron_args(*ep2, "--pipeline-model-parallel-size", "2"))
+    dcp_mlm.check_args(megatron_args(*ep2, "--pipeline-model-parallel-size", "2", "--dcp"))
     with pytest.raises(ValueError, match="only DCP's own and static planners guarantee yet"):
         dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", "megatron"))
     with pytest.raises(ValueError, match="--dcp-static-cp-size 1 would split"):
