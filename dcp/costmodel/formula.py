@@ -418,6 +418,13 @@ class CostModel:
         ``options.virtual_pipeline_parallel_size``; 1 without interleaving)."""
         return self.options.virtual_pipeline_parallel_size if self.options is not None else 1
 
+    @property
+    def expert_parallel_size(self) -> int:
+        """Planner ranks that share one MoE layer's experts (the spec's
+        ``options.expert_parallel_size``; 1 for a dense model): plans keep these groups whole
+        (``dcp.planning.experts``)."""
+        return self.options.expert_parallel_size if self.options is not None else 1
+
     def tp_time_s(
         self,
         lengths: Sequence[int],
@@ -450,19 +457,20 @@ class CostModel:
         model = self.model
         if model is None or model.num_experts is None:
             return None
-        ep = self.options.expert_parallel_size if self.options is not None else 1
+        ep = self.expert_parallel_size
         return (
             f"simulated mixture of experts: {model.num_moe_layers} MoE layers of "
             f"{model.num_experts} experts, top-{model.moe_router_topk}, EP {ep}; routing taken "
-            "as uniform over the experts, all-to-alls not overlapped, no published MoE row "
-            "checks these terms (docs/design.md, 'Experts in the cost model')"
+            "as uniform over the experts, all-to-alls not overlapped; against published MoE "
+            "rows (python -m tools.costmodel_check) it is far too fast for narrow experts "
+            "(docs/design.md, 'Experts in the cost model')"
         )
 
     def topology(self) -> str:
         """What a planner rank is: ``8 planner ranks per stage, each TP 8 x PP 4 = 32 GPUs on 4
         nodes (256 GPUs, 8 per node)``, and the EP groups when there are some."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        ep = self.options.expert_parallel_size if self.options is not None else 1
+        ep = self.expert_parallel_size
         ranks = f"{self.num_ranks} planner ranks" + (" per stage" if pp > 1 else "")
         if ep > 1:
             ranks += f" in EP groups of {ep}"
