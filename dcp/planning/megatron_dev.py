@@ -49,7 +49,7 @@ from dcp.plan import (
     check_choice,
     check_int,
 )
-from dcp.planning.common import pow2_sizes, split_oversize
+from dcp.planning.common import fastest_plan, pow2_sizes, split_oversize
 from dcp.planning.simulator import simulate
 
 MEGATRON_DEV_SOURCE = (
@@ -126,26 +126,25 @@ def _plan_dynamic_cp(
     view, num_ranks = planning_view(cost_model), cost_model.num_ranks
     longest = int(lens[keep].max())
     levels = RECOMPUTE_LEVELS if options.recompute is None else (options.recompute,)
-    best = None
-    for level in levels:
-        cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
-        if cap <= 0 or max(options.min_cp_size, gpus_needed(longest, cap)) > num_ranks:
-            continue
-        seqs = [(int(i), int(lens[i])) for i in keep]
-        groups = schedule_dynamic_cp(
-            seqs, num_ranks=num_ranks, max_seqlen_per_rank=cap, min_cp_size=options.min_cp_size
-        )
-        plan = _as_plan(groups, lens, cost_model, level)
-        plan = dataclasses.replace(
-            plan, extra={"recompute": level, "max_seqlen_per_dp_cp_rank": cap, **plan.extra}
-        )
-        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
-            best = plan
-    if best is None:
-        raise ValueError(
-            f"Megatron dev's dynamic CP cannot hold the {longest}-token sequence with recompute "
-            f"{levels} on {num_ranks} ranks"
-        )
+
+    def candidates():
+        for level in levels:
+            cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
+            if cap <= 0 or max(options.min_cp_size, gpus_needed(longest, cap)) > num_ranks:
+                continue
+            seqs = [(int(i), int(lens[i])) for i in keep]
+            groups = schedule_dynamic_cp(
+                seqs, num_ranks=num_ranks, max_seqlen_per_rank=cap, min_cp_size=options.min_cp_size
+            )
+            plan = _as_plan(groups, lens, cost_model, level)
+            extra = {"recompute": level, "max_seqlen_per_dp_cp_rank": cap, **plan.extra}
+            yield dataclasses.replace(plan, extra=extra)
+
+    best = fastest_plan(
+        candidates(),
+        none_error=f"Megatron dev's dynamic CP cannot hold the {longest}-token sequence with "
+        f"recompute {levels} on {num_ranks} ranks",
+    )
     return dataclasses.replace(best, dropped=dropped)
 
 
@@ -157,29 +156,29 @@ def _plan_dp_balanced(
         return Plan(steps=(), dropped=dropped)
     view, longest = planning_view(cost_model), int(lens[keep].max())
     levels = RECOMPUTE_LEVELS if options.recompute is None else (options.recompute,)
-    best = None
-    for cp, level in itertools.product(pow2_sizes(cost_model.num_ranks), levels):
-        if options.cp_size not in (None, cp):
-            continue
-        cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
-        if longest > cap * cp:
-            continue
-        seqs = [(int(i), int(lens[i])) for i in keep]
-        groups = schedule_dp_balanced(
-            seqs, num_ranks=cost_model.num_ranks, cp_size=cp, max_seqlen_per_rank=cap
-        )
-        if groups is None:  # fewer sequences than DP replicas
-            continue
-        plan = _as_plan(groups, lens, cost_model, level)
-        extra = {"cp_size": cp, "recompute": level, "max_seqlen_per_dp_cp_rank": cap}
-        plan = dataclasses.replace(plan, extra={**extra, **plan.extra})
-        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
-            best = plan
-    if best is None:
-        raise ValueError(
-            f"Megatron dev's {DP_BALANCED} scheduler has no CP size and recompute that holds the "
-            f"{longest}-token sequence and gives each of the DP replicas a pack"
-        )
+
+    def candidates():
+        for cp, level in itertools.product(pow2_sizes(cost_model.num_ranks), levels):
+            if options.cp_size not in (None, cp):
+                continue
+            cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
+            if longest > cap * cp:
+                continue
+            seqs = [(int(i), int(lens[i])) for i in keep]
+            groups = schedule_dp_balanced(
+                seqs, num_ranks=cost_model.num_ranks, cp_size=cp, max_seqlen_per_rank=cap
+            )
+            if groups is None:  # fewer sequences than DP replicas
+                continue
+            plan = _as_plan(groups, lens, cost_model, level)
+            extra = {"cp_size": cp, "recompute": level, "max_seqlen_per_dp_cp_rank": cap}
+            yield dataclasses.replace(plan, extra={**extra, **plan.extra})
+
+    best = fastest_plan(
+        candidates(),
+        none_error=f"Megatron dev's {DP_BALANCED} scheduler has no CP size and recompute that "
+        f"holds the {longest}-token sequence and gives each of the DP replicas a pack",
+    )
     return dataclasses.replace(best, dropped=dropped)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dcp.costmodel import CostModel, load_cost_model
+from dcp.plan import Plan
 from dcp.planning import (
     MegatronOptions,
     StaticOptions,
@@ -18,6 +19,7 @@ from dcp.planning import (
     simulate,
     static_configs,
 )
+from dcp.planning.common import fastest_plan
 from dcp.planning.static import BLOCK, block_layers
 from dcp.planning.workloads import make_batch
 
@@ -195,3 +197,11 @@ def test_all_planners_respect_the_lower_bound_and_dcp_wins(cm, workload):
         times[name] = simulate(plan, lengths, cm).makespan_s
         assert times[name] >= bound * (1 - 1e-9), name
     assert times["dcp"] <= min(times["static"], times["megatron"]) * (1 + 1e-9)
+
+
+def test_fastest_plan_keeps_the_first_of_equals_and_names_an_empty_choice():
+    plans = [Plan(steps=(), planner=name, predicted_step_time_s=t) for name, t in
+             [("a", 2.0), ("b", 1.0), ("c", 1.0), ("d", 3.0)]]  # fmt: skip
+    assert fastest_plan(iter(plans), none_error="unused").planner == "b"
+    with pytest.raises(ValueError, match="^no configuration holds it$"):
+        fastest_plan(iter(()), none_error="no configuration holds it")
