@@ -46,12 +46,18 @@ from pathlib import Path
 
 from dcp import console
 from dcp.observability.host import RunLoad, load_warnings
+from dcp.plan import SELECTIVE_RECOMPUTE_MODULES
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS_FILE = REPO / "pretrain/configs/megatron_lm_cpu.args"
 RECOMPUTE_FLAGS = {
     "none": [],
-    "selective": ["--recompute-granularity", "selective"],
+    "selective": [
+        "--recompute-granularity",
+        "selective",
+        "--recompute-modules",
+        *SELECTIVE_RECOMPUTE_MODULES,
+    ],
     "full": [
         "--recompute-granularity",
         "full",
@@ -61,7 +67,8 @@ RECOMPUTE_FLAGS = {
         "1",
     ],
 }
-"""Megatron's flags for DCP's recompute levels (``megatron_patches.recompute`` sets the same)."""
+"""Megatron's flags for DCP's recompute levels (``megatron_patches.recompute`` sets the same):
+selective names its modules, since Megatron's own default is core attention alone."""
 
 
 def block_flags(num_layers: int) -> list[str]:

@@ -23,3 +23,17 @@ def test_block_recompute_runs_with_megatrons_block_flags():
         assert name == f"static-cp{cp}-block{layers}"
         assert flags[2:] == bench_megatron_lm.block_flags(layers)
         assert flags[-4:] == ["--recompute-method", "block", "--recompute-num-layers", str(layers)]
+
+
+def test_selective_recompute_runs_with_the_modules_dcp_recomputes():
+    """Megatron parses each level's flags into the settings ``use_recompute`` gives DCP's
+    micro-steps: selective names core attention and the MLP, since Megatron's own default
+    (``--recompute-granularity selective`` alone) is core attention alone."""
+    from dcp.plan import Recompute
+    from tests.unit.integrations.test_megatron_lm import megatron_args
+
+    for level, flags in bench_megatron_lm.RECOMPUTE_FLAGS.items():
+        args = megatron_args(*flags)
+        assert args.recompute_granularity == Recompute(level).megatron_granularity, level
+    args = megatron_args(*bench_megatron_lm.RECOMPUTE_FLAGS["selective"])
+    assert args.recompute_modules == ["core_attn", "mlp"]
