@@ -71,6 +71,26 @@ def test_block_recompute_is_the_least_layers_that_hold_the_run(cm, batch):
             assert block_layers(cm, 131072, cp) is None
 
 
+def test_megatrons_default_selective_recompute_is_a_static_choice_that_buys_nothing(cm, batch):
+    """Core attention alone (megatron's default selective recompute) is a configuration wherever
+    ``none`` is, since flash-style attention frees almost nothing; it runs its own level and is
+    slower than ``none`` at the same CP size, so the static search never keeps it."""
+    configs = static_configs(cm, 131072)
+    with_core = {cp for cp, setting in configs if setting == "core_attn"}
+    assert with_core and with_core == {cp for cp, setting in configs if setting == "none"}
+    for cp in with_core:
+        options = StaticOptions(cp_size=cp, recompute="core_attn", max_seq_len=131072)
+        plan = plan_static(batch, cost_model=cm, options=options)
+        assert {s.recompute for s in plan.steps} == {"core_attn"}
+        assert plan.extra["recompute"] == "core_attn"
+        plain = dataclasses.replace(options, recompute="none")
+        assert (
+            plan.predicted_step_time_s
+            > plan_static(batch, cost_model=cm, options=plain).predicted_step_time_s
+        )
+    assert plan_static(batch, cost_model=cm).extra["recompute"] != "core_attn"
+
+
 @pytest.mark.parametrize("tuned", [False, True])
 def test_static_plan_is_one_fixed_config(cm, batch, tuned):
     options = StaticOptions(max_seq_len=131072, tuned=tuned)
