@@ -50,7 +50,10 @@ _IGNORED = {
     "rope_theta", "rope_scaling", "rope_parameters", "head_dim", "use_sliding_window",
     "sliding_window", "layer_types", "attention_bias", "mlp_bias", "attention_dropout",
     "hidden_act", "partial_rotary_factor", "use_mrope", "use_qk_norm",
-    # Experts: checked below, or only used with output_router_logits (refused).
+}  # fmt: skip
+# The experts' fields of MIXTURES_OF_EXPERTS: checked by ``_experts``, or only used with
+# ``output_router_logits`` (refused). Unknown, so reported, in a dense architecture's file.
+_EXPERT_FIELDS = {
     "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
     "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "output_router_logits",
     "router_jitter_noise", "router_aux_loss_coef",
@@ -219,7 +222,8 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
         layer_types is None or set(layer_types) <= {"full_attention"},
         "full_attention only",
     )
-    unknown = sorted(set(hf) - _IGNORED - _MAPPED)
+    known = _IGNORED | _MAPPED | (_EXPERT_FIELDS if kind in MIXTURES_OF_EXPERTS else set())
+    unknown = sorted(set(hf) - known)
     if unknown:
         logger.warning("config.json fields not used by DCP's model: %s", unknown)
 

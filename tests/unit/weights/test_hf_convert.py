@@ -191,6 +191,29 @@ def test_derived_model_configs(hf_dirs):
         hf_config_from_model(qwen2, kind="llama")
 
 
+def test_derived_mixture_of_experts_configs(hf_dirs, caplog):
+    with caplog.at_level(logging.WARNING):
+        mixtral = model_config_from_hf(_cfg(hf_dirs, "mixtral"))
+        qwen3_moe = model_config_from_hf(_cfg(hf_dirs, "qwen3_moe"))
+    assert "not used" not in caplog.text  # every expert field is read or checked
+    assert (mixtral.num_experts, mixtral.moe_router_topk, mixtral.moe_ffn_hidden_size) == (
+        4,
+        2,
+        None,
+    )
+    assert not mixtral.qk_layernorm and mixtral.ffn_hidden_size == 72
+    assert (qwen3_moe.num_experts, qwen3_moe.moe_ffn_hidden_size) == (4, 24)
+    assert qwen3_moe.qk_layernorm and qwen3_moe.kv_channels == 16
+    # Older Qwen3-MoE files name the expert count num_experts (transformers 5 writes the other).
+    older = dict(_cfg(hf_dirs, "qwen3_moe"))
+    older["num_experts"] = older.pop("num_local_experts")
+    assert model_config_from_hf(older) == qwen3_moe
+    # Expert fields in a dense architecture's file are reported, not silently dropped.
+    with caplog.at_level(logging.WARNING):
+        model_config_from_hf(dict(_cfg(hf_dirs, "llama"), num_local_experts=8))
+    assert "num_local_experts" in caplog.text
+
+
 def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
     import shutil
 
