@@ -38,7 +38,12 @@ from dcp.weights.hf import (
     hf_shape,
     is_ignored,
 )
-from dcp.weights.hf_config import moe_architecture, read_json_object, read_model_config
+from dcp.weights.hf_config import (
+    closest_architecture,
+    moe_architecture,
+    read_json_object,
+    read_model_config,
+)
 from dcp.weights.tensor_parallel import local_slice, tp_coordinates
 
 logger = logging.getLogger(__name__)
@@ -315,9 +320,7 @@ def export_kind(cfg: ModelConfig, extra: dict[str, Any]) -> str:
     kind = extra.get("hf_model_type")
     if kind:
         return kind
-    if cfg.num_experts is not None:
-        return moe_architecture(cfg)
-    return "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
+    return closest_architecture(cfg) or moe_architecture(cfg)  # the latter refuses, saying why
 
 
 def tokenizer_dir(run_config: dict[str, Any]) -> Path | None:

@@ -80,6 +80,11 @@ def _moe_block(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
     return EXPERT_NAMES[moe_architecture(cfg)]
 
 
+def _router(cfg: ModelConfig) -> str | None:
+    """The HF suffix of a layer's router in ``cfg`` (None for a dense model)."""
+    return None if cfg.num_experts is None else f"{_moe_block(cfg)[0]}.gate.weight"
+
+
 def _hf_expert(suffix: str, cfg: ModelConfig) -> tuple[int, str] | None:
     """(expert index, role: gate, up or down) of the HF layer tensor ``suffix`` when it is one
     of ``cfg``'s routed experts, else None."""
@@ -96,7 +101,7 @@ def _hf_expert(suffix: str, cfg: ModelConfig) -> tuple[int, str] | None:
 def _expert_suffixes(cfg: ModelConfig) -> Iterator[str]:
     """The HF suffixes of one layer's router and routed experts, in model order."""
     block, roles = _moe_block(cfg)
-    yield f"{block}.gate.weight"
+    yield _router(cfg)
     for i in range(cfg.num_experts):
         yield from (f"{block}.experts.{i}.{name}.weight" for name in roles)
 
@@ -146,14 +151,12 @@ def hf_shape(hf_name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
     match = _HF_LAYER.fullmatch(hf_name)
     if match is None or int(match.group(1)) >= cfg.num_layers:
         return None
-    suffix = match.group(2)
-    if cfg.num_experts is not None:
-        hidden, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
-        if suffix == f"{_moe_block(cfg)[0]}.gate.weight":
-            return (cfg.num_experts, hidden)
-        expert = _hf_expert(suffix, cfg)
-        if expert is not None:
-            return (hidden, ffn) if expert[1] == "down" else (ffn, hidden)
+    suffix, expert = match.group(2), _hf_expert(match.group(2), cfg)
+    hidden, expert_ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    if suffix == _router(cfg):
+        return (cfg.num_experts, hidden)
+    if expert is not None:
+        return (hidden, expert_ffn) if expert[1] == "down" else (expert_ffn, hidden)
     return _layer_shapes(cfg).get(suffix)
 
 
@@ -271,11 +274,11 @@ class HFToCanonical:
         prefix = f"decoder.layers.{layer}."
         if hf_shape(hf_name, self.cfg) is None:  # e.g. a dense MLP in a mixture of experts
             raise ValueError(f"unexpected tensor {hf_name!r} in the Hugging Face checkpoint")
-        expert = _hf_expert(suffix, self.cfg)
         if suffix in _ONE_TO_ONE:
             return [self._emit(prefix + _ONE_TO_ONE[suffix], tensor)]
-        if self.cfg.num_experts is not None and suffix == f"{_moe_block(self.cfg)[0]}.gate.weight":
+        if suffix == _router(self.cfg):
             return [self._emit(prefix + ROUTER, tensor)]
+        expert = _hf_expert(suffix, self.cfg)
         if expert is not None:
             index, role = expert
             head = f"{prefix}mlp.experts.local_experts.{index}."
@@ -337,7 +340,7 @@ def canonical_to_hf(
         raise ValueError(f"canonical tensor {name!r} has no Hugging Face counterpart")
     prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
     if cfg.num_experts is not None and suffix == ROUTER:
-        yield f"{prefix}{_moe_block(cfg)[0]}.gate.weight", tensor
+        yield prefix + _router(cfg), tensor
         return
     expert = _CANONICAL_EXPERT.fullmatch(suffix)
     if cfg.num_experts is not None and expert is not None:

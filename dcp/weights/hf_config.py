@@ -164,6 +164,14 @@ def moe_architecture(cfg: ModelConfig) -> str:
     return "qwen3_moe" if cfg.qk_layernorm else "mixtral"
 
 
+def closest_architecture(cfg: ModelConfig) -> str | None:
+    """The supported architecture with ``cfg``'s features (QKV biases, QK-norm, experts), None
+    when there is none."""
+    if cfg.num_experts is not None:
+        return None if cfg.add_qkv_bias else moe_architecture(cfg)
+    return "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
+
+
 def _experts(hf: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """The ``ModelConfig`` expert fields of a mixture-of-experts ``hf`` (ValueError naming a
     config.json field DCP's model cannot reproduce)."""
@@ -266,17 +274,14 @@ def hf_config_from_model(cfg: ModelConfig, *, kind: str) -> dict[str, Any]:
         or cfg.qk_layernorm != wants_qk_norm
         or (cfg.num_experts is not None) != wants_experts
     ):
+        closest = closest_architecture(cfg)
         raise ValueError(
             f"model (add_qkv_bias={cfg.add_qkv_bias}, qk_layernorm={cfg.qk_layernorm}, "
-            f"num_experts={cfg.num_experts}) cannot be written as {kind}; use "
+            f"num_experts={cfg.num_experts}) cannot be written as {kind}; "
             + (
-                ("none: experts with QKV biases" if cfg.add_qkv_bias else moe_architecture(cfg))
-                if cfg.num_experts is not None
-                else "qwen2"
-                if cfg.add_qkv_bias
-                else "qwen3"
-                if cfg.qk_layernorm
-                else "llama"
+                f"use {closest}"
+                if closest
+                else "no supported architecture has experts and QKV biases"
             )
         )
     if cfg.moe_shared_expert_intermediate_size is not None:
