@@ -104,8 +104,8 @@ class Mesh:
 
     def to_dict(self) -> dict[str, int]:
         """The checkpoint's ``"layout"`` object: world, TP and PP sizes, and the virtual stages
-        when there are some (the axes at 1 beyond those are not written, so the format stays
-        the one earlier checkpoints have)."""
+        and the EP size when above 1 (those axes at 1 are not written, so the format stays the
+        one earlier checkpoints have)."""
         out = {
             "world_size": self.world_size,
             "tensor_parallel_size": self.tensor_parallel_size,
@@ -113,6 +113,8 @@ class Mesh:
         }
         if self.virtual_pipeline_parallel_size > 1:
             out["virtual_pipeline_parallel_size"] = self.virtual_pipeline_parallel_size
+        if self.expert_parallel_size > 1:
+            out["expert_parallel_size"] = self.expert_parallel_size
         return out
 
     def describe(self) -> str:

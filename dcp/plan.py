@@ -30,6 +30,11 @@ class Recompute(StrEnum):
 
     NONE = "none"
     """Every activation kept for the backward pass."""
+    CORE_ATTN = "core_attn"
+    """Core attention alone recomputed: megatron's default selective recompute
+    (``recompute_modules=["core_attn"]``). A static baseline's level, not one DCP's planner
+    searches (``RECOMPUTE_LEVELS``): flash-style attention keeps no score matrix, so it frees
+    almost nothing (docs/planner.md, 'Baselines')."""
     SELECTIVE = "selective"
     """Core attention and the MLP recomputed in the backward pass."""
     FULL = "full"
@@ -43,6 +48,12 @@ class Recompute(StrEnum):
         return _MEGATRON_GRANULARITY[self]
 
     @property
+    def megatron_modules(self) -> tuple[str, ...] | None:
+        """megatron-core's ``recompute_modules`` under ``"selective"`` granularity (``None`` at
+        the other levels), as ``use_recompute`` takes them."""
+        return _MEGATRON_MODULES.get(self)
+
+    @property
     def megatron_settings(self) -> str:
         """The megatron-core ``TransformerConfig`` settings this level runs with, in a
         Megatron user's words (``use_recompute`` applies them per micro-step)."""
@@ -51,14 +62,24 @@ class Recompute(StrEnum):
 
 _MEGATRON_GRANULARITY: dict[Recompute, str | None] = {
     Recompute.NONE: None,
+    Recompute.CORE_ATTN: "selective",
     Recompute.SELECTIVE: "selective",
     Recompute.FULL: "full",
 }
 SELECTIVE_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "mlp")
 """What ``selective`` recomputes: megatron-core's ``recompute_modules`` (its own default is
-``["core_attn"]`` alone); ``megatron_patches.recompute.SELECTIVE_MODULES`` must match."""
+``["core_attn"]`` alone: the ``core_attn`` level); ``megatron_patches.recompute.SELECTIVE_MODULES``
+must match."""
+_MEGATRON_MODULES: dict[Recompute, tuple[str, ...]] = {
+    Recompute.CORE_ATTN: ("core_attn",),
+    Recompute.SELECTIVE: SELECTIVE_RECOMPUTE_MODULES,
+}
 _MEGATRON_SETTINGS: dict[Recompute, str] = {
     Recompute.NONE: "recompute_granularity=None: every activation kept",
+    Recompute.CORE_ATTN: (
+        'recompute_granularity="selective", recompute_modules=["core_attn"]: core attention '
+        "recomputed (megatron's default selective recompute)"
+    ),
     Recompute.SELECTIVE: (
         'recompute_granularity="selective", recompute_modules='
         f"{list(SELECTIVE_RECOMPUTE_MODULES)}: core attention and the MLP recomputed "
@@ -70,8 +91,15 @@ _MEGATRON_SETTINGS: dict[Recompute, str] = {
         'recompute_method="block", recompute_num_layers=N'
     ),
 }
-RECOMPUTE_LEVELS: tuple[str, ...] = tuple(level.value for level in Recompute)
-"""The ``Recompute`` levels as plain strings, cheapest memory last."""
+ALL_RECOMPUTE_LEVELS: tuple[str, ...] = tuple(level.value for level in Recompute)
+"""Every ``Recompute`` level a micro-step may carry, as plain strings, cheapest memory last."""
+RECOMPUTE_LEVELS: tuple[str, ...] = tuple(
+    level for level in ALL_RECOMPUTE_LEVELS if level != Recompute.CORE_ATTN
+)
+"""DCP's recompute levels, cheapest memory last: what its planner and the Megatron baselines
+choose from, and the keys of the cost model's per-level coefficients (specs, calibration,
+profiles). ``core_attn`` is derived from them (``dcp.costmodel.formula``) and only a static
+run's choice."""
 STATIC_PER_BATCH = "static_per_batch"
 """The static baseline re-choosing its (CP size, recompute) for every batch."""
 MEGATRON_DEV = "megatron-dev"
@@ -130,7 +158,7 @@ class MicroStep:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "seq_ids", tuple(int(s) for s in self.seq_ids))
-        check_choice(self.recompute, RECOMPUTE_LEVELS, "recompute")
+        check_choice(self.recompute, ALL_RECOMPUTE_LEVELS, "recompute")
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         if self.recompute_layers is not None:
             if self.recompute != Recompute.FULL:

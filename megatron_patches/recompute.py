@@ -4,9 +4,10 @@ Why upstream can't: megatron-core picks recompute once per run; full recompute i
 config at every forward, but selective recompute is cached on the modules at construction.
 ``use_recompute`` sets both and restores them afterwards; it must wrap the backward pass too,
 where checkpointed regions re-run their forward. The level is megatron's own
-``recompute_granularity`` vocabulary: ``None`` (everything saved), ``"selective"`` (core
-attention and MLP recomputed) or ``"full"`` (every layer checkpointed; with ``num_layers=N`` only
-the first N, megatron's ``recompute_method="block"``). See docs/design.md, 'megatron-core 0.19.2
+``recompute_granularity`` vocabulary: ``None`` (everything saved), ``"selective"`` (the
+``recompute_modules`` given: core attention and MLP unless told, or megatron's default core
+attention alone) or ``"full"`` (every layer checkpointed; with ``num_layers=N`` only the first N,
+megatron's ``recompute_method="block"``). See docs/design.md, 'megatron-core 0.19.2
 facts the code depends on'.
 
 What megatron-core 0.19.2 reads when: ``megatron/core/recompute.py`` ``checkpointed_forward``
@@ -23,14 +24,15 @@ so a step has one or the other.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from megatron_patches._util import unwrap
 from megatron_patches._version import require_supported_megatron
 
 GRANULARITIES = (None, "selective", "full")
 SELECTIVE_MODULES = ("core_attn", "mlp")
-"""``recompute_modules`` under ``"selective"`` (megatron-core's default is ``["core_attn"]``)."""
+"""``recompute_modules`` under ``"selective"`` unless told (megatron-core's default is
+``["core_attn"]``); the ones ``use_recompute`` can switch per micro-step."""
 _CONFIG_FIELDS = (
     "recompute_granularity",
     "recompute_method",
@@ -55,13 +57,29 @@ def _transformer_block():
 
 
 @contextlib.contextmanager
-def use_recompute(model, granularity: str | None, num_layers: int | None = None) -> Iterator[None]:
+def use_recompute(
+    model,
+    granularity: str | None,
+    num_layers: int | None = None,
+    *,
+    modules: Sequence[str] | None = None,
+) -> Iterator[None]:
     """Within the block (forward and backward), ``model`` recomputes with ``granularity``; with
-    ``"full"`` and ``num_layers=N``, only its first N layers (``None``: all)."""
+    ``"full"`` and ``num_layers=N``, only its first N layers (``None``: all); with
+    ``"selective"``, the ``modules`` of ``SELECTIVE_MODULES`` given (``None``: all of them)."""
     if granularity not in GRANULARITIES:
         raise ValueError(
             f"recompute granularity must be one of {GRANULARITIES}, got {granularity!r}"
         )
+    if modules is not None:
+        if granularity != "selective":
+            raise ValueError(f"modules apply to selective recompute only, got {granularity!r}")
+        if not modules or set(modules) - set(SELECTIVE_MODULES):
+            raise ValueError(
+                f"selective recompute modules must be some of {SELECTIVE_MODULES}, got "
+                f"{list(modules)}"
+            )
+    modules = SELECTIVE_MODULES if modules is None else tuple(modules)
     require_supported_megatron("recompute")
     inner = unwrap(model)
     config = inner.config
@@ -75,7 +93,7 @@ def use_recompute(model, granularity: str | None, num_layers: int | None = None)
                 f"recompute_layers must be between 1 and the model's {stage_layers} layers, "
                 f"got {num_layers}"
             )
-    if granularity == "selective" and config.add_bias_linear:
+    if granularity == "selective" and "mlp" in modules and config.add_bias_linear:
         raise ValueError(
             "selective recompute of the MLP needs add_bias_linear=False in megatron-core 0.19.2"
         )
@@ -97,15 +115,15 @@ def use_recompute(model, granularity: str | None, num_layers: int | None = None)
             config.recompute_granularity = "selective"
             config.recompute_method = None
             config.recompute_num_layers = None
-            config.recompute_modules = list(SELECTIVE_MODULES)
+            config.recompute_modules = list(modules)
         else:
             config.recompute_granularity = None
             config.recompute_method = None
             config.recompute_num_layers = None
         for layer in layers:
-            layer.recompute_mlp = selective
+            layer.recompute_mlp = selective and "mlp" in modules
         for attn in attentions:
-            attn.checkpoint_core_attention = selective
+            attn.checkpoint_core_attention = selective and "core_attn" in modules
         yield
     finally:
         for name, value in saved_config.items():

@@ -25,9 +25,24 @@ ARCH_CONFIGS = {
     "mistral": dict(model_type="mistral", sliding_window=None),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(model_type="qwen3", head_dim=16, rope_theta=1000000.0),
+    "mixtral": dict(
+        model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        head_dim=16,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+    ),
 }
 """Test name → config fields: untied and tied embeddings, plain and Llama-3.1 RoPE, QKV biases
-(qwen2), QK-norm with a head dim unlike hidden/heads (qwen3)."""
+(qwen2), QK-norm with a head dim unlike hidden/heads (qwen3), and mixtures of experts: Mixtral
+(experts as wide as ``intermediate_size``) and Qwen3-MoE (narrower experts, QK-norm, tied)."""
+MIXTURES_OF_EXPERTS = ("mixtral", "qwen3_moe")
 
 SHAPE = dict(
     vocab_size=300,

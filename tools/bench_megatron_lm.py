@@ -10,7 +10,8 @@ global batches:
 
 - ``static``: Megatron's own schedule over packed micro-batches, once for every fixed
   (``--context-parallel-size``, recompute) that holds a ``--seq-length`` document within the
-  spec's memory (``dcp.planning.static_configs``: Megatron's block recompute of the least
+  spec's memory (``dcp.planning.static_configs``: Megatron's default selective recompute of
+  core attention alone, ``--recompute-modules core_attn``, and its block recompute of the least
   layers that hold it, ``--recompute-method block --recompute-num-layers N``, included); the
   fastest is the baseline;
 - ``megatron``: megatron-core's Hybrid-CP scheduler (``BalancedCPScheduler``, reproduced in
@@ -46,22 +47,28 @@ from pathlib import Path
 
 from dcp import console
 from dcp.observability.host import RunLoad, load_warnings
+from dcp.plan import Recompute
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS_FILE = REPO / "pretrain/configs/megatron_lm_cpu.args"
-RECOMPUTE_FLAGS = {
-    "none": [],
-    "selective": ["--recompute-granularity", "selective"],
-    "full": [
-        "--recompute-granularity",
-        "full",
-        "--recompute-method",
-        "uniform",
-        "--recompute-num-layers",
-        "1",
-    ],
-}
-"""Megatron's flags for DCP's recompute levels (``megatron_patches.recompute`` sets the same)."""
+
+
+def recompute_flags(level: str) -> list[str]:
+    """Megatron's flags for a recompute level (``dcp.plan.Recompute``), the settings
+    ``use_recompute`` gives DCP's micro-steps. Selective recompute names its modules: Megatron's
+    own default is core attention alone (the ``core_attn`` level), not DCP's ``selective``."""
+    level = Recompute(level)
+    if level.megatron_granularity is None:
+        return []
+    if level.megatron_granularity == "selective":
+        return [
+            "--recompute-granularity",
+            "selective",
+            "--recompute-modules",
+            *level.megatron_modules,
+        ]
+    return ["--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]  # fmt: skip
 
 
 def block_flags(num_layers: int) -> list[str]:
@@ -146,7 +153,7 @@ def run_variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
             layers = block_layers(view, seq_length, cp)
             name, flags = f"static-cp{cp}-block{layers}", block_flags(layers)
         else:
-            name, flags = f"static-cp{cp}-{setting}", RECOMPUTE_FLAGS[setting]
+            name, flags = f"static-cp{cp}-{setting}", recompute_flags(setting)
         statics.append((name, ["--context-parallel-size", str(cp), *flags]))
     if not statics:
         raise ValueError(

@@ -4,11 +4,12 @@
     python -m tools.convert_checkpoint dcp-to-hf CHECKPOINT OUT_DIR [--arch A] [--max-shard-gb 5]
 
 ``hf-to-dcp`` reads a local HF directory (``config.json`` + ``*.safetensors``; Llama, Mistral,
-Qwen2, Qwen3) and writes a weights-only DCP checkpoint ``OUT_ROOT/step_000000`` that
-``init.from_checkpoint`` starts a run from; ``--set`` overrides derived ``ModelConfig`` fields
-(e.g. ``make_vocab_size_divisible_by=128``). ``dcp-to-hf`` exports a DCP checkpoint (a
-``step_*`` directory, or a checkpoint root: its newest complete one) to a HF directory that
-``transformers`` loads; the tokenizer files are copied when the run's data used a HF tokenizer.
+Qwen2, Qwen3, Mixtral, Qwen3-MoE) and writes a weights-only DCP checkpoint
+``OUT_ROOT/step_000000`` that ``init.from_checkpoint`` starts a run from; ``--set`` overrides
+derived ``ModelConfig`` fields (e.g. ``make_vocab_size_divisible_by=128``). ``dcp-to-hf``
+exports a DCP checkpoint (a ``step_*`` directory, or a checkpoint root: its newest complete one)
+to a HF directory that ``transformers`` loads; the tokenizer files are copied when the run's
+data used a HF tokenizer.
 A Megatron-LM checkpoint (the ``--save`` of Megatron's own loop, ``--dcp`` or not) is refused
 in one line naming its ``--ckpt-format`` and the Megatron Bridge command that exports it: every
 format Megatron writes holds pickles, and DCP never unpickles a checkpoint.

@@ -8,7 +8,9 @@ its GPU preset for that exact static configuration, and printed against the publ
 rows with pipeline parallelism are predicted with their schedule as published (1F1B, interleaved
 over the row's ``vp`` chunks per rank: ``dcp.costmodel.throughput.pipeline_step_s``). The last
 stdout line is one JSON object: ``rows``, ``modelled``, ``median_abs_rel_error``,
-``worst_abs_rel_error`` (|predicted / published - 1| over the modelled rows), ``per_row``, and
+``worst_abs_rel_error`` (|predicted / published - 1| over the modelled rows), the same for the
+dense rows and for the mixture-of-experts rows apart (``dense``, ``experts``: the presets'
+coefficients are chosen on dense rows, so the expert rows are out of sample), ``per_row``, and
 with ``--cross-validate`` ``cross_validation``: for each source, the preset coefficients
 (``dcp.costmodel.throughput_fit.FITTED_OPTIONS``) fitted on the other sources' rows and the
 errors on its own. Exit code 2 for a table that cannot be read.
@@ -49,6 +51,14 @@ def format_rows(result: dict) -> str:
         f"{_percent(result['worst_abs_rel_error'])} (tokens/s per GPU; * recompute not "
         "published: the least the cost model's memory rule fits)"
     )
+    if result["experts"]["rows"]:
+        for name, what in (("dense", "dense"), ("experts", "mixture-of-experts")):
+            part = result[name]
+            lines.append(
+                f"  {part['rows']} {what} rows: median |error| "
+                f"{_percent(part['median_abs_rel_error'])}, worst "
+                f"{_percent(part['worst_abs_rel_error'])}"
+            )
     return "\n".join(lines)
 
 

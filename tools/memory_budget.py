@@ -37,7 +37,7 @@ from dcp import console
 from dcp.costmodel import load_cost_model, load_spec, with_model, with_runtime_options
 from dcp.costmodel.budget import memory_budget
 from dcp.costmodel.spec import runtime_options
-from dcp.plan import Recompute
+from dcp.plan import RECOMPUTE_LEVELS, Recompute
 from dcp.runtime.dispatch import train_len
 from dcp.schema import load_config
 from dcp.train.config import PretrainConfig
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'; calibrated total' if budget.static_calibrated else ''})")  # fmt: skip
     print(f"longest sequence {longest:,} tokens ({source}):")
     print("recompute levels, as megatron-core TransformerConfig settings:")
-    for level in Recompute:
+    for level in map(Recompute, RECOMPUTE_LEVELS):  # the levels of the table below
         print(f"  {level.value:<10} {level.megatron_settings}")
     if pp > 1:
         print(f"{'cp':>4} {'recompute':>10} {'in flight GB':>13} {'fits':>5} {'alone GB':>9}  fits")

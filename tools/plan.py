@@ -19,7 +19,11 @@ dropped sequences or planner notes) to ``--out`` or stdout; a summary goes to st
 predicted model TFLOP/s per GPU and MFU (``dcp.costmodel.flops``), the static configuration whose
 plan ``dcp`` kept where it found none better (``meta.static_config``), the source a baseline
 re-implements (``meta.follows``) and, for a mixture-of-experts spec (``qwen3-30b-a3b``,
-``deepseek-v3``), a line saying how its experts are priced (simulated).
+``deepseek-v3``), a line saying how its experts are priced (simulated). At the spec's
+``options.expert_parallel_size`` above 1 every planner's plan runs each step on whole EP groups
+(CP sizes multiples of EP: the lockstep the runtime needs, ``dcp.planning.experts``), CP options
+count real planner ranks and one that would split an EP group is refused; the lower bound is
+over such plans.
 
 ``--measurements FILE``: micro-step records of a run (``runs/<name>/microsteps.jsonl``, see
 ``dcp.costmodel.microsteps``); the cost model is refitted on them with ``--spec`` as the prior
@@ -48,6 +52,7 @@ from dcp.data.lengths import MAX_LENGTH
 from dcp.files import FileContentError, load_json, parse_json
 from dcp.plan import PLANNERS
 from dcp.planning import lower_bound_s, plan_batch, planner_options
+from dcp.planning.experts import lockstep_cp_sizes
 from dcp.planning.pipeline import check_plan_memory
 
 MAX_SEQUENCES = 100_000
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     dropped = set(plan.dropped)
     trained = [x for i, x in enumerate(lengths) if i not in dropped]
-    bound = lower_bound_s(trained, cost_model)
+    bound = lower_bound_s(trained, cost_model, cp_sizes=lockstep_cp_sizes(cost_model))
     tp, pp = cost_model.tensor_parallel_size, cost_model.pipeline_parallel_size
     vp = cost_model.virtual_pipeline_parallel_size
     mesh = f"TP {tp}" + (f" x PP {pp}" if pp > 1 else "") + (f" x VP {vp}" if vp > 1 else "")

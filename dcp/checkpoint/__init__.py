@@ -1,5 +1,5 @@
 """Checkpoints at the scale of the models: every rank writes its own shard in parallel (in the
-background, if asked), and a checkpoint loads at another world size and TP size.
+background, if asked), and a checkpoint loads at another world size, TP size and EP size.
 
 - ``directory``: the directory layout, which step directories count, ``latest``, pruning;
 - ``tensorfile``: safetensors files written as a stream with digests, read without trusting them;

@@ -110,7 +110,9 @@ def dcp_to_hf(
 ) -> Path:
     """Export a DCP checkpoint (a ``step_*`` directory, or a root: its newest complete one) of
     any mesh as a HF directory ``out_dir``. ``kind`` picks the architecture (default: the
-    imported model's, else ``qwen2``/``qwen3``/``llama`` from the model's features)."""
+    imported model's, else ``qwen2``/``qwen3``/``llama``/``mixtral``/``qwen3_moe`` from the
+    model's features); experts are named by their index in the layer whatever the EP size that
+    wrote the checkpoint."""
     from dcp.checkpoint import resolve_checkpoint
 
     try:
@@ -126,20 +128,18 @@ def dcp_to_hf(
     if "model" not in run_config:
         raise ValueError(f"{path}: the checkpoint records no model config (extra.config.model)")
     cfg = from_dict(ModelConfig, run_config["model"], prefix="model")
-    if cfg.num_experts is not None:
-        raise ValueError(
-            f"{path}: Hugging Face export of mixture-of-experts models (model.num_experts) is "
-            "not supported yet"
-        )
     kind = kind or export_kind(cfg, extra)
+    hf_config = hf_config_from_model(cfg, kind=kind)  # refuses what ``kind`` cannot hold first
     state = ckpt.canonical_state()
     # The recorded config is as untrusted as the rest of the directory and sizes the list of
-    # names built next: every layer holds tensors, so it cannot name more layers than the
-    # checkpoint holds tensors.
-    if cfg.num_layers > len(state):
+    # names built next: every layer holds tensors (two per routed expert), so it cannot name
+    # more layers or experts than the checkpoint holds tensors.
+    if cfg.num_layers * max(1, 2 * (cfg.num_experts or 0)) > len(state):
         raise ValueError(
-            f"{path}: the checkpoint's config records model.num_layers={cfg.num_layers:,}, but "
-            f"its model state holds {len(state):,} tensors; the state does not match its config"
+            f"{path}: the checkpoint's config records model.num_layers={cfg.num_layers:,}"
+            + (f" with model.num_experts={cfg.num_experts:,}" if cfg.num_experts else "")
+            + f", but its model state holds {len(state):,} tensors; the state does not match "
+            "its config"
         )
     expected = canonical_names(cfg)
     missing = [n for n in expected if n not in state]
@@ -163,7 +163,6 @@ def dcp_to_hf(
         if progress:
             progress(done, len(expected), name)
     writer.close()
-    hf_config = hf_config_from_model(cfg, kind=kind)
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     tok = tokenizer_dir(run_config)

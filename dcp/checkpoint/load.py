@@ -8,7 +8,9 @@ checkpoint written before this format opens as a ``LegacyCheckpoint``).
 A rank's model tensors: the slice its TP rank holds of every canonical tensor. When the
 checkpoint was written at the same TP size (and the tensor is split the same way) that slice is
 one shard, read directly; otherwise the whole tensor is assembled from the saved slices
-(``dcp.weights.tensor_parallel.join``) and cut at this run's TP size (``cut``).
+(``dcp.weights.tensor_parallel.join``) and cut at this run's TP size (``cut``). Routed experts
+are named by their index in the layer, so at any EP size a rank reads those it holds and
+leaves its EP peers' (``dcp.weights.canonical.held_elsewhere``).
 
 A rank's optimizer state: for each piece its optimizer holds (elements ``[start, end)`` of a
 parameter's TP slice), the fp32 main parameter and Adam's moments. At the same TP size the piece

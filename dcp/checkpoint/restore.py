@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_patches.optimizer_state import allocate_state, param_pieces
+from megatron_patches.optimizer_state import allocate_state, inner_optimizers, param_pieces
 
 
 class CorruptCheckpointError(ValueError):
@@ -71,7 +71,7 @@ def apply(state: RankState, module: torch.nn.Module, optimizer) -> None:
     from megatron_patches.cpu_optimizer import cuda_on_cpu
 
     with cuda_on_cpu():
-        allocate_state(optimizer, state.optimizer_groups)
+        allocate_state(optimizer, regroup(state.optimizer_groups, optimizer))
     values = {(n, a, b): v for n, a, b, v in state.optimizer}
     names = {id(p): n for n, p in canonical_params(module)}
     with torch.no_grad():
@@ -80,6 +80,29 @@ def apply(state: RankState, module: torch.nn.Module, optimizer) -> None:
             for key, target in tensors.items():
                 target.copy_(saved[key])
                 release(saved[key])
+
+
+def regroup(saved_groups: list, optimizer) -> list[dict]:
+    """The saved param-group state (``group_states``) for ``optimizer``'s own arrangement of
+    inner optimizers and param groups. Under expert parallelism megatron chains a second
+    optimizer for the experts, so a checkpoint of another EP size has another arrangement; the
+    saved state's only content this run keeps is the step count (``allocate_state`` takes its
+    settings from this run), one for the whole optimizer, so it carries over by itself."""
+    arrangement = [len(opt.optimizer.param_groups) for opt in inner_optimizers(optimizer)]
+    try:
+        saved = [len(s["param_groups"]) for s in saved_groups]
+        steps = {float(g["step"]) for s in saved_groups for g in s["param_groups"]}
+    except (TypeError, KeyError, ValueError):
+        raise ValueError("the checkpoint's optimizer param groups are malformed") from None
+    if saved == arrangement:
+        return saved_groups
+    if len(steps) != 1:
+        raise ValueError(
+            f"the checkpoint's optimizers count different steps {sorted(steps)}; they cannot be "
+            "rearranged for this run's optimizer (another expert_parallel_size?)"
+        )
+    step = steps.pop()
+    return [{"param_groups": [{"step": step} for _ in range(n)]} for n in arrangement]
 
 
 def load_legacy_optimizer(optimizer, saved) -> None:

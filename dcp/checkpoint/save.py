@@ -54,7 +54,7 @@ from dcp.checkpoint.directory import (
 from dcp.checkpoint.index import OPTIMIZER_STATES, Index
 from dcp.checkpoint.rng import PREFIX as RNG_PREFIX
 from dcp.checkpoint.rng import rng_tensors
-from dcp.checkpoint.state import LocalTensor, OptimizerPiece, writers
+from dcp.checkpoint.state import LocalTensor, OptimizerPiece, ep_rank, expert_layout, writers
 from dcp.checkpoint.tensorfile import NAMES, TensorFileWriter
 from dcp.collectives import MAX, all_gather_object, all_reduce_int, note_host_wait, phase
 from dcp.files import fsync_dir, load_json, write_atomic
@@ -120,6 +120,9 @@ def stage(
     tp = mesh.tensor_parallel_size
     tp_rank = mesh.tp_rank(rank)
     owner = writers(tensors, mesh, stage=mesh.stage(rank))
+    experts = expert_layout(tensors)
+    # ``writers`` assigns each expert to its EP rank's ranks: megatron must agree on this rank's.
+    assert experts is None or experts[0] == ep_rank(mesh, rank) * experts[1], (experts, rank)
     staged = Staged(shared=shared)
     live: dict[str, torch.Tensor] = {}
     splits = {t.name: t.split for t in tensors}

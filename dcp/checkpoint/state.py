@@ -5,8 +5,11 @@ data-parallel replica holds the same slices, so each slice must be written once,
 ranks holding it. ``writers`` picks them deterministically (every rank computes the same answer
 from the same names and shapes, no collective): the largest slices first, each to the holder
 that has been given the fewest bytes so far, so every rank writes about model bytes / world. A
-distributed optimizer's shard is held by one rank only: it writes its own. A replicated
-optimizer's state of a slice goes with that slice's writer.
+routed expert is held only by the ranks of one EP rank (``num_experts / EP`` experts each,
+``dcp.weights.canonical``), every expert-data-parallel replica of it alike: it goes to one of
+them, and every rank lists every expert of the layer, its own and its EP peers' (same shapes),
+so all compute the same answer. A distributed optimizer's shard is held by one rank only: it
+writes its own. A replicated optimizer's state of a slice goes with that slice's writer.
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from dcp.mesh import Mesh
-from dcp.weights.canonical import EXTRA_STATE, param_names, state_names, tied_copy_name
+from dcp.weights.canonical import (
+    EXPERT,
+    EXTRA_STATE,
+    expert_name,
+    param_names,
+    state_names,
+    tied_copy_name,
+)
 from dcp.weights.tensor_parallel import split_spec
 from megatron_patches.optimizer_state import param_pieces
 
@@ -54,34 +64,62 @@ def local_tensors(module: torch.nn.Module) -> list[LocalTensor]:
     return sorted(out, key=lambda t: t.name)
 
 
+def ep_rank(mesh: Mesh, rank: int) -> int:
+    """The expert-parallel rank of global rank ``rank``: its place in its aligned block of
+    ``expert_parallel_size`` planner ranks (``Mesh.expert_block``)."""
+    return mesh.planner_rank(rank) % mesh.expert_parallel_size
+
+
+def expert_layout(tensors: list[LocalTensor]) -> tuple[int, int] | None:
+    """(first, count) of the routed experts among ``tensors`` (one rank's), None without
+    experts."""
+    held = sorted({int(m.group(2)) for t in tensors if (m := EXPERT.fullmatch(t.name))})
+    if not held:
+        return None
+    assert held == list(range(held[0], held[0] + len(held))), held
+    return held[0], len(held)
+
+
 def writers(
     tensors: list[LocalTensor], mesh: Mesh, *, stage: int = 0
 ) -> dict[tuple[str, int], int]:
     """(canonical name, TP rank) → the global rank that writes that slice (module docstring),
-    for the tensors of pipeline stage ``stage`` (held by that stage's ranks only). Replicated
-    tensors have one entry, TP rank 0's, which any rank of the stage may write."""
-    tp = mesh.tensor_parallel_size
+    for the tensors of pipeline stage ``stage`` (held by that stage's ranks only): ``tensors``
+    are one rank's, its routed experts standing for every EP rank's. Replicated tensors have
+    one entry, TP rank 0's, which any rank of the stage (any of the expert's EP rank) may
+    write."""
+    tp, ep = mesh.tensor_parallel_size, mesh.expert_parallel_size
     ranks = list(mesh.stage_ranks(stage))
-    holders: dict[int, list[int]] = {
-        t: [r for r in ranks if mesh.tp_rank(r) == t] for t in range(tp)
-    }
-    load = [(0, r) for r in ranks]  # (bytes given, rank): a min-heap
-    heapq.heapify(load)
-    per_tp = {t: [(0, r) for r in holders[t]] for t in range(tp)}
-    for heap in per_tp.values():
-        heapq.heapify(heap)
+    experts = expert_layout(tensors)
+    # (TP rank or None for a replicated tensor, EP rank or None for a non-expert) → holders.
+    heaps: dict[tuple[int | None, int | None], list[tuple[int, int]]] = {}
+    for t in (None, *range(tp)):
+        for e in (None, *range(ep)):
+            heaps[(t, e)] = [
+                (0, r)
+                for r in ranks
+                if (t is None or mesh.tp_rank(r) == t) and (e is None or ep_rank(mesh, r) == e)
+            ]
     jobs = []
     for t in tensors:
         size = t.tensor.numel() * t.tensor.element_size()
-        if t.split is None:
-            jobs.append((size, t.name, None))
-        else:
-            jobs.extend((size, t.name, rank) for rank in range(tp))
+        match = EXPERT.fullmatch(t.name)
+        if match is None:
+            copies = [(t.name, None)]
+        else:  # the same tensor of each EP rank's experts (``expert_layout``)
+            first, count = experts
+            local = int(match.group(2)) - first
+            copies = [(expert_name(t.name, e * count + local), e) for e in range(ep)]
+        for name, e in copies:
+            if t.split is None:
+                jobs.append((size, name, None, e))
+            else:
+                jobs.extend((size, name, rank, e) for rank in range(tp))
     jobs.sort(key=lambda j: (-j[0], j[1], -1 if j[2] is None else j[2]))
     out: dict[tuple[str, int], int] = {}
     given = [0] * mesh.world_size
-    for size, name, tp_rank in jobs:
-        heap = load if tp_rank is None else per_tp[tp_rank]
+    for size, name, tp_rank, e in jobs:
+        heap = heaps[(tp_rank, e)]
         while True:  # lazy deletion: an entry is stale when the rank got bytes elsewhere since
             count, rank = heapq.heappop(heap)
             if count == given[rank]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dcp.plan import RECOMPUTE_LEVELS, Recompute, check_choice, full_recompute_layers
+from dcp.plan import ALL_RECOMPUTE_LEVELS, Recompute, check_choice, full_recompute_layers
 
 TIME_FEATURES = (
     "overhead",
@@ -43,8 +43,10 @@ def time_features(
     """One row of ``TIME_FEATURES`` for a micro-step; recompute fractions are parametrised as
     ``selective = s``, ``full = s + d`` (full redoes a superset of selective). A partial full
     recompute of N of the model's ``num_layers`` layers reuses the full columns scaled by N/L (no
-    term of its own: recompute time is per layer, and the layers are alike)."""
-    check_choice(recompute, RECOMPUTE_LEVELS, "recompute")
+    term of its own: recompute time is per layer, and the layers are alike); ``core_attn``
+    takes selective's attention and communication columns, not its linear one
+    (``dcp.costmodel.formula.core_attn_rates``)."""
+    check_choice(recompute, ALL_RECOMPUTE_LEVELS, "recompute")
     if recompute == Recompute.FULL and recompute_layers is not None:
         if num_layers is None:
             raise ValueError("recompute_layers needs the model's num_layers")
@@ -56,10 +58,11 @@ def time_features(
     work = float(sum(x * x for x in lengths)) / cp_size + attention_half_tokens * sum_len
     lin = tokens + linear_half_tokens
     sel = scale if recompute != Recompute.NONE else 0.0
+    linear_sel = 0.0 if recompute == Recompute.CORE_ATTN else sel
     full = scale if recompute == Recompute.FULL else 0.0
     comm = (cp_size - 1) * tokens
     return (
-        [1.0, float(len(lengths)), lin + logits_per_linear * tokens, lin * sel, lin * full]
+        [1.0, float(len(lengths)), lin + logits_per_linear * tokens, lin * linear_sel, lin * full]
         + [work, work * sel, work * full]
         + [comm, comm * sel, comm * full, float(cp_size - 1)]
     )

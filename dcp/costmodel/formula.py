@@ -11,7 +11,9 @@ a CP group of size ``c`` holding ``T = ΣL/c`` tokens::
     tp   = tp_comm·(1+ρ_tp[r])·T + tp_latency         # sequence-parallel collectives, TP > 1
     ep   = ep_comm·(1+ρ_ep[r])·T + ep_latency         # MoE token dispatch and combine
 
-Memory per rank: ``static + (activation_bytes[r] + logits_bytes)·T``. A rank is a planner rank
+Memory per rank: ``static + (activation_bytes[r] + logits_bytes)·T``. ``core_attn`` (core
+attention alone recomputed) has no coefficients of its own (``core_attn_rates``): ``none``'s
+rates with ``selective``'s attention and CP-exchange recompute. A rank is a planner rank
 (one TP group). A partial full recompute of the first N of the model's L layers
 (``MicroStep.recompute_layers``) sits layer by layer between the two levels: every rate
 ``x[r]`` above is ``x[none] + (N/L)·(x[full] - x[none])`` (recompute time scales with N),
@@ -38,7 +40,14 @@ from dcp.costmodel.spec import (
     layer_working_set_bytes,
     parse_spec,
 )
-from dcp.plan import RECOMPUTE_LEVELS, Plan, Recompute, check_choice, full_recompute_layers
+from dcp.plan import (
+    ALL_RECOMPUTE_LEVELS,
+    RECOMPUTE_LEVELS,
+    Plan,
+    Recompute,
+    check_choice,
+    full_recompute_layers,
+)
 
 
 class _Rates(NamedTuple):
@@ -50,6 +59,24 @@ class _Rates(NamedTuple):
     comm: float
     ep: float
     mem_per_token: float
+
+
+def core_attn_rates(none: _Rates, selective: _Rates) -> _Rates:
+    """The ``core_attn`` level's rates from ``none``'s and ``selective``'s (the one home of its
+    pricing). Selective recompute is core attention plus the MLP, and core attention holds no
+    GEMM, TP collective or MoE exchange, so core attention alone adds ``selective``'s attention
+    recompute and its CP exchange (which runs inside core attention) to ``none``. Its memory is
+    ``none``'s: flash-style kernels keep only the output, which the output projection keeps
+    anyway, and the log-sum-exp, which no level counts (docs/planner.md, 'Baselines', has the
+    bytes)."""
+    return none._replace(attention=selective.attention, comm=selective.comm)
+
+
+def memory_level(recompute: str) -> str:
+    """The level of ``RECOMPUTE_LEVELS`` whose activation bytes ``recompute`` keeps: ``none``
+    for ``core_attn`` (``core_attn_rates``), else the level itself. Measured peaks of a level
+    calibrate that level's bytes (``dcp.costmodel.online``)."""
+    return Recompute.NONE.value if recompute == Recompute.CORE_ATTN else recompute
 
 
 @dataclass(frozen=True)
@@ -87,6 +114,9 @@ class CostModel:
             )
             for lv in RECOMPUTE_LEVELS
         }
+        levels[Recompute.CORE_ATTN] = core_attn_rates(
+            levels[Recompute.NONE], levels[Recompute.SELECTIVE]
+        )
         object.__setattr__(self, "_level_rates", levels)
 
     # -- construction ----------------------------------------------------------------------
@@ -143,7 +173,7 @@ class CostModel:
         if recompute_layers is None:
             rates = self._level_rates.get(recompute)
             if rates is None:
-                check_choice(recompute, RECOMPUTE_LEVELS, "recompute")
+                check_choice(recompute, ALL_RECOMPUTE_LEVELS, "recompute")
             return rates
         layers = self.num_layers
         if layers is None:
@@ -418,6 +448,13 @@ class CostModel:
         ``options.virtual_pipeline_parallel_size``; 1 without interleaving)."""
         return self.options.virtual_pipeline_parallel_size if self.options is not None else 1
 
+    @property
+    def expert_parallel_size(self) -> int:
+        """Planner ranks that share one MoE layer's experts (the spec's
+        ``options.expert_parallel_size``; 1 for a dense model): plans keep these groups whole
+        (``dcp.planning.experts``)."""
+        return self.options.expert_parallel_size if self.options is not None else 1
+
     def tp_time_s(
         self,
         lengths: Sequence[int],
@@ -450,19 +487,20 @@ class CostModel:
         model = self.model
         if model is None or model.num_experts is None:
             return None
-        ep = self.options.expert_parallel_size if self.options is not None else 1
+        ep = self.expert_parallel_size
         return (
             f"simulated mixture of experts: {model.num_moe_layers} MoE layers of "
             f"{model.num_experts} experts, top-{model.moe_router_topk}, EP {ep}; routing taken "
-            "as uniform over the experts, all-to-alls not overlapped, no published MoE row "
-            "checks these terms (docs/design.md, 'Experts in the cost model')"
+            "as uniform over the experts, all-to-alls not overlapped; against published MoE "
+            "rows (python -m tools.costmodel_check) it is far too fast for narrow experts "
+            "(docs/design.md, 'Experts in the cost model')"
         )
 
     def topology(self) -> str:
         """What a planner rank is: ``8 planner ranks per stage, each TP 8 x PP 4 = 32 GPUs on 4
         nodes (256 GPUs, 8 per node)``, and the EP groups when there are some."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        ep = self.options.expert_parallel_size if self.options is not None else 1
+        ep = self.expert_parallel_size
         ranks = f"{self.num_ranks} planner ranks" + (" per stage" if pp > 1 else "")
         if ep > 1:
             ranks += f" in EP groups of {ep}"

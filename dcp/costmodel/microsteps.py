@@ -6,7 +6,7 @@ contract (extended only compatibly; readers ignore keys they do not know)::
     {"step": int,             # global step (optimizer step) the micro-step belonged to
      "ranks": [int],          # its CP group: global ranks of the DP×CP domain, ascending
      "seq_lens": [int],       # training lengths of the sequences packed in it
-     "recompute": str,        # one of dcp.plan.RECOMPUTE_LEVELS
+     "recompute": str,        # one of dcp.plan.ALL_RECOMPUTE_LEVELS
      "time_s": float,         # forward + backward wall seconds (slowest rank of the group)
      "mem_bytes": int | null, # peak bytes on its ranks; optional (absent or null: not measured)
      "recompute_layers": int | null}  # with "full": layers recomputed; optional (absent or
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcp.files import SHAPE_ERRORS, FileContentError, check_tree, iter_lines, parse_json, publish
-from dcp.plan import RECOMPUTE_LEVELS, Recompute, check_choice
+from dcp.plan import ALL_RECOMPUTE_LEVELS, Recompute, check_choice
 
 _REQUIRED = ("step", "ranks", "seq_lens", "recompute", "time_s")
 
@@ -50,7 +50,7 @@ class MicroStepRecord:
     seq_lens: tuple[int, ...]
     """Training lengths (tokens) of the sequences packed together, each >= 1."""
     recompute: str
-    """Recompute level (``dcp.plan.RECOMPUTE_LEVELS``)."""
+    """Recompute level (``dcp.plan.ALL_RECOMPUTE_LEVELS``)."""
     time_s: float
     """Forward + backward wall seconds on the slowest rank of the group, > 0 and finite."""
     mem_bytes: int | None = None
@@ -75,7 +75,7 @@ class MicroStepRecord:
         lens = tuple(self.seq_lens)
         if not lens or not all(_is_int(x) and x >= 1 for x in lens):
             raise ValueError(f"seq_lens must be a non-empty list of ints >= 1, got {list(lens)}")
-        check_choice(self.recompute, RECOMPUTE_LEVELS, "recompute")
+        check_choice(self.recompute, ALL_RECOMPUTE_LEVELS, "recompute")
         time_s = self.time_s
         if _is_int(time_s):
             time_s = float(time_s)

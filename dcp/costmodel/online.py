@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from dcp.costmodel.features import TIME_FEATURES, time_features
-from dcp.costmodel.formula import CostModel
+from dcp.costmodel.formula import CostModel, memory_level
 from dcp.costmodel.load import load_spec
 from dcp.costmodel.microsteps import MicroStepRecord
 from dcp.costmodel.offline import FREE_LINK_BYTES_PER_S
@@ -262,7 +262,7 @@ def _memory_calibration(records: Sequence[MicroStepRecord], prior: CostModel):
         points = [
             p
             for p, r in zip(points, measured, strict=True)
-            if r.recompute == lv and r.recompute_layers is None
+            if memory_level(r.recompute) == lv and r.recompute_layers is None
         ]
         if len({t for t, _ in points}) >= 2:
             a = np.array([[1.0, t] for t, _ in points])
@@ -274,7 +274,7 @@ def _memory_calibration(records: Sequence[MicroStepRecord], prior: CostModel):
     static = c.static_mem_bytes
     for r in measured:
         tokens = sum(r.seq_lens) / r.cp_size
-        level_bytes = per_token[r.recompute]
+        level_bytes = per_token[memory_level(r.recompute)]
         if r.recompute_layers is not None:  # a partial recompute: between none and full
             share = full_recompute_layers(r.recompute, r.recompute_layers, prior.num_layers)
             share /= prior.num_layers

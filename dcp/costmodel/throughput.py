@@ -68,6 +68,10 @@ class PublishedRow:
     cp: int
     vp: int | None = None
     """Virtual pipeline stages per rank (interleaved schedule); null: none."""
+    ep: int = 1
+    """Expert parallelism of a mixture-of-experts model (megatron's
+    ``expert_model_parallel_size``): groups of this many consecutive ranks of a stage share each
+    MoE layer's experts; 1 for a dense model."""
     gbs: int
     """Global batch, in sequences."""
     mbs: int | None = None
@@ -95,7 +99,7 @@ class PublishedRow:
             raise ValueError(f"gpu must be one of {gpu_presets()}, got {self.gpu!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
-        for name in ("num_gpus", "seq_len", "tp", "pp", "cp", "gbs"):
+        for name in ("num_gpus", "seq_len", "tp", "pp", "cp", "gbs", "ep"):
             check_range(getattr(self, name), name, ge=1, integer=True)
         for name in ("vp", "mbs", "recompute_layers"):
             if getattr(self, name) is not None:
@@ -133,6 +137,16 @@ class PublishedRow:
             raise ValueError("source must name where the row is published")
         if isinstance(self.model, str):
             model_spec(self.model)  # an unknown preset fails here, with the list of presets
+        if self.ep > 1 and (not self.experts or (self.num_gpus // (self.tp * self.pp)) % self.ep):
+            raise ValueError(
+                f"ep={self.ep} needs a mixture-of-experts model and must divide the "
+                f"num_gpus / (tp*pp) = {self.num_gpus // (self.tp * self.pp)} ranks of a stage"
+            )
+
+    @property
+    def experts(self) -> bool:
+        """Whether the row's model is a mixture of experts (``model.num_experts``)."""
+        return model_spec(self.model).num_experts is not None
 
     @property
     def dp(self) -> int:
@@ -151,7 +165,8 @@ class PublishedRow:
     def label(self) -> str:
         model = self.model if isinstance(self.model, str) else self.model_name or "model"
         vp = f" vp{self.vp}" if self.vp else ""
-        layout = f"tp{self.tp} pp{self.pp}{vp} cp{self.cp} dp{self.dp}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        layout = f"tp{self.tp} pp{self.pp}{vp} cp{self.cp}{ep} dp{self.dp}"
         return f"{self.gpu}x{self.num_gpus} {model} {self.precision} {self.seq_len} {layout}"
 
 
@@ -215,6 +230,7 @@ def row_spec(row: PublishedRow) -> dict:
             fp8=row.precision == "fp8",
             tensor_parallel_size=row.tp,
             pipeline_parallel_size=row.pp,
+            expert_parallel_size=row.ep,
         ),
         "memory_reserved_gb": PUBLISHED_RUN_RESERVED_GB,
     }
@@ -394,18 +410,29 @@ def summarize(per_row: list[dict]) -> dict:
 
 def check_published(rows: list[PublishedRow], *, pipeline: PipelineModel = pipeline_step_s) -> dict:
     """Every row predicted with its GPU preset; the summary ``tools.costmodel_check`` prints as
-    its last line (``per_row`` in table order)."""
+    its last line (``per_row`` in table order), with the dense and the mixture-of-experts rows
+    also summarised apart (``dense``, ``experts``): the presets' coefficients are chosen on
+    dense rows only, so the expert rows are out of sample."""
     per_row = [predict_row(row, pipeline=pipeline) for row in rows]
-    return {**summarize(per_row), "per_row": per_row}
+    parts = {
+        name: summarize([r for row, r in zip(rows, per_row, strict=True) if row.experts == moe])
+        for name, moe in (("dense", False), ("experts", True))
+    }
+    return {**summarize(per_row), **parts, "per_row": per_row}
 
 
 def preset_check(gpu: str, tables: list[Path] | None = None) -> dict | None:
-    """How closely the published rows a GPU preset's coefficients stand on (``CHECKED_ON``) are
-    reproduced: ``summarize`` of those rows of ``tables`` (default: the shipped ones), with
-    ``preset`` and ``checked_on``; None for a GPU without published rows."""
+    """How closely the published rows a GPU preset's coefficients stand on (``CHECKED_ON``; the
+    dense rows) are reproduced: ``summarize`` of those rows of ``tables`` (default: the shipped
+    ones), with ``preset`` and ``checked_on``; None for a GPU without published rows."""
     checked_on = CHECKED_ON.get(gpu)
     paths = tables if tables is not None else sorted(PUBLISHED_DIR.glob("*.jsonl"))
-    rows = [row for path in paths for row in read_published(path) if row.gpu == checked_on]
+    rows = [
+        row
+        for path in paths
+        for row in read_published(path)
+        if row.gpu == checked_on and not row.experts
+    ]
     if not rows:
         return None
     per_row = [predict_row(row) for row in rows]

@@ -12,7 +12,8 @@ modelled rows, with a weak pull toward the defaults, so a coefficient the rows d
 ``cross_validate`` holds out one source at a time: fitted on the other sources' rows, checked
 on the held-out ones. Rows with pipeline parallelism take no part in either: they check the
 pipeline model (``dcp.costmodel.throughput.pipeline_step_s``) with coefficients chosen without
-them. Pure Python, no torch.
+them; nor do mixture-of-experts rows, which check the expert terms the same way. Pure Python,
+no torch.
 """
 
 from __future__ import annotations
@@ -74,16 +75,23 @@ def _golden_min(f: Callable[[float], float], lo: float, hi: float, tol: float) -
     return (a + b) / 2.0
 
 
+def fitted_rows(rows: list[PublishedRow]) -> list[PublishedRow]:
+    """The rows coefficients are chosen on: dense models without pipeline parallelism. The
+    pipeline rows check the pipeline model, the mixture-of-experts rows the expert terms; both
+    stay out of sample."""
+    return [row for row in rows if row.pp == 1 and not row.experts]
+
+
 def fit_gpu_options(rows: list[PublishedRow], *, rounds: int = 6, tol: float = 1e-3) -> dict:
-    """``FITTED_OPTIONS`` for the GPU of ``rows`` (all one GPU; its pipeline rows left out:
-    module docstring): coordinate descent with a golden-section search per coefficient, from
-    the ``Options`` defaults."""
+    """``FITTED_OPTIONS`` for the GPU of ``rows`` (all one GPU; its pipeline and
+    mixture-of-experts rows left out: ``fitted_rows``): coordinate descent with a golden-section
+    search per coefficient, from the ``Options`` defaults."""
     gpus = {row.gpu for row in rows}
     if len(gpus) != 1:
         raise ValueError(f"fit the rows of one GPU at a time, got {sorted(gpus)}")
-    rows = [row for row in rows if row.pp == 1]
+    rows = fitted_rows(rows)
     if not rows:
-        raise ValueError("no rows without pipeline parallelism to fit on")
+        raise ValueError("no dense rows without pipeline parallelism to fit on")
     specs = [row_spec(row) for row in rows]
     values = {name: getattr(Options(), name) for name in FITTED_OPTIONS}
     for _ in range(rounds):
@@ -98,11 +106,11 @@ def fit_gpu_options(rows: list[PublishedRow], *, rounds: int = 6, tol: float = 1
 
 
 def cross_validate(rows: list[PublishedRow]) -> list[dict]:
-    """For each source with rows without pipeline parallelism (the fit's: module docstring):
-    every GPU's ``FITTED_OPTIONS`` fitted on the other sources' such rows of that GPU
-    (defaults where they have none), then the held-out rows' summary
-    (``dcp.costmodel.throughput.summarize``) under them."""
-    modelled = [row for row in rows if row.pp == 1]
+    """For each source with rows the fit takes (``fitted_rows``): every GPU's
+    ``FITTED_OPTIONS`` fitted on the other sources' such rows of that GPU (defaults where they
+    have none), then the held-out rows' summary (``dcp.costmodel.throughput.summarize``) under
+    them."""
+    modelled = fitted_rows(rows)
     folds = []
     for source in sorted({source_of(row) for row in modelled}):
         held_out = [row for row in modelled if source_of(row) == source]

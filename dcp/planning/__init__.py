@@ -4,7 +4,9 @@ Torch-free. ``plan_batch`` dispatches by name to DCP's planner, one of the basel
 measured against or the static variant choosing per batch, each with its own frozen options class
 (``PLANNER_REGISTRY``); ``simulate``
 executes a plan on the cost model and ``lower_bound_s`` says how far from optimal any plan is.
-Every planner's options take ``on_oversize`` (``dcp.plan.ON_OVERSIZE``). See docs/planner.md.
+Every planner's options take ``on_oversize`` (``dcp.plan.ON_OVERSIZE``); at expert parallelism
+above 1 every planner's plans keep EP groups whole (``dcp.planning.experts``). See
+docs/planner.md.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dcp.costmodel import CostModel
 from dcp.plan import MEGATRON_DEV, PLANNERS, STATIC_PER_BATCH, Plan, check_choice
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
+from dcp.planning.experts import plan_on_expert_groups
 from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.megatron_dev import MegatronDevOptions, plan_megatron_dev
 from dcp.planning.simulator import SimResult, simulate
@@ -93,7 +96,9 @@ def plan_batch(
     options: PlannerOptions | None = None,
 ) -> Plan:
     """Plan one global batch with ``planner`` (one of ``dcp.plan.PLANNERS``); ``options`` must
-    be that planner's options class (default: its defaults)."""
+    be that planner's options class (default: its defaults). With experts at
+    ``cost_model.expert_parallel_size`` > 1 every planner plans on the EP groups as units, so
+    every step runs on whole EP groups (``dcp.planning.experts.plan_on_expert_groups``)."""
     check_choice(planner, PLANNERS, "planner")
     entry = PLANNER_REGISTRY[planner]
     if options is None:
@@ -101,5 +106,9 @@ def plan_batch(
     elif not isinstance(options, entry.options):
         raise ValueError(
             f"planner {planner!r} takes {entry.options.__name__}, got {type(options).__name__}"
+        )
+    if cost_model.expert_parallel_size > 1:
+        return plan_on_expert_groups(
+            lengths, cost_model=cost_model, plan=entry.plan, options=options
         )
     return entry.plan(lengths, cost_model=cost_model, options=options)

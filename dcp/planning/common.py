@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from dcp.costmodel import CostModel
 from dcp.costmodel.pipeline import planning_view
-from dcp.plan import ON_OVERSIZE, check_choice
+from dcp.plan import ON_OVERSIZE, Plan, check_choice
 
 
 def check_lengths(lengths: Sequence[int]) -> np.ndarray:
@@ -81,3 +81,16 @@ def split_oversize(
     )
     keep = np.setdiff1d(np.arange(len(lens)), np.asarray(dropped, dtype=np.int64))
     return lens, dropped, keep
+
+
+def fastest_plan(candidates: Iterable[Plan], *, none_error: str) -> Plan:
+    """The candidate with the least ``predicted_step_time_s`` (the first of equals), or
+    ``ValueError(none_error)`` when there is none: how a baseline picks its one configuration
+    for a batch among those that hold it (callers yield only those)."""
+    best = None
+    for plan in candidates:
+        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
+            best = plan
+    if best is None:
+        raise ValueError(none_error)
+    return best

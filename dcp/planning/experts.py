@@ -7,19 +7,33 @@ pairing by construction: every step of a plan runs on a union of whole EP groups
 ranks never split an aligned block of ``expert_parallel_size``), so the ranks of an EP group run
 the same steps, in the same order, with the same recompute, and pair their all-to-alls one to one
 (Megatron-LM PR #3791's workaround, minimum CP = EP). With power-of-two EP and CP sizes and aligned
-blocks that is exactly "every step's CP size is at least EP": the static planner gets it as its
-smallest CP size (``min_cp_size``), DCP's planner plans on EP groups as units
-(``expert_units``, ``spread_over_ep_groups``), and ``check_expert_lockstep`` refuses any other
-plan before it runs (docs/design.md, 'Experts').
+blocks that is exactly "every step's CP size is at least EP".
+
+``plan_batch`` gives it to every planner: at EP > 1 (the cost model's
+``options.expert_parallel_size``) the planner plans on EP groups as its ranks (``expert_units``)
+with its options' CP sizes and per-rank token caps in those units (``options_in_units``), the
+plan is spread over the real ranks (``spread_over_ep_groups``) and predicted on the real cost
+model (``plan_on_expert_groups``); ``check_expert_lockstep`` refuses any other plan before it
+runs (docs/design.md, 'Experts').
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from dcp.costmodel import CostModel
 from dcp.mesh import Mesh
 from dcp.plan import Plan
+from dcp.planning.simulator import simulate
+from dcp.planning.static import config_label
+
+CP_SIZE_KEYS = ("cp_size", "max_cp_size", "min_cp_size")
+"""Options (and plan notes, ``Plan.extra``) that count planner ranks of one CP group."""
+TOKENS_PER_RANK_KEYS = ("max_seq_len_per_rank", "max_seqlen_per_dp_cp_rank")
+"""Options (and plan notes) that count tokens per planner rank (a unit holds EP ranks')."""
 
 
 def min_cp_size(expert_parallel_size: int) -> int:
@@ -47,15 +61,32 @@ def check_expert_lockstep(plan: Plan, mesh: Mesh) -> None:
                 )
 
 
-def expert_units(cost_model: CostModel, expert_parallel_size: int) -> CostModel:
+def planner_mesh(cost_model: CostModel) -> Mesh:
+    """The planner ranks of one stage of ``cost_model`` as a mesh with its EP groups (what
+    ``check_expert_lockstep`` checks a plan against); ``ValueError`` for an EP size that is not
+    a power of two dividing them."""
+    return Mesh(cost_model.num_ranks, expert_parallel_size=cost_model.expert_parallel_size)
+
+
+def lockstep_cp_sizes(cost_model: CostModel) -> range | None:
+    """The CP sizes a plan on ``cost_model`` may use: every multiple of its EP size (the group
+    sizes of whole EP groups), for ``lower_bound_s``'s ``cp_sizes``; ``None`` (any size) for a
+    model without expert parallelism."""
+    ep = cost_model.expert_parallel_size
+    return None if ep == 1 else range(ep, cost_model.num_ranks + 1, ep)
+
+
+def expert_units(cost_model: CostModel) -> CostModel:
     """The planner's view of ``cost_model`` in which one planner rank is one EP group: a step
     on k of its ranks stands for CP k·EP on the real ranks (``spread_over_ep_groups``). Every
     per-token rate and activation byte is divided by EP and the kernels' half-efficiency token
     counts multiplied by it, since a unit's tokens are spread over EP real ranks; so a step's
-    compute time and memory per rank in the view are the real step's. Not priced in the view:
-    the CP traffic among the EP ranks of a unit (the real plan is simulated on ``cost_model``
-    afterwards)."""
-    ep = expert_parallel_size
+    compute time, its MoE token exchange and its memory per rank in the view are the real
+    step's (the expert weights and the exchange stay the real EP size's: they are in the
+    coefficients). The view itself has EP 1, so nothing planning on it groups its units again.
+    Not priced in the view: the CP traffic among the EP ranks of a unit (the real plan is
+    simulated on ``cost_model`` afterwards)."""
+    ep = cost_model.expert_parallel_size
     c = cost_model.coefficients
     per_token = (
         "linear_s_per_token",
@@ -78,15 +109,84 @@ def expert_units(cost_model: CostModel, expert_parallel_size: int) -> CostModel:
         coefficients=coefficients,
         num_ranks=cost_model.num_ranks // ep,
         ranks_per_node=max(1, cost_model.ranks_per_node // ep),
+        options=replace(cost_model.options, expert_parallel_size=1),
+        name=f"{cost_model.name} (EP groups of {ep} as planner ranks)",
+    )
+
+
+def options_in_units(options: Any, expert_parallel_size: int) -> Any:
+    """A planner's ``options`` for planning on ``expert_units``: CP sizes (``CP_SIZE_KEYS``,
+    ``DCPOptions.pinned``) in EP groups, per-rank token caps (``TOKENS_PER_RANK_KEYS``) per EP
+    group. A CP size or cap that would split an EP group is refused in one line; a minimum CP
+    size below EP is met by every plan (its units round up)."""
+    ep = expert_parallel_size
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if value is None:
+            continue
+        if f.name == "min_cp_size":
+            changes[f.name] = -(-value // ep)
+        elif f.name in CP_SIZE_KEYS:
+            if value % ep:
+                raise ValueError(_split_error(f"{f.name}={value}", ep))
+            changes[f.name] = value // ep
+        elif f.name in TOKENS_PER_RANK_KEYS:
+            changes[f.name] = value * ep
+        elif f.name == "pinned":
+            for index, (cp, *_) in value.items():
+                if cp % ep:
+                    raise ValueError(_split_error(f"pinned[{index}] cp_size={cp}", ep))
+            changes[f.name] = {i: (cp // ep, *rest) for i, (cp, *rest) in value.items()}
+    return replace(options, **changes)
+
+
+def _split_error(what: str, ep: int) -> str:
+    return (
+        f"{what} would split expert-parallel groups: at expert_parallel_size={ep} every step "
+        f"runs on whole EP groups, so CP sizes are multiples of {ep}"
     )
 
 
 def spread_over_ep_groups(plan: Plan, expert_parallel_size: int) -> Plan:
     """``plan`` (made on ``expert_units``) on the real planner ranks: unit u is the EP group of
-    planner ranks ``u·EP .. u·EP + EP - 1``."""
+    planner ranks ``u·EP .. u·EP + EP - 1``; the plan's notes (``Plan.extra``) in real CP sizes
+    and per-rank tokens."""
     ep = expert_parallel_size
     steps = tuple(
         replace(s, ranks=tuple(r for u in s.ranks for r in range(u * ep, (u + 1) * ep)))
         for s in plan.steps
     )
-    return replace(plan, steps=steps)
+    extra = dict(plan.extra)
+    for key in CP_SIZE_KEYS:
+        if key in extra:
+            extra[key] *= ep
+    for key in TOKENS_PER_RANK_KEYS:
+        if key in extra:
+            extra[key] //= ep
+    if "static_config" in extra:
+        extra["static_config"] = config_label(replace(plan, extra=extra))
+    return replace(plan, steps=steps, extra=extra)
+
+
+def plan_on_expert_groups(
+    lengths: Sequence[int],
+    *,
+    cost_model: CostModel,
+    plan: Callable[..., Plan],
+    options: Any,
+) -> Plan:
+    """``plan(lengths, cost_model=..., options=...)`` (a planner of ``dcp.planning``) made on
+    ``cost_model``'s EP groups as units and spread over its planner ranks: every step on whole
+    EP groups, predicted by simulating the spread plan on ``cost_model``. Under pipeline stages
+    the units' view keeps them (DCP's planner arranges the pipeline on units: a unit's memory
+    and compute per rank are a real rank's), and the prediction is the real pipeline's."""
+    ep = cost_model.expert_parallel_size
+    mesh = planner_mesh(cost_model)
+    units = plan(
+        lengths, cost_model=expert_units(cost_model), options=options_in_units(options, ep)
+    )
+    spread = spread_over_ep_groups(units, ep)
+    check_expert_lockstep(spread, mesh)
+    predicted = simulate(spread, lengths, cost_model).makespan_s
+    return replace(spread, predicted_step_time_s=predicted)

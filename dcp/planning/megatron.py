@@ -33,7 +33,7 @@ import numpy as np
 from dcp.costmodel import CostModel
 from dcp.costmodel.pipeline import PipelineCosts, planning_view
 from dcp.plan import ON_OVERSIZE, RECOMPUTE_LEVELS, MicroStep, Plan, check_choice, check_int
-from dcp.planning.common import pow2_sizes, split_oversize
+from dcp.planning.common import fastest_plan, pow2_sizes, split_oversize
 from dcp.planning.simulator import simulate, simulate_pipeline
 
 
@@ -82,19 +82,18 @@ def plan_megatron(
         return Plan(steps=(), planner="megatron", dropped=dropped)
     longest = int(lens[keep].max())
     levels = RECOMPUTE_LEVELS if options.recompute is None else (options.recompute,)
-    best = None
-    for level in levels:
-        cap = options.max_seq_len_per_rank or view.max_tokens_per_rank(level)
-        if cap <= 0 or longest > pow2_sizes(num_ranks)[-1] * cap:
-            continue
-        plan = _megatron_for_level(lens, keep, cost_model, level, cap)
-        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
-            best = plan
-    if best is None:
-        raise ValueError(
-            f"Megatron Hybrid-CP cannot hold the {longest}-token sequence with recompute "
-            f"{levels} on {num_ranks} ranks"
-        )
+
+    def candidates():
+        for level in levels:
+            cap = options.max_seq_len_per_rank or view.max_tokens_per_rank(level)
+            if cap > 0 and longest <= pow2_sizes(num_ranks)[-1] * cap:
+                yield _megatron_for_level(lens, keep, cost_model, level, cap)
+
+    best = fastest_plan(
+        candidates(),
+        none_error=f"Megatron Hybrid-CP cannot hold the {longest}-token sequence with recompute "
+        f"{levels} on {num_ranks} ranks",
+    )
     return dataclasses.replace(best, dropped=dropped)
 
 

@@ -22,10 +22,11 @@ Every rank runs one micro-batch per group, so a group's CP groups become one mic
 (its sub-samples packed, one recompute setting for the run), groups in order, no barrier between
 them (there is none in the no-pipelining or 1F1B schedules); under pipeline parallelism the
 groups are the 1F1B schedule's micro-batches and the cap is what a rank holds with a stage's
-micro-batches in flight (``planning_view``). Left out: ``align_sample_id_groups`` (it only
-splits groups for interleaved virtual stages; at VP > 1 the groups run as they are, the last
-group of fewer than PP padded as DCP's executor pads it, ``dense_slots``) and
-``thd_max_packed_sequences`` (no cap on sequences per pack: megatron's default).
+micro-batches in flight (``planning_view``). Under interleaved virtual stages Megatron's
+schedule takes micro-batches in groups of ``microbatch_group_size_per_vp_stage`` (default PP),
+so ``default_dynamic_cp`` splits groups until their count is a multiple of it
+(``align_sample_id_groups``) and ``dp_balanced`` makes its pack count a multiple of DP times it.
+Left out: ``thd_max_packed_sequences`` (no cap on sequences per pack: megatron's default).
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ from dcp.plan import (
     check_choice,
     check_int,
 )
-from dcp.planning.common import pow2_sizes, split_oversize
+from dcp.planning.common import fastest_plan, pow2_sizes, split_oversize
 from dcp.planning.simulator import simulate
 
 MEGATRON_DEV_SOURCE = (
     "NVIDIA/Megatron-LM dev d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1 (2026-08-21): "
     "megatron/core/datasets/data_schedule.py (DefaultDynamicCPScheduler, DpBalancedScheduler), "
-    "data_schedule_utils.py (next_hdp_group_packing_aware, dcp_gpus_needed)"
+    "data_schedule_utils.py (next_hdp_group_packing_aware, dcp_gpus_needed, "
+    "align_sample_id_groups)"
 )
 """The source file and commit ``megatron-dev`` follows (plans carry it in ``extra["follows"]``)."""
 DYNAMIC_CP, DP_BALANCED = "default_dynamic_cp", "dp_balanced"
@@ -83,6 +85,11 @@ class MegatronDevOptions:
     sequence)."""
     min_cp_size: int = 1
     """``default_dynamic_cp``: ``--min-dynamic-context-parallel-size`` (>= 1)."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """Under virtual pipeline stages: ``--microbatch-group-size-per-virtual-pipeline-stage``,
+    which the micro-batch count is made a multiple of (``align_sample_id_groups``; at least the
+    pipeline size, as Megatron's interleaved schedule needs; None: the pipeline size, Megatron's
+    default). Refused without virtual stages, where Megatron does not read it."""
     on_oversize: str = "error"
     """A sequence no plan can fit: ``error`` names it, ``drop`` plans the rest without it
     (``Plan.dropped``)."""
@@ -95,6 +102,11 @@ class MegatronDevOptions:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, check_int(getattr(self, name), name, ge=1))
         object.__setattr__(self, "min_cp_size", check_int(self.min_cp_size, "min_cp_size", ge=1))
+        if self.microbatch_group_size_per_vp_stage is not None:
+            size = check_int(
+                self.microbatch_group_size_per_vp_stage, "microbatch_group_size_per_vp_stage", ge=1
+            )
+            object.__setattr__(self, "microbatch_group_size_per_vp_stage", size)
         if self.mode == DYNAMIC_CP and self.cp_size is not None:
             raise ValueError(f"cp_size is the {DP_BALANCED} mode's; {DYNAMIC_CP} chooses CP")
         if self.mode == DP_BALANCED and self.min_cp_size != 1:
@@ -109,16 +121,40 @@ def plan_megatron_dev(
     options: MegatronDevOptions = MegatronDevOptions(),
 ) -> Plan:
     """Megatron dev's dynamic-CP baseline (module docstring, ``MegatronDevOptions``)."""
+    group_size = vp_group_size(cost_model, options.microbatch_group_size_per_vp_stage)
     if options.mode == DP_BALANCED:
-        plan = _plan_dp_balanced(lengths, cost_model, options)
+        plan = _plan_dp_balanced(lengths, cost_model, options, group_size)
     else:
-        plan = _plan_dynamic_cp(lengths, cost_model, options)
+        plan = _plan_dynamic_cp(lengths, cost_model, options, group_size)
     extra = {"mode": options.mode, **plan.extra, "follows": MEGATRON_DEV_SOURCE}
     return dataclasses.replace(plan, planner=MEGATRON_DEV, extra=extra)
 
 
+def vp_group_size(cost_model: CostModel, microbatch_group_size_per_vp_stage: int | None) -> int:
+    """The number of micro-batches Megatron dev makes a multiple of: under virtual stages
+    ``microbatch_group_size_per_vp_stage`` (None: the pipeline size), else 1 (no alignment);
+    ``ValueError`` for a size given without virtual stages or below the pipeline size."""
+    pp, vp = cost_model.pipeline_parallel_size, cost_model.virtual_pipeline_parallel_size
+    size = microbatch_group_size_per_vp_stage
+    if vp == 1:
+        if size is not None:
+            raise ValueError(
+                "microbatch_group_size_per_vp_stage applies under virtual pipeline stages only "
+                "(the spec's options.virtual_pipeline_parallel_size is 1)"
+            )
+        return 1
+    if size is None:
+        return pp
+    if size < pp:
+        raise ValueError(
+            f"microbatch_group_size_per_vp_stage={size}: Megatron's interleaved schedule needs "
+            f"at least the pipeline size {pp}"
+        )
+    return size
+
+
 def _plan_dynamic_cp(
-    lengths: Sequence[int], cost_model: CostModel, options: MegatronDevOptions
+    lengths: Sequence[int], cost_model: CostModel, options: MegatronDevOptions, group_size: int
 ) -> Plan:
     lens, dropped, keep = split_oversize(lengths, cost_model, on_oversize=options.on_oversize)
     if keep.size == 0:
@@ -126,60 +162,71 @@ def _plan_dynamic_cp(
     view, num_ranks = planning_view(cost_model), cost_model.num_ranks
     longest = int(lens[keep].max())
     levels = RECOMPUTE_LEVELS if options.recompute is None else (options.recompute,)
-    best = None
-    for level in levels:
-        cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
-        if cap <= 0 or max(options.min_cp_size, gpus_needed(longest, cap)) > num_ranks:
-            continue
-        seqs = [(int(i), int(lens[i])) for i in keep]
-        groups = schedule_dynamic_cp(
-            seqs, num_ranks=num_ranks, max_seqlen_per_rank=cap, min_cp_size=options.min_cp_size
-        )
-        plan = _as_plan(groups, lens, cost_model, level)
-        plan = dataclasses.replace(
-            plan, extra={"recompute": level, "max_seqlen_per_dp_cp_rank": cap, **plan.extra}
-        )
-        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
-            best = plan
-    if best is None:
-        raise ValueError(
-            f"Megatron dev's dynamic CP cannot hold the {longest}-token sequence with recompute "
-            f"{levels} on {num_ranks} ranks"
-        )
+
+    def candidates():
+        for level in levels:
+            cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
+            if cap <= 0 or max(options.min_cp_size, gpus_needed(longest, cap)) > num_ranks:
+                continue
+            seqs = [(int(i), int(lens[i])) for i in keep]
+            groups = schedule_dynamic_cp(
+                seqs, num_ranks=num_ranks, max_seqlen_per_rank=cap, min_cp_size=options.min_cp_size
+            )
+            extra = {"recompute": level, "max_seqlen_per_dp_cp_rank": cap}
+            if group_size > 1:
+                scheduled = len(groups)
+                groups = align_sample_id_groups(groups, group_size)
+                if groups is None:  # no group can be split further (megatron asserts)
+                    continue
+                extra["split_groups"] = len(groups) - scheduled
+            plan = _as_plan(groups, lens, cost_model, level)
+            yield dataclasses.replace(plan, extra={**extra, **plan.extra})
+
+    best = fastest_plan(
+        candidates(),
+        none_error=f"Megatron dev's dynamic CP cannot hold the {longest}-token sequence with "
+        f"recompute {levels} on {num_ranks} ranks"
+        + (f" in a multiple of {group_size} micro-batches" if group_size > 1 else ""),
+    )
     return dataclasses.replace(best, dropped=dropped)
 
 
 def _plan_dp_balanced(
-    lengths: Sequence[int], cost_model: CostModel, options: MegatronDevOptions
+    lengths: Sequence[int], cost_model: CostModel, options: MegatronDevOptions, group_size: int
 ) -> Plan:
     lens, dropped, keep = split_oversize(lengths, cost_model, on_oversize=options.on_oversize)
     if keep.size == 0:
         return Plan(steps=(), dropped=dropped)
     view, longest = planning_view(cost_model), int(lens[keep].max())
     levels = RECOMPUTE_LEVELS if options.recompute is None else (options.recompute,)
-    best = None
-    for cp, level in itertools.product(pow2_sizes(cost_model.num_ranks), levels):
-        if options.cp_size not in (None, cp):
-            continue
-        cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
-        if longest > cap * cp:
-            continue
-        seqs = [(int(i), int(lens[i])) for i in keep]
-        groups = schedule_dp_balanced(
-            seqs, num_ranks=cost_model.num_ranks, cp_size=cp, max_seqlen_per_rank=cap
-        )
-        if groups is None:  # fewer sequences than DP replicas
-            continue
-        plan = _as_plan(groups, lens, cost_model, level)
-        extra = {"cp_size": cp, "recompute": level, "max_seqlen_per_dp_cp_rank": cap}
-        plan = dataclasses.replace(plan, extra={**extra, **plan.extra})
-        if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
-            best = plan
-    if best is None:
-        raise ValueError(
-            f"Megatron dev's {DP_BALANCED} scheduler has no CP size and recompute that holds the "
-            f"{longest}-token sequence and gives each of the DP replicas a pack"
-        )
+
+    def candidates():
+        for cp, level in itertools.product(pow2_sizes(cost_model.num_ranks), levels):
+            if options.cp_size not in (None, cp):
+                continue
+            cap = options.max_seqlen_per_dp_cp_rank or view.max_tokens_per_rank(level)
+            if longest > cap * cp:
+                continue
+            seqs = [(int(i), int(lens[i])) for i in keep]
+            groups = schedule_dp_balanced(
+                seqs,
+                num_ranks=cost_model.num_ranks,
+                cp_size=cp,
+                max_seqlen_per_rank=cap,
+                group_size=group_size,
+            )
+            if groups is None:  # too few sequences for a multiple of DP (x group size) packs
+                continue
+            plan = _as_plan(groups, lens, cost_model, level)
+            extra = {"cp_size": cp, "recompute": level, "max_seqlen_per_dp_cp_rank": cap}
+            yield dataclasses.replace(plan, extra={**extra, **plan.extra})
+
+    best = fastest_plan(
+        candidates(),
+        none_error=f"Megatron dev's {DP_BALANCED} scheduler has no CP size and recompute that "
+        f"holds the {longest}-token sequence and gives each of the DP replicas a pack"
+        + (f" in a multiple of {group_size} micro-batches" if group_size > 1 else ""),
+    )
     return dataclasses.replace(best, dropped=dropped)
 
 
@@ -298,21 +345,94 @@ def _next_group(
     return batch.per_rank(), leftovers
 
 
+def _group_to_widen(sizes: Sequence[int], num_ranks: int) -> tuple[int, int] | None:
+    """The fill step's choice among CP groups of ``sizes`` (consecutive from rank 0): the first
+    smallest, and the ranks it gains by doubling; ``None`` if that would push work past the last
+    rank. Megatron's cannot either: on a DP×CP size that is no power of two it indexes past its
+    lists (``next_hdp_group_packing_aware``) or never stops (``align_sample_id_groups``)."""
+    smallest = min(sizes)
+    extra = min(2 * smallest, num_ranks) - smallest
+    if sum(sizes) + extra > num_ranks:
+        return None
+    return list(sizes).index(smallest), extra
+
+
 def _widen_smallest(batch: _Batch) -> bool:
     """The fill step: the first smallest CP group doubles its size, the groups after it moving
-    down into the idle ranks; ``False`` if it cannot. Unlike megatron's, a group whose widening
-    would push work past the last rank (a DP×CP size that is no power of two) cannot, where
-    megatron's indexes past its lists."""
-    n = batch.count
-    smallest = int(batch.size[:n].min())
-    extra = min(2 * smallest, batch.num_ranks) - smallest
-    if batch.used + extra > batch.num_ranks:
+    down into the idle ranks; ``False`` if it cannot (``_group_to_widen``)."""
+    choice = _group_to_widen(batch.size[: batch.count].tolist(), batch.num_ranks)
+    if choice is None:
         return False
-    g = int(np.flatnonzero(batch.size[:n] == smallest)[0])
+    g, extra = choice
     batch.size[g] += extra
     batch.used += extra
     batch.work[g] = sum(x * x for x in batch.lens[g]) / int(batch.size[g])
     return True
+
+
+def align_sample_id_groups(
+    groups: list[list[list[int]]], group_size: int
+) -> list[list[list[int]]] | None:
+    """Megatron dev's ``align_sample_id_groups`` (``data_schedule_utils.py``) on groups as
+    ``schedule_dynamic_cp`` gives them: until their number is a multiple of ``group_size``, the
+    groups from the last one back (round again from the new last) are each split in two
+    (``_split_group``): the part holding the later CP groups takes the split group's place, the
+    other is appended. ``None`` where a whole round splits none (megatron asserts)."""
+    groups = [_cp_groups(per_rank) for per_rank in groups]
+    num_ranks = sum(size for size, _ in groups[0]) if groups else 0
+    remainder, i, attempts = -len(groups) % group_size, len(groups) - 1, 0
+    while remainder:
+        if i < 0:
+            if attempts >= len(groups):
+                return None
+            i = len(groups) - 1
+        halves = _split_group(groups[i], num_ranks)
+        if halves is None:
+            attempts += 1
+        else:
+            groups[i], first = halves
+            groups.append(first)
+            remainder -= 1
+            attempts = 0
+        i -= 1
+    return [[ids for size, ids in group for _ in range(size)] for group in groups]
+
+
+def _cp_groups(per_rank: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """A group's CP groups, from rank 0 on: (size, sequence ids) of each run of ranks with the
+    same ids."""
+    out: list[tuple[int, list[int]]] = []
+    for ids in per_rank:
+        if out and out[-1][1] == ids:
+            out[-1] = (out[-1][0] + 1, ids)
+        else:
+            out.append((1, ids))
+    return out
+
+
+def _split_group(
+    group: list[tuple[int, list[int]]], num_ranks: int
+) -> tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]]] | None:
+    """``split_group``: the CP groups up to the first boundary at or past half the ranks, and
+    the rest, each widened by the fill step until it spans every rank; (later part, earlier
+    part), or ``None`` for a single CP group. Megatron asserts that CP sizes never grow from one
+    group to the next, and loops forever where a part cannot fill the ranks; here either makes
+    a group that cannot be split."""
+    sizes = [size for size, _ in group]
+    if len(group) == 1 or any(a < b for a, b in itertools.pairwise(sizes)):
+        return None
+    k = next(k for k in range(1, len(group)) if sum(sizes[:k]) >= num_ranks // 2)
+    parts = []
+    for part in (group[k:], group[:k]):
+        part = list(part)
+        while sum(size for size, _ in part) < num_ranks:
+            choice = _group_to_widen([size for size, _ in part], num_ranks)
+            if choice is None:
+                return None
+            g, extra = choice
+            part[g] = (part[g][0] + extra, part[g][1])
+        parts.append(part)
+    return parts[0], parts[1]
 
 
 def _whole_domain(
@@ -332,11 +452,17 @@ def _whole_domain(
 
 
 def schedule_dp_balanced(
-    seqs: list[tuple[int, int]], *, num_ranks: int, cp_size: int, max_seqlen_per_rank: int
+    seqs: list[tuple[int, int]],
+    *,
+    num_ranks: int,
+    cp_size: int,
+    max_seqlen_per_rank: int,
+    group_size: int = 1,
 ) -> list[list[list[int]]] | None:
     """``DpBalancedScheduler``'s groups of (id, length) ``seqs`` at one CP size, as
-    ``schedule_dynamic_cp``'s; ``None`` when there are too few sequences for every DP replica
-    to get a pack (megatron asserts)."""
+    ``schedule_dynamic_cp``'s, their number a multiple of ``group_size`` (under virtual stages,
+    ``vp_group_size``); ``None`` when there are too few sequences for that many packs (megatron
+    asserts)."""
     dp = num_ranks // cp_size
     limit = max_seqlen_per_rank * cp_size
     packs: list[list[int]] = []
@@ -347,8 +473,9 @@ def schedule_dp_balanced(
             tokens = 0
         packs[-1].append(sid)
         tokens += length
-    # Raise the pack count to a multiple of DP: single sequences off the last packs.
-    missing, i = -len(packs) % dp, len(packs) - 1
+    # Raise the pack count to a multiple of DP (x group size): single sequences off the last
+    # packs.
+    missing, i = -len(packs) % (dp * group_size), len(packs) - 1
     while missing:
         if i < 0:
             return None

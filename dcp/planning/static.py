@@ -6,8 +6,9 @@ model does; without ``cp_size``/``recompute`` it returns the fastest such config
 (the batch is then the whole run). A training run fixes its configuration once, over its own
 batches (``fixed_static_config``); ``plan_static_per_batch`` is the variant that re-chooses for
 every batch, under its own planner name. ``tuned=True`` is the static oracle, stronger than any
-static Megatron run. Besides the recompute levels, a run may use Megatron's block recompute
-(``BLOCK``). Under pipeline parallelism each replica's micro-batches run megatron's 1F1B
+static Megatron run. Besides DCP's recompute levels, a run may use Megatron's default selective
+recompute (core attention alone, ``Recompute.CORE_ATTN``) and its block recompute (``BLOCK``).
+Under pipeline parallelism each replica's micro-batches run megatron's 1F1B
 (``_plan_static_pipelined``). See docs/planner.md, 'Baselines'.
 """
 
@@ -43,12 +44,14 @@ the least N that holds the run's longest sequence (megatron's ``recompute_method
 ``recompute_layers=N``."""
 STATIC_RECOMPUTE: tuple[str, ...] = (
     Recompute.NONE.value,
+    Recompute.CORE_ATTN.value,
     Recompute.SELECTIVE.value,
     BLOCK,
     Recompute.FULL.value,
 )
-"""What a static run's one recompute setting may be, cheapest first: the recompute levels and
-``BLOCK`` (which recomputes less than ``full``)."""
+"""What a static run's one recompute setting may be, cheapest first: every recompute level
+(``core_attn`` included: megatron's default selective recompute) and ``BLOCK`` (which recomputes
+less than ``full``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

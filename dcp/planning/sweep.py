@@ -22,16 +22,18 @@ from dcp.costmodel import CostModel, load_cost_model, load_spec
 from dcp.costmodel.flops import batch_flops, cluster_throughput, peaks
 from dcp.costmodel.pipeline import PipelineCosts, describe, planning_view
 from dcp.plan import MEGATRON_DEV, PLANNERS, RECOMPUTE_LEVELS, STATIC_PER_BATCH, Plan
+from dcp.planning import PlannerOptions, plan_batch
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import pow2_sizes
-from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
-from dcp.planning.megatron import MegatronOptions, plan_megatron
-from dcp.planning.megatron_dev import DP_BALANCED, MegatronDevOptions, plan_megatron_dev
+from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions
+from dcp.planning.experts import lockstep_cp_sizes, min_cp_size
+from dcp.planning.megatron import MegatronOptions
+from dcp.planning.megatron_dev import DP_BALANCED, MegatronDevOptions
 from dcp.planning.offload import offload_what_if
 from dcp.planning.pipeline import check_plan_memory
 from dcp.planning.pipeline_planner import longest_first
 from dcp.planning.simulator import SimResult, simulate
-from dcp.planning.static import StaticOptions, config_label, plan_static, static_configs
+from dcp.planning.static import StaticOptions, config_label, static_configs
 from dcp.planning.workloads import WORKLOADS, get_workload, make_batch
 
 Log = Callable[[str], None]
@@ -84,6 +86,29 @@ NONE_FITS = "none fits"
 sequence (its ``step_time_s`` is then empty and it gets no speedup)."""
 
 
+def _plan_all(
+    planner: str,
+    options: PlannerOptions,
+    batches: list[list[int]],
+    cost_model: CostModel,
+    *,
+    plan_ms: list[float],
+    on_plan: Callable[[], None],
+) -> list[tuple[Plan, SimResult]]:
+    """``planner`` with ``options`` on every batch (``plan_batch``, so a mixture-of-experts
+    model's plans keep its EP groups whole), each plan checked and simulated on
+    ``cost_model``; each plan's milliseconds go to ``plan_ms`` and ``on_plan`` is called after
+    it."""
+    out = []
+    for b in batches:
+        start = time.perf_counter()
+        plan = plan_batch(b, cost_model=cost_model, planner=planner, options=options)
+        plan_ms.append((time.perf_counter() - start) * 1e3)
+        on_plan()
+        out.append((plan, _checked_sim(plan, b, cost_model)))
+    return out
+
+
 def _best_fixed(runs: dict[str, list[float]]) -> tuple[str, list[float]]:
     """The config with the least total time over the workload's batches."""
     if not runs:
@@ -112,12 +137,16 @@ def evaluate(
         "workload": workload_name,
         "num_sequences": statistics.mean(len(b) for b in batches),
         "tokens": statistics.mean(sum(b) for b in batches),
-        # A true bound for any plan, whatever its group shapes ...
-        "lower_bound_s": [lower_bound_s(b, cost_model) for b in batches],
+        # A true bound for any plan, whatever its group shapes (with experts: any that keeps
+        # EP groups whole) ...
+        "lower_bound_s": [
+            lower_bound_s(b, cost_model, cp_sizes=lockstep_cp_sizes(cost_model)) for b in batches
+        ],
     }
     # ... and one for plans using power-of-two groups only: the gap between the two bounds caps
     # what other group shapes could gain.
-    pow2 = pow2_sizes(cost_model.num_ranks)
+    smallest = min_cp_size(cost_model.expert_parallel_size)
+    pow2 = [c for c in pow2_sizes(cost_model.num_ranks) if c >= smallest]
     row["lower_bound_pow2_s"] = [lower_bound_s(b, cost_model, cp_sizes=pow2) for b in batches]
     piped = cost_model.pipeline_parallel_size > 1
     if LONGEST_FIRST in planners and not piped:
@@ -128,33 +157,31 @@ def evaluate(
     ):
         if name not in planners and not (name == "dcp" and LONGEST_FIRST in planners):
             continue
-        times, plan_ms, mix, offload_s, bubbles, plans = [], [], Counter(), [], [], []
-        for b in batches:
-            start = time.perf_counter()
-            try:
-                plan = plan_dcp(b, cost_model=cost_model, options=options)
-            except ValueError as exc:
-                # A batch no plan can run (pipelines: too many long sequences in flight).
-                row[name] = {"step_time_s": [], "error": str(exc)}
-                break
-            plan_ms.append((time.perf_counter() - start) * 1e3)
-            on_plan()
-            sim = _checked_sim(plan, b, cost_model)
-            times.append(sim.makespan_s)
-            bubbles.append(sim.bubble_fraction)
-            plans.append(plan)
+        plan_ms: list[float] = []
+        try:
+            planned = _plan_all(
+                "dcp", options, batches, cost_model, plan_ms=plan_ms, on_plan=on_plan
+            )
+        except ValueError as exc:
+            # A batch no plan can run (pipelines: too many long sequences in flight).
+            row[name] = {"step_time_s": [], "error": str(exc)}
+            continue
+        plans = [plan for plan, _ in planned]
+        times = [sim.makespan_s for _, sim in planned]
+        mix = Counter()
+        for plan in plans:
             for step in plan.steps:
                 partial = "" if step.recompute_layers is None else f"/{step.recompute_layers}"
                 mix[f"cp{len(step.ranks)}/{step.recompute}{partial}"] += len(step.seq_ids)
-            if name == "dcp" and not piped:
-                # GPU-only what-if (dcp.planning.offload): not a planner, never executed.
-                offload_s.append(offload_what_if(plan, b, cost_model)[0])
-        if name in row:
-            continue
         row[name] = {"step_time_s": times, "plan_ms": plan_ms, "mix": dict(sorted(mix.items()))}
         if piped:
-            row[name]["bubble_fraction"] = bubbles
-        if offload_s:
+            row[name]["bubble_fraction"] = [sim.bubble_fraction for _, sim in planned]
+        elif name == "dcp":
+            # GPU-only what-if (dcp.planning.offload): not a planner, never executed.
+            offload_s = [
+                offload_what_if(plan, b, cost_model)[0]
+                for plan, b in zip(plans, batches, strict=True)
+            ]
             row[name]["offload_what_if_s"] = offload_s
             row["offload_what_if_gain"] = sum(times) / sum(offload_s)
         if name == "dcp" and LONGEST_FIRST in planners:
@@ -163,20 +190,16 @@ def evaluate(
         if planner not in planners:
             continue
         runs, plan_ms, bubbles = {}, [], {}
-        for cp, level in static_configs(cost_model, max_seq_len):
+        for cp, level in static_configs(cost_model, max_seq_len, min_cp_size=smallest):
             options = StaticOptions(
                 cp_size=cp, recompute=level, max_seq_len=max_seq_len, tuned=tuned
             )
-            times, config_bubbles = [], []
-            for b in batches:
-                start = time.perf_counter()
-                plan = plan_static(b, cost_model=cost_model, options=options)
-                plan_ms.append((time.perf_counter() - start) * 1e3)
-                on_plan()
-                sim = _checked_sim(plan, b, cost_model)
-                times.append(sim.makespan_s)
-                config_bubbles.append(sim.bubble_fraction)
-            runs[config_label(plan)], bubbles[config_label(plan)] = times, config_bubbles
+            planned = _plan_all(
+                "static", options, batches, cost_model, plan_ms=plan_ms, on_plan=on_plan
+            )
+            label = config_label(planned[-1][0])
+            runs[label] = [sim.makespan_s for _, sim in planned]
+            bubbles[label] = [sim.bubble_fraction for _, sim in planned]
         config, times = _best_fixed(runs)
         row[planner] = {"step_time_s": times, "config": config, "plan_ms": plan_ms}
         if piped:
@@ -185,22 +208,16 @@ def evaluate(
         runs, plan_ms, unaligned, bubbles, split = {}, [], {}, {}, {}
         for level in RECOMPUTE_LEVELS:
             try:
-                per_batch, bubbles[level] = [], []
-                unaligned[level] = split[level] = 0
                 options = MegatronOptions(recompute=level)
-                for b in batches:
-                    start = time.perf_counter()
-                    plan = plan_megatron(b, cost_model=cost_model, options=options)
-                    plan_ms.append((time.perf_counter() - start) * 1e3)
-                    on_plan()
-                    sim = _checked_sim(plan, b, cost_model)
-                    per_batch.append(sim.makespan_s)
-                    bubbles[level].append(sim.bubble_fraction)
-                    unaligned[level] += plan.unaligned_steps
-                    split[level] += plan.extra.get("split_micro_batches", 0)
-                runs[level] = per_batch
+                planned = _plan_all(
+                    "megatron", options, batches, cost_model, plan_ms=plan_ms, on_plan=on_plan
+                )
             except ValueError:
                 continue  # this level cannot hold the longest sequence
+            runs[level] = [sim.makespan_s for _, sim in planned]
+            bubbles[level] = [sim.bubble_fraction for _, sim in planned]
+            unaligned[level] = sum(plan.unaligned_steps for plan, _ in planned)
+            split[level] = sum(plan.extra.get("split_micro_batches", 0) for plan, _ in planned)
         config, times = _best_fixed(runs)
         row["megatron"] = {
             "step_time_s": times,
@@ -226,25 +243,21 @@ def _megatron_dev(
     recompute level (``dyn/<level>``), and for ``dp_balanced`` one CP size that holds
     ``max_seq_len`` (``dpb/cp<c>/<level>``)."""
     configs = {f"dyn/{lv}": MegatronDevOptions(recompute=lv) for lv in RECOMPUTE_LEVELS}
-    for cp, level in static_configs(cost_model, max_seq_len):
+    smallest = min_cp_size(cost_model.expert_parallel_size)
+    for cp, level in static_configs(cost_model, max_seq_len, min_cp_size=smallest):
         if level in RECOMPUTE_LEVELS:
             options = MegatronDevOptions(mode=DP_BALANCED, cp_size=cp, recompute=level)
             configs[f"dpb/cp{cp}/{level}"] = options
     runs, bubbles, plan_ms = {}, {}, []
     for key, options in configs.items():
-        times, config_bubbles = [], []
         try:
-            for b in batches:
-                start = time.perf_counter()
-                plan = plan_megatron_dev(b, cost_model=cost_model, options=options)
-                plan_ms.append((time.perf_counter() - start) * 1e3)
-                on_plan()
-                sim = _checked_sim(plan, b, cost_model)
-                times.append(sim.makespan_s)
-                config_bubbles.append(sim.bubble_fraction)
+            planned = _plan_all(
+                MEGATRON_DEV, options, batches, cost_model, plan_ms=plan_ms, on_plan=on_plan
+            )
         except ValueError:
             continue  # this configuration cannot hold a batch
-        runs[key], bubbles[key] = times, config_bubbles
+        runs[key] = [sim.makespan_s for _, sim in planned]
+        bubbles[key] = [sim.bubble_fraction for _, sim in planned]
     config, times = _best_fixed(runs)
     entry = {"step_time_s": times, "config": config, "plan_ms": plan_ms}
     if cost_model.pipeline_parallel_size > 1:
@@ -379,7 +392,7 @@ def timed_plans(
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        plan = plan_dcp(lengths, cost_model=cost_model)
+        plan = plan_batch(lengths, cost_model=cost_model)
         times.append(time.perf_counter() - start)
     return lengths, cost_model, plan, times
 

@@ -247,7 +247,12 @@ class MicroStepExecutor:
                 ranks=registry.cp_global_ranks(ranks),
                 tp_cp_group=registry.tp_cp(ranks),
             ),
-            use_recompute(model, recompute.megatron_granularity, recompute_layers),
+            use_recompute(
+                model,
+                recompute.megatron_granularity,
+                recompute_layers,
+                modules=recompute.megatron_modules,
+            ),
         ):
             yield
 

@@ -41,12 +41,7 @@ from dcp.planning import (
     simulate,
 )
 from dcp.planning.dcp_planner import pin_label
-from dcp.planning.experts import (
-    check_expert_lockstep,
-    expert_units,
-    min_cp_size,
-    spread_over_ep_groups,
-)
+from dcp.planning.experts import check_expert_lockstep, min_cp_size
 from dcp.runtime.dispatch import train_len
 
 logger = logging.getLogger(__name__)
@@ -336,20 +331,10 @@ class BatchPlanner:
         cost_model, version = self.cost_model, self.version  # one model for the whole plan
         if forward_only:
             cost_model = cost_model.forward_only()
-        ep = self.mesh.expert_parallel_size
-        if ep > 1 and self.cfg.planner == "dcp":
-            # EP groups as the planner's ranks: every step then runs on whole EP groups.
-            pinned = _pins_in_units(pinned, ep)
-            options = self.planner_options(lengths, pinned=pinned)
-            units = expert_units(cost_model, ep)
-            plan = plan_batch(lengths, cost_model=units, planner="dcp", options=options)
-            # 0: the prediction is the simulation of the real plan below.
-            plan = dataclasses.replace(spread_over_ep_groups(plan, ep), predicted_step_time_s=0.0)
-        else:
-            options = self.planner_options(lengths, pinned=pinned)
-            plan = plan_batch(
-                lengths, cost_model=cost_model, planner=self.cfg.planner, options=options
-            )
+        # Every plan_batch plan keeps EP groups whole; a pinned CP size below EP runs at EP.
+        pinned = _pins_at_least(pinned, self.mesh.expert_parallel_size)
+        options = self.planner_options(lengths, pinned=pinned)
+        plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, options=options)
         plan.validate(num_sequences=len(lengths), num_ranks=self.num_planner_ranks)
         check_expert_lockstep(plan, self.mesh)
         if forward_only:
@@ -371,12 +356,12 @@ class BatchPlanner:
         )
 
 
-def _pins_in_units(pinned: dict[int, tuple] | None, ep: int) -> dict[int, tuple] | None:
-    """Online calibration's pinned configurations in ``expert_units``' CP sizes: CP c is c / EP
-    units, and a CP size below EP (which would split an EP group) runs at one unit, CP = EP."""
-    if not pinned:
+def _pins_at_least(pinned: dict[int, tuple] | None, ep: int) -> dict[int, tuple] | None:
+    """Online calibration's pinned configurations with a CP size below ``ep`` (which would
+    split an EP group) raised to one EP group."""
+    if not pinned or ep == 1:
         return pinned
-    return {i: (max(1, config[0] // ep), *config[1:]) for i, config in pinned.items()}
+    return {i: (max(ep, config[0]), *config[1:]) for i, config in pinned.items()}
 
 
 def with_fixed_static_config(planner: BatchPlanner, batches: Iterable[GlobalBatch]):

@@ -115,15 +115,6 @@ class DistributedConfig:
             check_range(getattr(self, name), f"distributed.{name}", gt=0, le=_MAX_TIMEOUT_S)
 
 
-EXPERT_CHECKPOINTS = (
-    "checkpoints at parallel.expert_parallel_size > 1 are not supported yet (each rank holds "
-    "only its EP group's share of the experts, and nothing reshards them): set "
-    "checkpoint.interval_steps=0 and leave init.from_checkpoint / init.from_hf unset, or train "
-    "at expert_parallel_size 1"
-)
-"""The one-line refusal of saving, resuming or initialising from weights at EP > 1."""
-
-
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     """How the launched ranks are arranged: world = PP × planner ranks × TP."""
@@ -337,8 +328,6 @@ class PretrainConfig:
                 f"(each rank of an EP group holds num_experts / {ep}), got "
                 f"{self.model.num_experts}"
             )
-        if self.checkpoint.interval_steps or self.init.from_checkpoint or self.init.from_hf:
-            raise ValueError(EXPERT_CHECKPOINTS)
         if self.planning.static_cp_size is not None and self.planning.static_cp_size < ep:
             raise ValueError(
                 f"planning.static_cp_size={self.planning.static_cp_size} would split "

@@ -64,7 +64,7 @@ from dcp.step.plan_ahead import PlanAhead
 from dcp.step.planned import PlannedSteps
 from dcp.step.recorder import StepRecorder
 from dcp.train.agree import ReportedError, agree, one_line
-from dcp.train.config import EXPERT_CHECKPOINTS, PretrainConfig
+from dcp.train.config import PretrainConfig
 from dcp.train.lock import RunLock
 from dcp.train.resume import CarriedCalibration, ConfigCheck, DataCheck, WandbRun
 from dcp.train.run_summary import FixedComparison, compare_with_fixed, summary_lines
@@ -292,8 +292,6 @@ class Trainer:
         return ckpt, state, shared
 
     def _restore(self, ckpt: Checkpoint, state: RankState, shared: dict) -> None:
-        if self.mesh.expert_parallel_size > 1:
-            raise ValueError(EXPERT_CHECKPOINTS)  # a run dir with checkpoints of another EP
         apply(state, self.runtime.model.module, self.runtime.optimizer)
         self.runtime.step = ckpt.step
         # Plain data from files: a wrong shape is one line naming the checkpoint, exit 2.

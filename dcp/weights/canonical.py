@@ -19,7 +19,15 @@ group's query heads, then its key head, then its value head; ``mlp.linear_fc1`` 
   number), and the last stage's copy of a tied embedding (``output_layer.weight``, megatron's
   ``shared_embedding``) is ``embedding.word_embeddings.weight``;
 - under virtual pipeline stages a stage's chunks (``dcp.model.ModelChunks``) prefix each
-  chunk's names with ``chunks.<v>.``, each chunk named as a stage is.
+  chunk's names with ``chunks.<v>.``, each chunk named as a stage is;
+- routed experts are numbered across the whole layer: under expert parallelism a rank holds
+  ``num_experts / EP`` of them and megatron numbers them from 0 on every rank
+  (``mlp.experts.local_experts.<j>``, megatron's ``SequentialMLP``), so local expert ``j`` of the
+  rank whose first expert is ``f`` (``MoELayer.local_expert_indices``) is canonical expert
+  ``f + j``; TE's grouped GEMM (``TEGroupedMLP``) keeps local expert ``j``'s weight at
+  ``mlp.experts.linear_fc1.weight<j>``, named the same way. The router
+  (``mlp.router.weight``) and a shared expert (``mlp.shared_experts.*``) are held whole by every
+  rank. A checkpoint therefore names each expert once, whatever the EP size that wrote it.
 
 ``canonical_state`` maps a model's state dict to canonical names and ``load_canonical`` maps
 canonical names back onto any such model, so checkpoints and the Hugging Face converter
@@ -30,6 +38,7 @@ gathered before it is named (``Runtime.state_dict``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,10 +70,39 @@ TIED_OUTPUT = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def canonical_name(name: str, layers: Mapping[int, int] | None = None) -> str:
+EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)")
+"""A canonical routed-expert tensor: (layer prefix, expert index in the layer, the rest)."""
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.)local_experts\.(\d+)\.(.+)")
+_GROUPED_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)")
+
+
+def expert_name(name: str, index: int) -> str:
+    """Canonical expert tensor ``name`` (``EXPERT``) of expert ``index`` of the same layer."""
+    match = EXPERT.fullmatch(name)
+    assert match is not None, name
+    return f"{match.group(1)}local_experts.{index}.{match.group(3)}"
+
+
+def _renumber_expert(name: str, first_expert: int) -> str:
+    """A local routed expert's name numbered across the whole layer (module docstring)."""
+    match = _LOCAL_EXPERT.fullmatch(name)
+    if match is not None:
+        head, index, rest = match.groups()
+        return f"{head}local_experts.{first_expert + int(index)}.{rest}"
+    match = _GROUPED_EXPERT.fullmatch(name)
+    if match is not None:
+        head, linear, kind, index = match.groups()
+        return f"{head}local_experts.{first_expert + int(index)}.{linear}.{kind}"
+    return name
+
+
+def canonical_name(
+    name: str, layers: Mapping[int, int] | None = None, *, first_expert: int = 0
+) -> str:
     """The canonical name of a model state-dict key (wrapper prefixes and fused norms undone);
-    ``layers`` maps a pipeline stage's layer indices to the model's (``stage_layers``)."""
-    name = _strip_wrappers(name)
+    ``layers`` maps a pipeline stage's layer indices to the model's (``stage_layers``),
+    ``first_expert`` is the layer index of this rank's first routed expert (``local_experts``)."""
+    name = _renumber_expert(_strip_wrappers(name), first_expert)
     if layers and name.startswith(_LAYERS):
         index, rest = name[len(_LAYERS) :].split(".", 1)
         name = f"{_LAYERS}{layers[int(index)]}.{rest}"
@@ -72,6 +110,17 @@ def canonical_name(name: str, layers: Mapping[int, int] | None = None) -> str:
         if name.endswith("." + te_suffix):
             return name[: -len(te_suffix)] + canonical_suffix
     return name
+
+
+def local_experts(model: torch.nn.Module) -> tuple[range, int] | None:
+    """(the layer indices of the routed experts ``model`` holds on this rank, experts per layer)
+    for each MoE layer (megatron's ``MoELayer.local_expert_indices``: the same on every layer),
+    or None without experts."""
+    for module in model.modules():
+        indices = getattr(module, "local_expert_indices", None)
+        if indices:
+            return range(indices[0], indices[-1] + 1), module.config.num_moe_experts
+    return None
 
 
 def stage_layers(model: torch.nn.Module) -> dict[int, int]:
@@ -114,9 +163,11 @@ def state_names(model: torch.nn.Module) -> dict[str, str]:
         return out
     layers = stage_layers(model)
     tied = _tied_copy(model)
+    experts = local_experts(model)
+    first_expert = experts[0].start if experts else 0
     out = {}
     for name in model.state_dict():
-        canonical = canonical_name(name, layers)
+        canonical = canonical_name(name, layers, first_expert=first_expert)
         out[name] = EMBEDDING if tied and canonical == TIED_OUTPUT else canonical
     return out
 
@@ -130,9 +181,15 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
 def held_elsewhere(name: str, model: torch.nn.Module) -> bool:
     """Whether canonical ``name`` is a tensor of another pipeline stage of ``model``'s pipeline
     (``model`` is one stage): a layer outside its range, the embedding of a later stage's, the
-    final norm or output layer of an earlier one's. Without pipeline parallelism: never."""
+    final norm or output layer of an earlier one's; or a routed expert of the layer that another
+    rank of ``model``'s expert-parallel group holds. Without pipeline or expert parallelism:
+    never."""
     inner = _inner(model)
     config = getattr(inner, "config", None)  # a module that is not megatron's: no stages
+    expert = EXPERT.fullmatch(name)
+    experts = local_experts(model) if expert is not None else None
+    if experts is not None and int(expert.group(2)) not in experts[0]:
+        return int(expert.group(2)) < experts[1]  # an index beyond the layer's: no rank's
     if getattr(config, "pipeline_model_parallel_size", 1) <= 1:
         return False
     if name.startswith(_LAYERS):

@@ -38,7 +38,12 @@ from dcp.weights.hf import (
     hf_shape,
     is_ignored,
 )
-from dcp.weights.hf_config import read_json_object, read_model_config
+from dcp.weights.hf_config import (
+    closest_architecture,
+    moe_architecture,
+    read_json_object,
+    read_model_config,
+)
 from dcp.weights.tensor_parallel import local_slice, tp_coordinates
 
 logger = logging.getLogger(__name__)
@@ -239,7 +244,8 @@ def load_hf_weights(
 
 def load_hf_model(hf_dir: str | os.PathLike, **overrides: Any):
     """A megatron-core ``GPTModel`` with DCP's layer spec and the weights of the local Hugging
-    Face directory ``hf_dir`` (Llama, Mistral, Qwen2, Qwen3), ready for ``DCPEngine``.
+    Face directory ``hf_dir`` (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE), ready for
+    ``DCPEngine``; under expert parallelism each rank loads the experts it holds.
 
     ``overrides`` replace ``ModelConfig`` fields derived from ``config.json``, e.g.
     ``max_seq_len=32768`` or ``dtype="bf16"``. Megatron's parallel state must be initialised
@@ -314,7 +320,7 @@ def export_kind(cfg: ModelConfig, extra: dict[str, Any]) -> str:
     kind = extra.get("hf_model_type")
     if kind:
         return kind
-    return "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
+    return closest_architecture(cfg) or moe_architecture(cfg)  # the latter refuses, saying why
 
 
 def tokenizer_dir(run_config: dict[str, Any]) -> Path | None:

@@ -1,4 +1,5 @@
-"""Hugging Face Llama/Mistral/Qwen2/Qwen3 tensors ↔ DCP's canonical tensors, one at a time.
+"""Hugging Face Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE tensors ↔ DCP's canonical tensors,
+one at a time.
 
 HF keeps query, key and value (and gate and up) as separate matrices; the canonical layout
 fuses them (``dcp.weights.canonical``). ``HFToCanonical`` buffers the parts of one fused tensor
@@ -8,6 +9,11 @@ and slices: no arithmetic touches a value, so HF → DCP → HF is bit-identical
 
 Vocabulary padding (``ModelConfig.make_vocab_size_divisible_by``): import appends zero rows to
 the embedding and output matrices up to ``padded_vocab_size``; export drops them.
+
+Experts: a mixture-of-experts layer holds a router (HF's ``gate``, canonical ``mlp.router``) and
+per expert ``i`` a gate, an up and a down projection (Mixtral's ``w1``, ``w3``, ``w2``) under
+the layer's MoE block (``EXPERT_NAMES``), which become canonical expert ``i``'s ``linear_fc1``
+(``[gate; up]``) and ``linear_fc2`` (``dcp.weights.canonical``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from dcp.model import ModelConfig
 from dcp.weights.canonical import repad_vocab
+from dcp.weights.hf_config import moe_architecture
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _CANONICAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -59,6 +66,45 @@ _GLOBAL = {
 }
 _GLOBAL_TO_HF = {c: hf for hf, c in _GLOBAL.items()}
 
+EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", {"w1": "gate", "w3": "up", "w2": "down"}),
+    "qwen3_moe": ("mlp", {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}),
+}
+"""Architecture → (its MoE block within a layer, each expert projection's role)."""
+_HF_EXPERT = re.compile(r"(\w+)\.experts\.(\d+)\.(\w+)\.weight")
+_CANONICAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+ROUTER = "mlp.router.weight"
+
+
+def _moe_block(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
+    return EXPERT_NAMES[moe_architecture(cfg)]
+
+
+def _router(cfg: ModelConfig) -> str | None:
+    """The HF suffix of a layer's router in ``cfg`` (None for a dense model)."""
+    return None if cfg.num_experts is None else f"{_moe_block(cfg)[0]}.gate.weight"
+
+
+def _hf_expert(suffix: str, cfg: ModelConfig) -> tuple[int, str] | None:
+    """(expert index, role: gate, up or down) of the HF layer tensor ``suffix`` when it is one
+    of ``cfg``'s routed experts, else None."""
+    if cfg.num_experts is None:
+        return None
+    match = _HF_EXPERT.fullmatch(suffix)
+    block, roles = _moe_block(cfg)
+    if match is None or match.group(1) != block or match.group(3) not in roles:
+        return None
+    index = int(match.group(2))
+    return (index, roles[match.group(3)]) if index < cfg.num_experts else None
+
+
+def _expert_suffixes(cfg: ModelConfig) -> Iterator[str]:
+    """The HF suffixes of one layer's router and routed experts, in model order."""
+    block, roles = _moe_block(cfg)
+    yield _router(cfg)
+    for i in range(cfg.num_experts):
+        yield from (f"{block}.experts.{i}.{name}.weight" for name in roles)
+
 
 def is_ignored(hf_name: str) -> bool:
     """Whether the HF tensor ``hf_name`` is dropped on import: the RoPE table some older
@@ -77,10 +123,13 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (kv, hidden),
         "self_attn.o_proj.weight": (hidden, q),
         "post_attention_layernorm.weight": (hidden,),
-        "mlp.gate_proj.weight": (ffn, hidden),
-        "mlp.up_proj.weight": (ffn, hidden),
-        "mlp.down_proj.weight": (hidden, ffn),
     }
+    if cfg.num_experts is None:
+        shapes |= {
+            "mlp.gate_proj.weight": (ffn, hidden),
+            "mlp.up_proj.weight": (ffn, hidden),
+            "mlp.down_proj.weight": (hidden, ffn),
+        }
     if cfg.add_qkv_bias:
         shapes |= {
             "self_attn.q_proj.bias": (q,),
@@ -102,7 +151,13 @@ def hf_shape(hf_name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
     match = _HF_LAYER.fullmatch(hf_name)
     if match is None or int(match.group(1)) >= cfg.num_layers:
         return None
-    return _layer_shapes(cfg).get(match.group(2))
+    suffix, expert = match.group(2), _hf_expert(match.group(2), cfg)
+    hidden, expert_ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    if suffix == _router(cfg):
+        return (cfg.num_experts, hidden)
+    if expert is not None:
+        return (hidden, expert_ffn) if expert[1] == "down" else (expert_ffn, hidden)
+    return _layer_shapes(cfg).get(suffix)
 
 
 def hf_names(cfg: ModelConfig) -> Iterator[str]:
@@ -112,6 +167,8 @@ def hf_names(cfg: ModelConfig) -> Iterator[str]:
     suffixes = list(_layer_shapes(cfg))
     for layer in range(cfg.num_layers):
         yield from (f"model.layers.{layer}.{suffix}" for suffix in suffixes)
+        if cfg.num_experts is not None:
+            yield from (f"model.layers.{layer}.{suffix}" for suffix in _expert_suffixes(cfg))
     yield _GLOBAL_TO_HF[FINAL_NORM]
     if not cfg.tie_embeddings:
         yield _GLOBAL_TO_HF[OUTPUT]
@@ -124,12 +181,14 @@ def canonical_names(cfg: ModelConfig) -> list[str]:
         layer.append("self_attention.linear_qkv.bias")
     if cfg.qk_layernorm:
         layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-    layer += [
-        "self_attention.linear_proj.weight",
-        "pre_mlp_layernorm.weight",
-        "mlp.linear_fc1.weight",
-        "mlp.linear_fc2.weight",
-    ]
+    layer += ["self_attention.linear_proj.weight", "pre_mlp_layernorm.weight"]
+    if cfg.num_experts is None:
+        layer += ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    else:
+        layer.append(ROUTER)
+        for i in range(cfg.num_experts):
+            expert = f"mlp.experts.local_experts.{i}."
+            layer += [expert + "linear_fc1.weight", expert + "linear_fc2.weight"]
     names = [EMBEDDING]
     names += [f"decoder.layers.{i}.{s}" for i in range(cfg.num_layers) for s in layer]
     names.append(FINAL_NORM)
@@ -213,17 +272,33 @@ class HFToCanonical:
         if layer >= self.cfg.num_layers:
             raise ValueError(f"tensor {hf_name!r}: the config has {self.cfg.num_layers} layers")
         prefix = f"decoder.layers.{layer}."
+        if hf_shape(hf_name, self.cfg) is None:  # e.g. a dense MLP in a mixture of experts
+            raise ValueError(f"unexpected tensor {hf_name!r} in the Hugging Face checkpoint")
         if suffix in _ONE_TO_ONE:
             return [self._emit(prefix + _ONE_TO_ONE[suffix], tensor)]
-        if suffix not in _PART_OF:
-            raise ValueError(f"unexpected tensor {hf_name!r} in the Hugging Face checkpoint")
+        if suffix == _router(self.cfg):
+            return [self._emit(prefix + ROUTER, tensor)]
+        expert = _hf_expert(suffix, self.cfg)
+        if expert is not None:
+            index, role = expert
+            head = f"{prefix}mlp.experts.local_experts.{index}."
+            if role == "down":
+                return [self._emit(head + "linear_fc2.weight", tensor)]
+            return self._part(hf_name, head + "linear_fc1.weight", role, tensor)
         target, part = _PART_OF[suffix]
-        name = prefix + target
+        return self._part(hf_name, prefix + target, part, tensor)
+
+    def _part(
+        self, hf_name: str, name: str, part: str, tensor: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Buffer ``tensor`` as part ``part`` of the fused canonical tensor ``name``; the fused
+        tensor once every part has arrived."""
         parts = self._pending.setdefault(name, {})
         if part in parts:
             raise ValueError(f"tensor {hf_name!r} appears twice")
         parts[part] = tensor
-        if len(parts) < len(_FUSED_PARTS[_fused_kind(target)]):
+        kind = "linear_fc1" if ".linear_fc1." in name else "linear_qkv"
+        if len(parts) < len(_FUSED_PARTS[kind]):
             return []
         del self._pending[name]
         return [self._emit(name, _fuse(name, parts, self.cfg))]
@@ -264,6 +339,22 @@ def canonical_to_hf(
     if match is None:
         raise ValueError(f"canonical tensor {name!r} has no Hugging Face counterpart")
     prefix, suffix = f"model.layers.{match.group(1)}.", match.group(2)
+    if cfg.num_experts is not None and suffix == ROUTER:
+        yield prefix + _router(cfg), tensor
+        return
+    expert = _CANONICAL_EXPERT.fullmatch(suffix)
+    if cfg.num_experts is not None and expert is not None:
+        block, roles = _moe_block(cfg)
+        hf_of = {
+            role: f"{prefix}{block}.experts.{expert.group(1)}.{n}.weight"
+            for n, role in roles.items()
+        }
+        if expert.group(2) == "linear_fc2":
+            yield hf_of["down"], tensor
+            return
+        for part, piece in _split(name, tensor, cfg).items():
+            yield hf_of[part], piece
+        return
     if suffix in _CANONICAL_TO_HF:
         yield prefix + _CANONICAL_TO_HF[suffix], tensor
         return

@@ -1,7 +1,13 @@
 """Hugging Face ``config.json`` ↔ ``ModelConfig`` for the architectures DCP's model can express.
 
 Supported: ``llama`` (Llama 2/3/3.x), ``mistral`` (without a sliding window), ``qwen2``
-(Qwen2/2.5: QKV biases) and ``qwen3`` (QK-norm, explicit head dim). A field whose value DCP's
+(Qwen2/2.5: QKV biases), ``qwen3`` (QK-norm, explicit head dim), and the mixtures of experts
+``mixtral`` (Mixtral) and ``qwen3_moe`` (Qwen3-MoE: QK-norm, every layer sparse). Their routers
+are megatron's default: the top-k of the router logits, their softmax (a softmax over all
+experts renormalised over the top k, which is Mixtral's and Qwen3-MoE's with
+``norm_topk_prob``), dropless. DCP trains without a router load-balancing loss, so
+``output_router_logits`` (which adds HF's ``router_aux_loss_coef`` × its aux loss to the loss)
+is refused and ``router_aux_loss_coef`` has no effect without it. A field whose value DCP's
 model cannot reproduce raises ``ValueError`` naming it; fields that do not change the forward
 pass (token ids, cache flags, dtype hints) are ignored, and any field this module does not know
 is reported in a warning, never dropped silently. Both ``rope_theta``/``rope_scaling`` (older
@@ -27,8 +33,11 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 """Supported ``model_type`` → the ``transformers`` class that loads it."""
+MIXTURES_OF_EXPERTS = ("mixtral", "qwen3_moe")
 
 # Fields with no effect on the forward pass: generation, tokens, bookkeeping, dtype hints.
 _IGNORED = {
@@ -41,6 +50,13 @@ _IGNORED = {
     "rope_theta", "rope_scaling", "rope_parameters", "head_dim", "use_sliding_window",
     "sliding_window", "layer_types", "attention_bias", "mlp_bias", "attention_dropout",
     "hidden_act", "partial_rotary_factor", "use_mrope", "use_qk_norm",
+}  # fmt: skip
+# The experts' fields of MIXTURES_OF_EXPERTS: checked by ``_experts``, or only used with
+# ``output_router_logits`` (refused). Unknown, so reported, in a dense architecture's file.
+_EXPERT_FIELDS = {
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "output_router_logits",
+    "router_jitter_noise", "router_aux_loss_coef",
 }  # fmt: skip
 _MAPPED = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -142,6 +158,46 @@ def _check_sizes(hf: Mapping[str, Any]) -> None:
         )
 
 
+def moe_architecture(cfg: ModelConfig) -> str:
+    """The Hugging Face architecture of a mixture-of-experts ``cfg``: ``qwen3_moe`` with QK-norm,
+    ``mixtral`` without (what import derives and export writes: ``hf_config_from_model``)."""
+    return "qwen3_moe" if cfg.qk_layernorm else "mixtral"
+
+
+def closest_architecture(cfg: ModelConfig) -> str | None:
+    """The supported architecture with ``cfg``'s features (QKV biases, QK-norm, experts), None
+    when there is none."""
+    if cfg.num_experts is not None:
+        return None if cfg.add_qkv_bias else moe_architecture(cfg)
+    return "qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama"
+
+
+def _experts(hf: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """The ``ModelConfig`` expert fields of a mixture-of-experts ``hf`` (ValueError naming a
+    config.json field DCP's model cannot reproduce)."""
+    count = "num_local_experts" if kind == "mixtral" else "num_experts"
+    if count not in hf and kind == "qwen3_moe":  # transformers >= 5 writes the other name
+        count = "num_local_experts"
+    sizes = [count, "num_experts_per_tok"] + (["moe_intermediate_size"] * (kind == "qwen3_moe"))
+    for field in sizes:
+        value = hf.get(field)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"config.json {field}={value!r} must be a positive integer")
+    experts, topk = hf[count], hf["num_experts_per_tok"]
+    # megatron takes the top k logits and their softmax: at k = 1 that is 1 whatever the logit.
+    _require(hf, "num_experts_per_tok", 2 <= topk <= experts, f"2 to {count}={experts}")
+    _require(hf, "output_router_logits", not hf.get("output_router_logits"), "false only")
+    if kind == "mixtral":
+        _require(hf, "router_jitter_noise", not hf.get("router_jitter_noise"), "0 only")
+        return dict(num_experts=experts, moe_router_topk=topk)
+    _require(hf, "norm_topk_prob", hf.get("norm_topk_prob") is True, "true only")
+    _require(hf, "decoder_sparse_step", hf.get("decoder_sparse_step", 1) == 1, "1 only")
+    _require(hf, "mlp_only_layers", not hf.get("mlp_only_layers"), "none: every layer sparse")
+    return dict(
+        num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=hf["moe_intermediate_size"]
+    )
+
+
 def _require(hf: Mapping[str, Any], field: str, ok: bool, allowed: str) -> None:
     if not ok:
         raise ValueError(
@@ -161,11 +217,11 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
     _require(hf, "mlp_bias", not hf.get("mlp_bias", False), "no MLP biases")
     _require(hf, "attention_dropout", not hf.get("attention_dropout", 0.0), "0 only")
     _require(hf, "partial_rotary_factor", hf.get("partial_rotary_factor", 1.0) == 1.0, "1.0 only")
-    if kind in ("llama", "mistral", "qwen3"):
+    if kind != "qwen2":
         _require(hf, "attention_bias", not hf.get("attention_bias", False), "false only")
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         _require(hf, "sliding_window", hf.get("sliding_window") is None, "null only")
-    if kind in ("qwen2", "qwen3"):
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):
         _require(hf, "use_sliding_window", not hf.get("use_sliding_window", False), "false only")
     layer_types = hf.get("layer_types")
     _require(
@@ -174,7 +230,8 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
         layer_types is None or set(layer_types) <= {"full_attention"},
         "full_attention only",
     )
-    unknown = sorted(set(hf) - _IGNORED - _MAPPED)
+    known = _IGNORED | _MAPPED | (_EXPERT_FIELDS if kind in MIXTURES_OF_EXPERTS else set())
+    unknown = sorted(set(hf) - known)
     if unknown:
         logger.warning("config.json fields not used by DCP's model: %s", unknown)
 
@@ -198,8 +255,10 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
         norm_eps=float(hf["rms_norm_eps"]),
         init_std=float(hf.get("initializer_range", 0.02)),
         add_qkv_bias=kind == "qwen2",
-        qk_layernorm=kind == "qwen3",
+        qk_layernorm=kind in ("qwen3", "qwen3_moe"),
     )
+    if kind in MIXTURES_OF_EXPERTS:
+        fields.update(_experts(hf, kind))
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -208,12 +267,27 @@ def hf_config_from_model(cfg: ModelConfig, *, kind: str) -> dict[str, Any]:
     """A ``config.json`` for ``cfg`` as architecture ``kind`` (a key of ``ARCHITECTURES``)."""
     if kind not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {kind!r}; supported: {sorted(ARCHITECTURES)}")
-    wants_bias, wants_qk_norm = kind == "qwen2", kind == "qwen3"
-    if cfg.add_qkv_bias != wants_bias or cfg.qk_layernorm != wants_qk_norm:
+    wants_bias, wants_qk_norm = kind == "qwen2", kind in ("qwen3", "qwen3_moe")
+    wants_experts = kind in MIXTURES_OF_EXPERTS
+    if (
+        cfg.add_qkv_bias != wants_bias
+        or cfg.qk_layernorm != wants_qk_norm
+        or (cfg.num_experts is not None) != wants_experts
+    ):
+        closest = closest_architecture(cfg)
         raise ValueError(
-            f"model (add_qkv_bias={cfg.add_qkv_bias}, qk_layernorm={cfg.qk_layernorm}) cannot "
-            f"be written as {kind}; use "
-            + ("qwen2" if cfg.add_qkv_bias else "qwen3" if cfg.qk_layernorm else "llama")
+            f"model (add_qkv_bias={cfg.add_qkv_bias}, qk_layernorm={cfg.qk_layernorm}, "
+            f"num_experts={cfg.num_experts}) cannot be written as {kind}; "
+            + (
+                f"use {closest}"
+                if closest
+                else "no supported architecture has experts and QKV biases"
+            )
+        )
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        raise ValueError(
+            f"model.moe_shared_expert_intermediate_size={cfg.moe_shared_expert_intermediate_size}"
+            f": {kind} has no shared expert, so the model cannot be written as {kind}"
         )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
     if cfg.rope_scaling is not None:
@@ -245,13 +319,35 @@ def hf_config_from_model(cfg: ModelConfig, *, kind: str) -> dict[str, Any]:
     }
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if kind in ("llama", "qwen3"):
+    if kind in ("llama", "qwen3", "mixtral", "qwen3_moe"):
         out["attention_bias"] = False
     if kind == "llama":
         out["mlp_bias"] = False
     if kind == "mistral":
         out["sliding_window"] = None
-    if kind in ("qwen2", "qwen3"):
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):
         out["use_sliding_window"] = False
         out["sliding_window"] = None
+    if wants_experts:
+        out |= {
+            "num_experts_per_tok": cfg.moe_router_topk,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.0,  # DCP trains without a router loss
+        }
+    expert_ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    if kind == "mixtral":
+        out |= {
+            "num_local_experts": cfg.num_experts,
+            "intermediate_size": expert_ffn,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    if kind == "qwen3_moe":
+        out |= {
+            "num_experts": cfg.num_experts,
+            "moe_intermediate_size": expert_ffn,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
     return out

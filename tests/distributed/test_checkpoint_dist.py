@@ -3,7 +3,9 @@ written at one layout continues training at another with the same losses and wei
 uninterrupted run (model, fp32 main parameters and Adam's moments resharded), for the
 distributed optimizer and the replicated one; an asynchronous save publishes only once every
 rank's writer finished. Under pipeline parallelism each stage writes its own layers and a load
-at another PP size (or none) reads the layers it holds.
+at another PP size (or none) reads the layers it holds. Under expert parallelism each routed
+expert is written once under its index in the layer, and a load at another EP size reads the
+experts each rank holds.
 """
 
 from __future__ import annotations
@@ -22,29 +24,38 @@ DOCS = make_docs(LENGTHS, seed=3)
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 
 
-def _plan(num_planner_ranks: int):
-    """Sequence i on planner rank i mod P at CP = 1 (uneven counts), the longest at CP = 2."""
+def _plan(num_planner_ranks: int, min_cp: int = 1):
+    """Sequence i on block i mod (P / ``min_cp``) of ``min_cp`` planner ranks (uneven counts),
+    the longest on two such blocks (one if there is one)."""
     from dcp.plan import MicroStep, Plan, Recompute
 
+    blocks = num_planner_ranks // min_cp
     steps = [
-        MicroStep(ranks=(i % num_planner_ranks,), seq_ids=(i,), recompute=Recompute.NONE)
+        MicroStep(
+            ranks=tuple(range(i % blocks * min_cp, (i % blocks + 1) * min_cp)),
+            seq_ids=(i,),
+            recompute=Recompute.NONE,
+        )
         for i in range(len(LENGTHS))
         if i != 2
     ]
-    if num_planner_ranks >= 2:
-        steps.append(MicroStep(ranks=(0, 1), seq_ids=(2,), recompute=Recompute.FULL))
-    else:
-        steps.append(MicroStep(ranks=(0,), seq_ids=(2,), recompute=Recompute.FULL))
+    longest = tuple(range(min(2 * min_cp, num_planner_ranks)))
+    steps.append(MicroStep(ranks=longest, seq_ids=(2,), recompute=Recompute.FULL))
     return Plan(steps=tuple(steps), planner="test")
 
 
-def _mesh(tp: int, pp: int = 1):
+def _mesh(tp: int, pp: int = 1, ep: int = 1):
     from dcp.mesh import Mesh
 
-    return Mesh(dist.get_world_size(), tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    return Mesh(
+        dist.get_world_size(),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        expert_parallel_size=ep,
+    )
 
 
-def _runtime(tp: int, distributed: bool, pp: int = 1, model: dict | None = None):
+def _runtime(tp: int, distributed: bool, pp: int = 1, model: dict | None = None, ep: int = 1):
     import dataclasses
 
     from dcp.model import ModelConfig
@@ -55,26 +66,29 @@ def _runtime(tp: int, distributed: bool, pp: int = 1, model: dict | None = None)
         ModelConfig(**{**TINY, "make_vocab_size_divisible_by": 8, **(model or {})}),
         optim,
         seed=SEED,
-        mesh=_mesh(tp, pp),
+        mesh=_mesh(tp, pp, ep),
     )
 
 
 def _steps(runtime, tp: int, n: int, pp: int = 1) -> list[float]:
     from dcp.runtime.dispatch import InMemorySource
 
-    plan = _plan(dist.get_world_size() // (tp * pp))
+    min_cp = 2 if (runtime.model.config.num_moe_experts or 0) else 1  # whole EP groups at EP 2
+    plan = _plan(dist.get_world_size() // (tp * pp), min_cp)
     return [runtime.train_step(plan, InMemorySource(DOCS)).loss for _ in range(n)]
 
 
 def _weights(runtime) -> dict:
-    """Every stage's whole weights by canonical name (each stage's planner rank 0 sends)."""
+    """Every stage's whole weights by canonical name (each stage's planner ranks of the first
+    EP group send: together they hold every expert)."""
     from dcp.collectives import all_gather_object
     from dcp.weights.canonical import state_names
 
     names = state_names(runtime.model.module)
     mine = {names[n]: w for n, w in to_numpy(runtime.weights().items()).items()}
+    sends = runtime.registry.planner_rank < runtime.registry.mesh.expert_parallel_size
     merged: dict = {}
-    for part in all_gather_object(mine if runtime.registry.planner_rank == 0 else {}):
+    for part in all_gather_object(mine if sends else {}):
         merged.update(part)
     return merged
 
@@ -86,15 +100,16 @@ def train_save_continue(
     asynchronous: bool,
     pp: int = 1,
     model: dict | None = None,
+    ep: int = 1,
 ) -> dict:
     """``STEPS_BEFORE`` steps, a checkpoint, ``STEPS_AFTER`` more: losses and final weights."""
     from dcp.checkpoint import CheckpointSaver
     from dcp.checkpoint.state import runtime_parts
 
     try:
-        runtime = _runtime(tp, distributed, pp, model)
+        runtime = _runtime(tp, distributed, pp, model, ep)
         before = _steps(runtime, tp, STEPS_BEFORE, pp)
-        saver = CheckpointSaver(Path(root), mesh=_mesh(tp, pp), rank=dist.get_rank())
+        saver = CheckpointSaver(Path(root), mesh=_mesh(tp, pp, ep), rank=dist.get_rank())
         shared = {"sampler": None, "scheduler": {"step": STEPS_BEFORE}, "extra": {}}
         saver.save(
             STEPS_BEFORE,
@@ -122,16 +137,16 @@ def train_save_continue(
 
 
 def resume_and_continue(
-    root: str, tp: int, distributed: bool, pp: int = 1, model: dict | None = None
+    root: str, tp: int, distributed: bool, pp: int = 1, model: dict | None = None, ep: int = 1
 ) -> dict:
-    """A fresh runtime at (this world, ``tp``, ``pp``) resumed from the checkpoint: the next
-    losses."""
+    """A fresh runtime at (this world, ``tp``, ``pp``, ``ep``) resumed from the checkpoint: the
+    next losses."""
     from dcp.checkpoint import apply, open_checkpoint, resolve_checkpoint
 
     try:
-        runtime = _runtime(tp, distributed, pp, model)
+        runtime = _runtime(tp, distributed, pp, model, ep)
         ckpt = open_checkpoint(resolve_checkpoint(root))
-        mesh = _mesh(tp, pp)
+        mesh = _mesh(tp, pp, ep)
         state = ckpt.read(runtime.model.module, runtime.optimizer, rank=dist.get_rank(), mesh=mesh)
         apply(state, runtime.model.module, runtime.optimizer)
         runtime.step = ckpt.step
@@ -144,6 +159,7 @@ def resume_and_continue(
                 ckpt.mesh.tensor_parallel_size,
                 ckpt.mesh.pipeline_parallel_size,
             ),
+            "saved_ep": ckpt.mesh.expert_parallel_size,
         }
     finally:
         cleanup()
@@ -200,3 +216,76 @@ def test_a_checkpoint_at_pp2_continues_at_other_pipeline_sizes(tmp_path, tied):
         assert _close(reference["after"], resumed["after"]), (world, pp, reference, resumed)
         assert set(resumed["weights"]) == set(reference["weights"])
         _assert_same_weights(reference, resumed, f"{world} ranks, PP {pp}")
+
+
+EXPERTS = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}
+EXPERTS_SHARED = {**EXPERTS, "moe_shared_expert_intermediate_size": 32}
+
+
+def expert_checkpoints(root: str, model: dict) -> dict:
+    """One launch of 4 ranks: EP 2 saves and continues, then resumes at EP 2 and at EP 1; EP 1
+    saves and continues, then resumes at EP 2 (each run's parallel state torn down before the
+    next)."""
+    return {
+        "ep2": train_save_continue(f"{root}/ep2", 1, True, True, model=model, ep=2),
+        "ep2 at ep2": resume_and_continue(f"{root}/ep2", 1, True, model=model, ep=2),
+        "ep2 at ep1": resume_and_continue(f"{root}/ep2", 1, True, model=model, ep=1),
+        "ep1": train_save_continue(f"{root}/ep1", 1, True, True, model=model, ep=1),
+        "ep1 at ep2": resume_and_continue(f"{root}/ep1", 1, True, model=model, ep=2),
+        "unknown expert": read_an_expert_beyond_the_layer(f"{root}/ep2", model),
+    }
+
+
+def read_an_expert_beyond_the_layer(root: str, model: dict) -> str:
+    """The EP 2 checkpoint with expert 3 of layer 0 renamed expert 4 (manifest and digests
+    rewritten to match): what ``read_model`` at EP 2 says, before any tensor is read."""
+    import json
+
+    from dcp.checkpoint import open_checkpoint, resolve_checkpoint
+    from tests.payload import rewrite_manifest
+
+    path = resolve_checkpoint(root)
+    if dist.get_rank() == 0:
+        manifest = json.loads((path / "manifest.json").read_text())
+        for name in [n for n in manifest["model"] if ".0.mlp.experts.local_experts.3." in n]:
+            manifest["model"][name.replace(".local_experts.3.", ".local_experts.4.")] = manifest[
+                "model"
+            ].pop(name)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        rewrite_manifest(path)
+    dist.barrier()
+    try:
+        runtime = _runtime(1, True, model=model, ep=2)
+        try:
+            open_checkpoint(path).read_model(runtime.model.module)
+        except ValueError as exc:
+            return str(exc)
+        return "read"
+    finally:
+        cleanup()
+
+
+def test_a_checkpoint_at_ep2_continues_at_ep1_and_back(tmp_path):
+    """Each routed expert is written once, by one rank holding it (a second writer would give
+    its canonical name two shards, which the manifest refuses), under its index in the layer:
+    EP 2 → EP 2, EP 2 → EP 1 and EP 1 → EP 2 continue with the uninterrupted losses and
+    weights, every expert, the router and the shared expert included."""
+    out = run_on_ranks(4, expert_checkpoints, str(tmp_path), EXPERTS_SHARED, timeout_s=300)[0]
+    for saved, resumed_as, ep in (
+        ("ep2", "ep2 at ep2", 2),
+        ("ep2", "ep2 at ep1", 2),
+        ("ep1", "ep1 at ep2", 1),
+    ):
+        reference, resumed = out[saved], out[resumed_as]
+        assert resumed["saved_ep"] == ep
+        assert resumed["rng_carried"] == (resumed_as == "ep2 at ep2")
+        assert _close(reference["after"], resumed["after"]), (resumed_as, reference, resumed)
+        experts = {n for n in reference["weights"] if ".local_experts." in n}
+        assert {int(n.split(".local_experts.")[1].split(".")[0]) for n in experts} == {0, 1, 2, 3}
+        assert any(".shared_experts." in n for n in reference["weights"]), resumed_as
+        assert set(resumed["weights"]) == set(reference["weights"])
+        _assert_same_weights(reference, resumed, resumed_as)
+    # An expert index no layer has is named, in one line, before anything is read.
+    message = out["unknown expert"]
+    assert "\n" not in message and "not in the model" in message, message
+    assert "decoder.layers.0.mlp.experts.local_experts.4.linear_fc1.weight" in message, message

@@ -1,7 +1,9 @@
-"""Partial full recompute (``MicroStep.recompute_layers``): parity and megatron's settings.
+"""Partial full recompute (``MicroStep.recompute_layers``) and the other levels: parity and
+megatron's settings.
 
 A 4-layer tiny model, so a full step may recompute 1, 2 or 3 of its layers (4 is all). Plans mix
-several N with the other levels and give ranks uneven micro-step counts; loss and every gradient
+several N with the other levels (``core_attn`` among them) and give ranks uneven micro-step
+counts; what each level re-runs in the backward is counted; loss and every gradient
 must equal the single-process reference (relative error <= 1e-5) at TP = 1 and TP = 2. The
 TP = 2 launch and the expert-parallel one (EP 2, EP 4, EP 2 x PP 2 and EP 2 x PP 2 x VP 2, one
 after another on the same 4 ranks) train a mixture-of-experts model (``EXPERTS``: every layer 4
@@ -54,7 +56,8 @@ PLANS = {
     ),
     "partial_cp2_then_cp1": plan(
         step([0, 1], [0, 5], "full", 2),
-        step([0], [1, 2, 3], "none"),
+        step([0, 1], [1, 2], "core_attn"),  # megatron's default selective: core attention alone
+        step([0], [3], "none"),
         step([1], [4], "full", 1),
         step([1], [6, 7], "full", 3),
     ),
@@ -206,19 +209,12 @@ def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
                 ),
             )
             local = EXPERTS["num_experts"] // ps.get_expert_model_parallel_world_size()
-            first = ps.get_expert_model_parallel_rank() * local
+            # Canonical names: every stage's layers and every EP rank's experts numbered as in
+            # the whole model.
             names = state_names(runtime.model.module)
-
-            def whole_name(name: str, names=names, first=first) -> str:
-                head, sep, tail = names[name].partition(".local_experts.")
-                if not sep:
-                    return head
-                index, rest = tail.split(".", 1)
-                return f"{head}{sep}{first + int(index)}.{rest}"
-
             with torch.no_grad():
                 for n, param in runtime.named_parameters():
-                    param.copy_(torch.from_numpy(initial[whole_name(n)]))
+                    param.copy_(torch.from_numpy(initial[names[n]]))
             if refused_plan is not None and not out:
                 try:
                     runtime.forward_backward(Plan.from_dict(refused_plan), source)
@@ -228,7 +224,7 @@ def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
             calls[0] = 0
             result = runtime.forward_backward(Plan.from_dict(case_plan), source)
             grads: dict = {}
-            mine = {whole_name(n): g for n, g in to_numpy(runtime.grads().items()).items()}
+            mine = {names[n]: g for n, g in to_numpy(runtime.grads().items()).items()}
             for part in all_gather_object(mine):
                 grads.update(part)
             out[name] = {
@@ -245,15 +241,29 @@ def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
 
 
 def test_use_recompute_sets_block_method_and_restores():
-    seen = run_on_ranks(1, recompute_settings)[0]
+    seen = run_on_ranks(1, recompute_settings, DOCS)[0]
     assert seen["inside"] == ("full", "block", 3), seen
     assert seen["whole"] == ("full", "uniform", 1), seen
     assert seen["after"] == seen["before"], seen
     assert "between 1 and the model's 4 layers" in seen["too_many"], seen
+    # Forwards of core attention and of the MLP over a one-step plan's forward and backward, all
+    # 4 layers: each level re-runs what it names, megatron's default selective core attention
+    # alone.
+    assert seen["runs"] == {
+        "none": (4, 4),
+        "core_attn": (8, 4),
+        "selective": (8, 8),
+        "full": (8, 8),
+    }, seen
+    assert seen["core_attn_modules"] == ["core_attn"], seen
 
 
-def recompute_settings() -> dict:
-    """Rank body: megatron's config fields inside ``use_recompute`` with and without N."""
+def recompute_settings(docs) -> dict:
+    """Rank body: megatron's config fields inside ``use_recompute`` with and without N, and how
+    often each level runs core attention and the MLP over a plan step of ``docs``."""
+    from dcp.plan import Plan, Recompute
+    from dcp.runtime.dispatch import InMemorySource
+
     try:
         runtime = Runtime.from_config(
             ModelConfig(**{**TINY, **MODEL}, core_attention="dcp"), OPTIM, seed=SEED
@@ -279,6 +289,27 @@ def recompute_settings() -> dict:
                 pass
         except ValueError as exc:
             out["too_many"] = str(exc)
+        with use_recompute(model, "selective", modules=Recompute.CORE_ATTN.megatron_modules):
+            out["core_attn_modules"] = list(config.recompute_modules)
+        counts = {"attention": 0, "mlp": 0}
+
+        def counter(kind):
+            def hook(*_):
+                counts[kind] += 1
+
+            return hook
+
+        for name, module in model.named_modules():
+            if name.endswith("self_attention.core_attention"):
+                module.register_forward_hook(counter("attention"))
+            elif name.endswith(".mlp"):
+                module.register_forward_hook(counter("mlp"))
+        out["runs"] = {}
+        for level in ("none", "core_attn", "selective", "full"):
+            counts.update(attention=0, mlp=0)
+            one_step = plan(step([0], [0, 1], level))
+            runtime.forward_backward(Plan.from_dict(one_step), InMemorySource(docs))
+            out["runs"][level] = (counts["attention"], counts["mlp"])
         return out
     finally:
         cleanup()

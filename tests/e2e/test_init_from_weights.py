@@ -3,7 +3,8 @@
 A tiny Llama made locally through ``transformers`` starts a 2-rank torchrun run; its first
 logged loss (the forward before any update) must equal the HF model's own loss on the same
 global batch (with the vocabulary padded, so the padding mask is on the training path), and a
-run started from the ``hf-to-dcp`` conversion must log the same loss.
+run started from the ``hf-to-dcp`` conversion must log the same loss. A tiny Mixtral does the
+same at expert parallelism 2.
 """
 
 from __future__ import annotations
@@ -90,6 +91,22 @@ def test_init_from_hf_starts_at_the_hf_models_loss(hf_dir, tmp_path):
     )  # fmt: skip
     first = [m["loss"] for m in metrics(tmp_path / "from-ckpt") if "loss" in m][0]
     assert first == pytest.approx(losses[0], rel=1e-6)
+
+
+def test_init_from_hf_of_a_mixture_of_experts_at_ep2_starts_at_the_hf_models_loss(tmp_path):
+    # A tiny Mixtral (4 experts, top-2) on 2 ranks at EP 2: each rank loads its two experts by
+    # their index in the layer, and the first loss is transformers' on the same batch.
+    hf_moe = make_hf_model("mixtral", tmp_path / "mixtral", **SHAPE)
+    extra = (f"init.from_hf={hf_moe}", "train.steps=1", "parallel.expert_parallel_size=2")
+    finish(start(command(tmp_path, "from-hf-moe", *extra)))
+    first = [m["loss"] for m in metrics(tmp_path / "from-hf-moe") if "loss" in m][0]
+    cfg = load_config(
+        PretrainConfig,
+        REPO / "pretrain/configs/tiny_cpu.yaml",
+        ["name=x", f"runs_dir={tmp_path}", *OVERRIDES, *extra],
+    )
+    assert cfg.model.num_experts == 4 and cfg.model.moe_router_topk == 2
+    assert first == pytest.approx(hf_batch_loss(hf_moe, cfg), rel=1e-5)
 
 
 def test_model_keys_that_contradict_the_source_are_refused(hf_dir):

@@ -1,6 +1,6 @@
 """DCP inside Megatron-LM's own loop, end to end: 2 gloo ranks, Megatron's ``pretrain``.
 
-The commands are README's "From Megatron-LM" block, run as written (plus shorter-run flags):
+The commands are docs/megatron_lm.md's pair on 2 CPU ranks, run as written (plus shorter-run flags):
 the same documents through Megatron's own schedule (static) and as DCP plans give the same loss
 every step, the same validation and test losses (Megatron's evaluation; under ``--dcp`` each
 validation batch's plan runs forward only) and the same weights; a Megatron checkpoint of the DCP
@@ -28,7 +28,7 @@ from dcp.observability.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
 RESUME_FROM = 5
-# Shorter and smaller than the README's demo: 8K-token global batches of up to 4K-token
+# Shorter and smaller than the documented pair's run: 8K-token global batches of up to 4K-token
 # documents, so DCP's plans still mix CP sizes and recompute levels: most batches of two 4K-token
 # micro-batches run best at CP 2 on every rank, and under this seed's order some of the ten
 # steps run CP 1 too, with and without pipeline stages. (Uneven micro-step counts per rank are
@@ -66,11 +66,11 @@ EXPERTS = [
 ]
 
 
-def readme_commands() -> dict[str, list[str]]:
-    """The torchrun commands of README's "From Megatron-LM" block, by mode, argv-split, with
-    ``$(cat FILE)`` expanded as the shell would."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("## From Megatron-LM", 1)[1]
+def documented_commands() -> dict[str, list[str]]:
+    """The torchrun commands of docs/megatron_lm.md's pair on 2 CPU ranks (README links to
+    them), by mode, argv-split, with ``$(cat FILE)`` expanded as the shell would."""
+    text = (REPO / "docs" / "megatron_lm.md").read_text()
+    section = text.split("## The pair of commands on 2 CPU ranks", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     commands = {}
     for chunk in block.replace("\\\n", " ").splitlines():
@@ -84,7 +84,7 @@ def readme_commands() -> dict[str, list[str]]:
 
 
 def run(argv: list[str], *, data: Path, out: Path, extra: list[str]) -> list[dict]:
-    """One README command with the test's data and ``extra`` flags; its step records."""
+    """One documented command with the test's data and ``extra`` flags; its step records."""
     metrics = out / "metrics.jsonl"
     argv = [str(Path(sys.executable).with_name("torchrun")), "--standalone", *argv[1:]]
     argv = [str(data) if a == "data/stdlib" else a for a in argv]
@@ -167,7 +167,7 @@ def assert_resumes_exactly(straight: list[dict], resumed: list[dict], ckpts: tup
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict:
-    commands = readme_commands()
+    commands = documented_commands()
     assert set(commands) == {"static", "dcp"}, commands
     root = tmp_path_factory.mktemp("megatron_lm")
     result = {}
@@ -247,7 +247,7 @@ def test_expert_parallel_static_and_dcp_plans_agree(corpus, tmp_path):
     step on the stage's whole EP group, CP 2) give the same losses. Four steps, no evaluation,
     no checkpoint (refused at EP > 1)."""
     commands = {}
-    for mode, argv in readme_commands().items():
+    for mode, argv in documented_commands().items():
         at = argv.index("--nproc-per-node")
         commands[mode] = [*argv[: at + 1], "4", *argv[at + 2 :]]
     ep2 = [*EXPERTS, "--expert-model-parallel-size", "2", "--eval-iters", "0"]

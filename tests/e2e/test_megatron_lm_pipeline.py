@@ -1,7 +1,7 @@
-"""DCP in Megatron-LM's loop under pipeline parallelism: README's two Megatron-LM commands on 4
-gloo ranks with ``--pipeline-model-parallel-size 2`` (2 stages x 2 data-parallel ranks), with and
-without interleaved virtual stages (``--num-layers-per-virtual-pipeline-stage 1``: 2 model chunks
-of one layer per stage).
+"""DCP in Megatron-LM's loop under pipeline parallelism: the two Megatron-LM commands of
+docs/megatron_lm.md on 4 gloo ranks with ``--pipeline-model-parallel-size 2`` (2 stages x 2
+data-parallel ranks), with and without interleaved virtual stages
+(``--num-layers-per-virtual-pipeline-stage 1``: 2 model chunks of one layer per stage).
 
 At PP 2 x VP 2 Megatron's own interleaved schedule (static, with the variable-length messages
 DCP's packed micro-batches need, one data iterator per model chunk) and DCP's pipelined plans
@@ -24,8 +24,8 @@ from tests.e2e.test_megatron_lm import (
     assert_resumes_exactly,
     assert_same_evaluations,
     assert_same_weights,
+    documented_commands,
     only_checkpoint,
-    readme_commands,
     run,
 )
 
@@ -42,7 +42,7 @@ def _on_4_ranks(argv: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict:
-    commands = {mode: _on_4_ranks(argv) for mode, argv in readme_commands().items()}
+    commands = {mode: _on_4_ranks(argv) for mode, argv in documented_commands().items()}
     root = tmp_path_factory.mktemp("megatron_lm_pp")
     result = {"root": root}
     for mode in ("static", "dcp"):

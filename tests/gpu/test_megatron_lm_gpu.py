@@ -1,4 +1,5 @@
-"""Megatron-LM's loop with DCP on one GPU: README's commands with NCCL, static against ``--dcp``.
+"""Megatron-LM's loop with DCP on one GPU: docs/megatron_lm.md's commands with NCCL, static
+against ``--dcp``.
 
 GPU-only (run by ``python -m tools.gpu_check``): the same documents through Megatron's own
 schedule and as DCP plans, on CUDA, give the same losses; megatron's loop runs unpatched there
@@ -17,7 +18,7 @@ pytestmark = CUDA_ONLY
 
 
 def test_dcp_in_megatrons_loop_matches_megatrons_schedule_on_cuda(corpus, tmp_path):
-    commands = e2e.readme_commands()
+    commands = e2e.documented_commands()
     losses = {}
     for mode in ("static", "dcp"):
         argv = list(commands[mode])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dcp.plan import RECOMPUTE_LEVELS, MicroStep, Plan, Recompute
+from dcp.plan import ALL_RECOMPUTE_LEVELS, RECOMPUTE_LEVELS, MicroStep, Plan, Recompute
 
 # Plan JSON as the planners wrote it before ``meta`` became typed fields (the static and Megatron
 # baselines' notes, Megatron's barriers, dropped sequences), plus a hand-written unknown key.
@@ -134,13 +134,30 @@ def test_malformed_meta_is_a_value_error():
 
 def test_recompute_levels_are_one_enum():
     assert RECOMPUTE_LEVELS == ("none", "selective", "full")
-    assert tuple(Recompute) == RECOMPUTE_LEVELS  # a StrEnum equals its plain string
-    assert [level.megatron_granularity for level in Recompute] == [None, "selective", "full"]
+    assert tuple(Recompute) == ALL_RECOMPUTE_LEVELS  # a StrEnum equals its plain string
+    assert ALL_RECOMPUTE_LEVELS == ("none", "core_attn", "selective", "full")
+    granularity = [level.megatron_granularity for level in Recompute]
+    assert granularity == [None, "selective", "selective", "full"]
+    modules = [level.megatron_modules for level in Recompute]
+    assert modules == [None, ("core_attn",), ("core_attn", "mlp"), None]
     step = MicroStep(ranks=(0,), seq_ids=(0,), recompute="selective")
     assert step.recompute is Recompute.SELECTIVE and step.recompute == "selective"
     assert {"selective": 1}[step.recompute] == 1
     assert json.dumps(step.to_dict()) == '{"ranks": [0], "seq_ids": [0], "recompute": "selective"}'
     assert type(step.to_dict()["recompute"]) is str
+
+
+def test_megatrons_default_selective_recompute_is_a_level_plans_carry():
+    """A static baseline's core-attention-only recompute rides in the plan JSON as its own
+    level; plans without it read and write as before."""
+    plan = Plan(steps=(MicroStep(ranks=(0, 1), seq_ids=(0,), recompute="core_attn"),))
+    text = plan.to_json()
+    assert '"recompute": "core_attn"' in text
+    assert Plan.from_json(text) == plan
+    assert Plan.from_json(text).steps[0].recompute is Recompute.CORE_ATTN
+    assert plan.forward_only().steps[0].recompute is Recompute.NONE
+    with pytest.raises(ValueError, match="recompute_layers applies to recompute='full' only"):
+        MicroStep(ranks=(0,), seq_ids=(0,), recompute="core_attn", recompute_layers=2)
 
 
 def test_bad_recompute_level_and_malformed_json():

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from dcp.console import setup as setup_console
 from dcp.integrations.megatron_lm.data import parse_split
-from dcp.plan import ON_OVERSIZE, PLANNERS, RECOMPUTE_LEVELS
+from dcp.plan import ON_OVERSIZE, PLANNERS
+from dcp.planning.static import STATIC_RECOMPUTE
 from dcp.step.config import CALIBRATION_MODES, PlanningConfig
 from megatron_patches.argument_dump import argument_dump_if
 from megatron_patches.megatron_training import arguments_on_cpu
@@ -98,9 +99,9 @@ def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--dcp-static-recompute",
-        choices=RECOMPUTE_LEVELS,
+        choices=STATIC_RECOMPUTE,
         default=None,
-        help="--dcp-planner static: the run's recompute level (default: the fastest).",
+        help="--dcp-planner static: the run's recompute setting (default: the fastest).",
     )
     group.add_argument(
         "--dcp-on-oversize",
@@ -219,7 +220,7 @@ def overridden_flags(args: argparse.Namespace) -> list[str]:
         lines.append(
             f"{' '.join(given)}: not applied; DCP sets the recompute level of every micro-step "
             "(the plan lines' recompute share); for one level for the whole run use "
-            "--dcp-planner static --dcp-static-recompute {none,selective,full}"
+            f"--dcp-planner static --dcp-static-recompute {{{','.join(STATIC_RECOMPUTE)}}}"
         )
     if args.overlap_grad_reduce:
         # Under no_sync megatron's bucket groups never see a gradient marked ready, so they

@@ -24,9 +24,10 @@ from dcp.checkpoint import (
 )
 from dcp.checkpoint.directory import MANIFEST_DIGEST, manifest_digest
 from dcp.checkpoint.load import weights_for
-from dcp.checkpoint.state import LocalTensor, writers
+from dcp.checkpoint.state import LocalTensor, ep_rank, writers
 from dcp.checkpoint.tensorfile import TensorFile, TensorFileWriter
 from dcp.mesh import Mesh
+from dcp.weights.canonical import canonical_name
 from dcp.weights.tensor_parallel import cut, join
 from tests.payload import plant_payload
 
@@ -398,6 +399,50 @@ def test_every_slice_has_one_writer_and_the_bytes_are_spread():
         given[rank] += t.tensor.numel()
     assert max(given) <= 1.3 * sum(given) / 8
     assert owner == writers(list(reversed(tensors)), mesh)  # the same answer on every rank
+
+
+def _expert_tensors(first: int) -> list[LocalTensor]:
+    """One rank's tensors of an MoE layer with 2 of its 4 routed experts, from ``first``."""
+    layer = "decoder.layers.0.mlp."
+    out = [LocalTensor(layer + "router.weight", torch.empty(4, 8), None)]
+    for g in (first, first + 1):
+        expert = f"{layer}experts.local_experts.{g}."
+        out.append(LocalTensor(expert + "linear_fc1.weight", torch.empty(16, 8), (0, 2)))
+        out.append(LocalTensor(expert + "linear_fc2.weight", torch.empty(8, 4), (1, 1)))
+    return out
+
+
+def test_each_routed_expert_is_written_once_by_a_rank_of_its_ep_rank():
+    # 8 ranks at TP 2, EP 2: planner ranks 0 and 2 hold experts 0-1, planner ranks 1 and 3
+    # experts 2-3 (each expert has two data-parallel replicas): whichever EP rank computes the
+    # writers, the answer is the same, and each expert's slice goes to one of its holders.
+    mesh = Mesh(8, tensor_parallel_size=2, expert_parallel_size=2)
+    owner = writers(_expert_tensors(0), mesh)
+    assert owner == writers(_expert_tensors(2), mesh)
+    experts = {(n, r): rank for (n, r), rank in owner.items() if ".local_experts." in n}
+    assert len(experts) == 4 * 2 * 2  # 4 experts x 2 tensors x 2 TP slices
+    for (name, tp_rank), rank in experts.items():
+        index = int(name.split(".local_experts.")[1].split(".")[0])
+        assert mesh.tp_rank(rank) == tp_rank
+        assert ep_rank(mesh, rank) == index // 2, (name, rank)
+    assert len(set(experts.values())) == 8  # spread over every rank
+
+
+def test_experts_are_named_by_their_index_in_the_layer():
+    # Local expert j of the rank whose first expert is 2, in the local spec and in TE's grouped
+    # GEMM, is expert 2 + j; under a pipeline stage the layer is renumbered as well.
+    local = "module.decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"
+    grouped = "module.decoder.layers.0.mlp.experts.linear_fc1.weight1"
+    assert canonical_name(local, first_expert=2) == (
+        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
+    )
+    assert canonical_name(grouped, {0: 5}, first_expert=2) == (
+        "decoder.layers.5.mlp.experts.local_experts.3.linear_fc1.weight"
+    )
+    router = "decoder.layers.0.mlp.router.weight"
+    shared = "decoder.layers.0.mlp.shared_experts.linear_fc1.weight"
+    assert canonical_name(router, first_expert=2) == router
+    assert canonical_name(shared, first_expert=2) == shared
 
 
 @pytest.mark.parametrize("stride", [1, 2])

@@ -382,3 +382,31 @@ def test_a_shallow_wide_model_keeps_its_recompute_levels_ordered():
         moved, _ = with_model(source, shallow)
         act = load_cost_model(moved).coefficients.activation_bytes_per_token
         assert act["none"] >= act["selective"] >= act["full"] > 0
+
+
+def test_core_attention_recompute_is_none_plus_selectives_attention_recompute():
+    """Megatron's default selective recompute (core attention alone) keeps ``none``'s bytes and
+    adds the core-attention recompute ``selective`` prices (its attention and CP exchange), none
+    of selective's MLP, TP or MoE recompute; calibrating selective's attention moves it."""
+    cm = load_cost_model(H200_70B)  # TP 8: the TP collectives are priced
+    assert cm.mem_bytes_per_token("core_attn") == cm.mem_bytes_per_token("none")
+    assert cm.max_tokens_per_rank("core_attn") == cm.max_tokens_per_rank("none")
+    c = cm.coefficients
+    lengths = [32768, 8192]
+    for cp in (1, 8):
+        none, core, selective = (
+            cm.step_time_s(lengths, cp, level) for level in ("none", "core_attn", "selective")
+        )
+        assert none < core < selective
+        assert cm.tp_time_s(lengths, cp, "core_attn") == cm.tp_time_s(lengths, cp, "none")
+    attention = sum(x * x + c.attention_half_tokens * x for x in lengths)
+    extra = c.attention_s_per_token2 * c.recompute_attention_frac["selective"] * attention
+    assert cm.step_time_s(lengths, 1, "core_attn") == pytest.approx(
+        cm.step_time_s(lengths, 1, "none") + extra, rel=1e-12
+    )
+    spec = load_preset("h200x8+llama3-8b")
+    spec["calibration"] = {"recompute_attention_frac": {"selective": 0.9}}
+    calibrated = CostModel.from_spec(spec)
+    base = load_cost_model(H200_8B)
+    assert calibrated.step_time_s([8192], 1, "none") == base.step_time_s([8192], 1, "none")
+    assert calibrated.step_time_s([8192], 1, "core_attn") > base.step_time_s([8192], 1, "core_attn")

@@ -457,3 +457,26 @@ def test_few_cp2_records_give_a_finite_link_not_a_free_one():
     assert full.cost_model.coefficients.cp_hop_latency_s == pytest.approx(t.cp_hop_latency_s)
     untied = fit_records([*cp1, *cp2], prior=PRIOR, tie_comm_below=0)
     assert untied.cost_model.coefficients != c
+
+
+def test_core_attention_records_refit_in_selectives_attention_terms():
+    """Micro-steps of a static run at core-attention-only recompute are records the refit uses:
+    exact ones at every level recover the truth, core_attn included, and a core_attn peak above
+    the prior raises the ``none`` bytes it is priced at."""
+    truth = _truth()
+    records = synthetic_records(truth, levels=(*RECOMPUTE_LEVELS, "core_attn"))
+    exact = fit_records(records, prior=PRIOR, prior_weight=0.0)
+    assert exact.num_used == len(records) and exact.rms_rel_error < 1e-9
+    _assert_coefficients(exact.cost_model, truth, rel=1e-9)
+    prior = load_cost_model(PRIOR)
+    core = [r for r in records if r.recompute == "core_attn" and r.cp_size == 1]
+    heavy = [
+        MicroStepRecord(
+            **{**r.to_dict(), "mem_bytes": int(2 * prior.step_mem_bytes(r.seq_lens, 1, "none"))}
+        )
+        for r in core
+    ]
+    fit = fit_records(records + heavy, prior=PRIOR)
+    assert "activation_bytes_per_token.none" in fit.memory_raised
+    for r in heavy:
+        assert fit.cost_model.step_mem_bytes(r.seq_lens, 1, "core_attn") >= r.mem_bytes - 1e-6

@@ -238,6 +238,8 @@ def test_a_model_given_by_its_dimensions_is_checked_like_a_preset():
         ({"model": "llama9"}, "unknown preset 'llama9'"),
         ({"model": "h100x8"}, "not a model preset"),
         ({"source": " "}, "source must name"),
+        ({"ep": 2}, r"ep=2 needs a mixture-of-experts model and must divide the num_gpus"),
+        ({"ep": 0}, "ep must be an integer >= 1"),
         ({"cp_size": 2}, "unknown config key .*cp_size"),
     ],
 )
@@ -416,3 +418,54 @@ def test_attention_length_dependence_matches_flashattention3():
     logs = [math.log(m / k) for m, k in zip(model, kernel, strict=True)]
     scale = sum(logs) / len(logs)
     assert max(abs(x - scale) for x in logs) < math.log(1.045)
+
+
+# -- mixture-of-experts rows: checked out of sample ------------------------------------------
+
+MOE_TABLE = PUBLISHED_DIR / "nvidia_moe.jsonl"
+
+
+@pytest.fixture(scope="module")
+def moe_rows() -> list[PublishedRow]:
+    return read_published(MOE_TABLE)
+
+
+def test_the_moe_rows_are_megatron_bridges_and_count_flops_as_it_does(moe_rows):
+    """Four configuration-complete MoE rows of Megatron-Bridge's 25.11 summary, each naming its
+    commit; where a row keeps its TFLOP/s, Megatron's count of the active parameters (top-k
+    routed experts) reproduces it from the tokens/s within 0.5%."""
+    assert [(r.gpu, r.num_gpus, r.ep) for r in moe_rows] == [
+        ("h100", 16, 8),
+        ("b200", 8, 8),
+        ("b200", 64, 8),
+        ("b200", 256, 8),
+    ]
+    for row in moe_rows:
+        assert row.experts and "@ 00b7660be0254ac6f95f44164ddd0c3e9cc798ed" in row.source
+        if row.tflops_per_gpu is not None:
+            per_token = flops_per_token(model_spec(row.model), row.seq_len, attention="causal")
+            counted = row.tokens_per_s_per_gpu * per_token / 1e12
+            assert counted == pytest.approx(row.tflops_per_gpu, rel=5e-3), row.label
+
+
+def test_a_moe_row_is_priced_at_its_ep_size(moe_rows):
+    row = moe_rows[1]  # Qwen3-30B-A3B on 8 B200s, EP 8: the experts of a layer over the node
+    cost_model = row_cost_model(row)
+    assert cost_model.expert_parallel_size == 8
+    assert cost_model.coefficients.ep_comm_s_per_token > 0
+    at_ep1 = row_cost_model(dataclasses.replace(row, ep=1))
+    assert at_ep1.static_mem_bytes > cost_model.static_mem_bytes  # every expert on every GPU
+
+
+def test_moe_rows_are_summarised_apart_and_never_fitted(rows, moe_rows, checked):
+    """The dense rows' summary is the dense table's alone; the MoE rows have their own; neither
+    the coefficient fit, its cross-validation folds nor a preset's check line takes them."""
+    from dcp.costmodel.throughput import preset_check
+    from dcp.costmodel.throughput_fit import fitted_rows
+
+    both = check_published([*rows, *moe_rows])
+    assert both["dense"] == {k: checked[k] for k in both["dense"]}
+    assert both["experts"]["rows"] == both["experts"]["modelled"] == len(moe_rows)
+    assert both["rows"] == len(rows) + len(moe_rows)
+    assert not any(row.experts for row in fitted_rows([*rows, *moe_rows]))
+    assert preset_check("b200") == preset_check("b200", [TABLE])

@@ -156,7 +156,7 @@ def _write_file(path, *, step_time_s, load=None, device=None, mfu=None, steps=12
 
 
 def test_metrics_files_of_one_directory_are_labelled_by_their_stems(tmp_path, capsys):
-    """README's Megatron pair writes runs/megatron-lm/{static,dcp}.jsonl: two labels, two
+    """docs/megatron_lm.md's pair writes runs/megatron-lm/{static,dcp}.jsonl: two labels, two
     time-to-loss columns (one directory's name for both collapsed them into one)."""
     static = _write_file(tmp_path / "megatron-lm" / "static.jsonl", step_time_s=2.0)
     dcp = _write_file(tmp_path / "megatron-lm" / "dcp.jsonl", step_time_s=1.0)

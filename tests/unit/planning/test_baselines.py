@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dcp.costmodel import CostModel, load_cost_model
+from dcp.plan import Plan
 from dcp.planning import (
     MegatronOptions,
     StaticOptions,
@@ -18,6 +19,7 @@ from dcp.planning import (
     simulate,
     static_configs,
 )
+from dcp.planning.common import fastest_plan
 from dcp.planning.static import BLOCK, block_layers
 from dcp.planning.workloads import make_batch
 
@@ -67,6 +69,26 @@ def test_block_recompute_is_the_least_layers_that_hold_the_run(cm, batch):
     for cp, setting in static_configs(cm, 131072):
         if setting == "full" and cp not in blocks:
             assert block_layers(cm, 131072, cp) is None
+
+
+def test_megatrons_default_selective_recompute_is_a_static_choice_that_buys_nothing(cm, batch):
+    """Core attention alone (megatron's default selective recompute) is a configuration wherever
+    ``none`` is, since flash-style attention frees almost nothing; it runs its own level and is
+    slower than ``none`` at the same CP size, so the static search never keeps it."""
+    configs = static_configs(cm, 131072)
+    with_core = {cp for cp, setting in configs if setting == "core_attn"}
+    assert with_core and with_core == {cp for cp, setting in configs if setting == "none"}
+    for cp in with_core:
+        options = StaticOptions(cp_size=cp, recompute="core_attn", max_seq_len=131072)
+        plan = plan_static(batch, cost_model=cm, options=options)
+        assert {s.recompute for s in plan.steps} == {"core_attn"}
+        assert plan.extra["recompute"] == "core_attn"
+        plain = dataclasses.replace(options, recompute="none")
+        assert (
+            plan.predicted_step_time_s
+            > plan_static(batch, cost_model=cm, options=plain).predicted_step_time_s
+        )
+    assert plan_static(batch, cost_model=cm).extra["recompute"] != "core_attn"
 
 
 @pytest.mark.parametrize("tuned", [False, True])
@@ -195,3 +217,11 @@ def test_all_planners_respect_the_lower_bound_and_dcp_wins(cm, workload):
         times[name] = simulate(plan, lengths, cm).makespan_s
         assert times[name] >= bound * (1 - 1e-9), name
     assert times["dcp"] <= min(times["static"], times["megatron"]) * (1 + 1e-9)
+
+
+def test_fastest_plan_keeps_the_first_of_equals_and_names_an_empty_choice():
+    plans = [Plan(steps=(), planner=name, predicted_step_time_s=t) for name, t in
+             [("a", 2.0), ("b", 1.0), ("c", 1.0), ("d", 3.0)]]  # fmt: skip
+    assert fastest_plan(iter(plans), none_error="unused").planner == "b"
+    with pytest.raises(ValueError, match="^no configuration holds it$"):
+        fastest_plan(iter(()), none_error="no configuration holds it")

@@ -136,3 +136,122 @@ def test_forward_only_plans_of_an_expert_model_finish():
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _qwen(num_gpus: int, ep: int):
+    return load_cost_model(f"h200x{num_gpus}+qwen3-30b-a3b+expert_parallel_size={ep}")
+
+
+def test_every_planner_keeps_ep_groups_whole_on_random_batches():
+    """``plan_batch`` itself keeps lockstep, whichever planner and caller (``tools.plan``,
+    ``tools.simulate``, the trainer): every step on whole EP groups, every sequence placed once,
+    within the real ranks' memory, predicted on the real cost model."""
+    import numpy as np
+
+    from dcp.plan import PLANNERS
+    from dcp.planning import plan_batch, simulate
+    from dcp.planning.experts import planner_mesh
+
+    rng = np.random.default_rng(43)
+    for num_gpus, ep in ((16, 2), (16, 4), (32, 8)):
+        cm = _qwen(num_gpus, ep)
+        mesh = planner_mesh(cm)
+        for _ in range(3):
+            n = int(rng.integers(4, 40))
+            lengths = [int(x) for x in np.clip(rng.lognormal(np.log(2000), 1.3, n), 16, 24000)]
+            for planner in PLANNERS:
+                plan = plan_batch(lengths, cost_model=cm, planner=planner)
+                check_expert_lockstep(plan, mesh)
+                plan.validate(num_sequences=len(lengths), num_ranks=cm.num_ranks)
+                cm.check_plan_memory(plan, lengths)
+                assert min(s.cp_size for s in plan.steps) >= ep, (planner, plan.steps)
+                assert plan.predicted_step_time_s == simulate(plan, lengths, cm).makespan_s
+
+
+def test_the_unit_view_groups_once_and_keeps_the_expert_terms():
+    """On ``expert_units`` a step on k units is CP k·EP on the real ranks: the same memory per
+    rank and the same TP and MoE token-exchange time (the EP size's, in the coefficients),
+    while the view itself has EP 1, so planning on it does not group its units again."""
+    from dcp.planning import plan_batch
+    from dcp.planning.experts import expert_units
+
+    cm = _qwen(32, 4)
+    units = expert_units(cm)
+    assert (units.num_ranks, units.expert_parallel_size) == (8, 1)
+    assert units.coefficients.ep_comm_s_per_token > 0
+    seq = [30000, 900, 80]
+    for k, level in ((1, "none"), (2, "selective"), (4, "full")):
+        assert units.step_mem_bytes(seq, k, level) == pytest.approx(
+            cm.step_mem_bytes(seq, 4 * k, level), rel=1e-12
+        )
+        assert units.tp_time_s(seq, k, level) == pytest.approx(
+            cm.tp_time_s(seq, 4 * k, level), rel=1e-12
+        )
+    plan = plan_batch([120] * 16, cost_model=units, planner="static")
+    assert min(s.cp_size for s in plan.steps) == 1  # units, not EP groups of units
+
+
+@pytest.mark.parametrize(
+    ("planner", "options", "message"),
+    [
+        ("static", {"cp_size": 2}, "cp_size=2 would split expert-parallel groups"),
+        ("dcp", {"max_cp_size": 2}, "max_cp_size=2 would split"),
+        ("dcp", {"pinned": {0: (2, "none")}}, "pinned[0] cp_size=2 would split"),
+        ("megatron-dev", {"mode": "dp_balanced", "cp_size": 6}, "cp_size=6 would split"),
+    ],
+)
+def test_options_that_would_split_an_ep_group_are_refused(planner, options, message):
+    from dcp.planning import plan_batch, planner_options
+
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")) as err:
+        plan_batch(
+            [3000, 200, 50],
+            cost_model=_qwen(16, 4),
+            planner=planner,
+            options=planner_options(planner, **options),
+        )
+    assert "\n" not in str(err.value)
+
+
+def test_options_in_ep_groups_are_honoured_in_real_sizes():
+    from dcp.planning import plan_batch, planner_options
+
+    cm = _qwen(16, 4)
+    static = plan_batch(
+        [3000, 200, 50] * 4,
+        cost_model=cm,
+        planner="static",
+        options=planner_options("static", cp_size=8),
+    )
+    assert {s.cp_size for s in static.steps} == {8} and static.extra["cp_size"] == 8
+    pinned = plan_batch(
+        [3000, 200, 50], cost_model=cm, options=planner_options("dcp", pinned={2: (16, "full")})
+    )
+    (step,) = [s for s in pinned.steps if 2 in s.seq_ids]
+    assert (step.cp_size, step.recompute, step.seq_ids) == (16, "full", (2,))
+    dev = plan_batch(
+        [3000, 200, 50],
+        cost_model=cm,
+        planner="megatron-dev",
+        options=planner_options("megatron-dev", max_seqlen_per_dp_cp_rank=1000, min_cp_size=2),
+    )
+    assert dev.extra["max_seqlen_per_dp_cp_rank"] == 1000
+    assert min(s.cp_size for s in dev.steps) >= 4
+
+
+def test_experts_with_pipeline_stages_plan_on_ep_groups():
+    """DeepSeek-V3-class at 16 stages and EP 64 on 1,024 H200s: one EP group per stage, so every
+    step runs at CP 64, and the plan fits every stage's in-flight activations on the real ranks
+    (more: tests/unit/planning/test_expert_pipeline.py)."""
+    from dcp.costmodel.pipeline import PipelineCosts
+    from dcp.planning import plan_batch
+    from dcp.planning.experts import planner_mesh
+    from dcp.planning.pipeline import check_pipeline_memory
+
+    cm = load_cost_model("h200x1024+deepseek-v3")
+    lengths = [4096] * 8
+    plan = plan_batch(lengths, cost_model=cm)
+    check_expert_lockstep(plan, planner_mesh(cm))
+    assert {s.cp_size for s in plan.steps} == {64}
+    check_pipeline_memory(plan, lengths, PipelineCosts.of(cm))
+    assert plan.predicted_step_time_s > 0

@@ -9,6 +9,7 @@ from dcp.costmodel import load_cost_model
 from dcp.planning import MegatronDevOptions, plan_batch, planner_options, simulate
 from dcp.planning.megatron_dev import (
     MEGATRON_DEV_SOURCE,
+    align_sample_id_groups,
     gpus_needed,
     schedule_dp_balanced,
     schedule_dynamic_cp,
@@ -49,6 +50,48 @@ def test_dp_balanced_groups_by_hand():
     groups = schedule_dp_balanced(seqs, num_ranks=4, cp_size=2, max_seqlen_per_rank=100)
     assert groups == [[[0], [0], [1, 2], [1, 2]], [[3], [3], [4], [4]]]
     assert schedule_dp_balanced([(0, 10)], num_ranks=4, cp_size=2, max_seqlen_per_rank=100) is None
+
+
+def test_groups_split_for_virtual_stages_by_hand():
+    # align_sample_id_groups to a multiple of 4: group 1 (one CP group) cannot split; group 0
+    # (CP 4, 2, 2 on 8 ranks) splits at rank 4, its later CP groups widened to 4 + 4 in its
+    # place, its CP-4 group widened to all 8 appended; a second round splits the new group 0.
+    first = [[0]] * 4 + [[1]] * 2 + [[2]] * 2
+    whole = [[3]] * 8
+    assert align_sample_id_groups([first, whole], 4) == [[[2]] * 8, [[3]] * 8, [[0]] * 8, [[1]] * 8]
+    assert align_sample_id_groups([first, whole], 3) == [
+        [[1]] * 4 + [[2]] * 4,
+        [[3]] * 8,
+        [[0]] * 8,
+    ]
+    assert align_sample_id_groups([first, whole], 2) == [first, whole]  # already a multiple
+    assert align_sample_id_groups([whole], 2) is None  # nothing to split: megatron asserts
+
+
+@pytest.mark.parametrize("mode", ["default_dynamic_cp", "dp_balanced"])
+def test_virtual_stages_run_a_multiple_of_the_group_size(mode):
+    """Under VP (NVIDIA's Llama-3-70B recipe: TP 4, PP 8, VP 5) the micro-batch count is a
+    multiple of ``microbatch_group_size_per_vp_stage`` (default PP), as Megatron's interleaved
+    schedule takes them; the option is honoured, and refused where Megatron would not read it
+    or its schedule would fail."""
+    cm = load_cost_model("h200x256+llama3-70b-tp4pp8+virtual_pipeline_parallel_size=5")
+    lengths = make_batch("lognormal", num_ranks=cm.num_ranks, seed=0)
+    for size, multiple in ((None, 8), (12, 12)):
+        options = MegatronDevOptions(mode=mode, microbatch_group_size_per_vp_stage=size)
+        plan = plan_batch(lengths, cost_model=cm, planner="megatron-dev", options=options)
+        plan.validate(num_sequences=len(lengths), num_ranks=cm.num_ranks)
+        assert plan.extra["groups"] % multiple == 0, plan.extra
+        for rank in range(cm.num_ranks):
+            assert len(plan.steps_for_rank(rank)) == plan.extra["groups"]
+    if mode == "default_dynamic_cp":
+        assert plan.extra["split_groups"] > 0
+    with pytest.raises(ValueError, match="needs at least the pipeline size 8"):
+        options = MegatronDevOptions(mode=mode, microbatch_group_size_per_vp_stage=4)
+        plan_batch(lengths, cost_model=cm, planner="megatron-dev", options=options)
+    flat = load_cost_model("h200x256+llama3-70b-tp4pp8")
+    with pytest.raises(ValueError, match="applies under virtual pipeline stages only"):
+        options = MegatronDevOptions(mode=mode, microbatch_group_size_per_vp_stage=8)
+        plan_batch(lengths, cost_model=flat, planner="megatron-dev", options=options)
 
 
 @pytest.mark.parametrize("spec", ["h200x64+llama3-8b", "h200x256+llama3-70b-tp4pp8"])

@@ -229,3 +229,21 @@ def test_plan_cli_refuses_virtual_stages_it_cannot_lay_out(lengths_file, capsys,
     rc = plan_cli.main(["--lengths", str(lengths_file), "--spec", overlay])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("planner", ["dcp", "static", "megatron", "megatron-dev"])
+def test_plan_cli_keeps_expert_parallel_groups_whole(tmp_path, planner, capsys):
+    """A Qwen3-30B-A3B-class spec at EP 8 on 32 H200s: every step of every planner's plan runs
+    on whole EP groups (the runtime's lockstep check passes), short sequences included."""
+    from dcp.mesh import Mesh
+    from dcp.planning.experts import check_expert_lockstep
+
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps([40, 300, 900, 2500, 9000, 31000, 120, 60]))
+    out = tmp_path / "plan.json"
+    spec = "h200x32+qwen3-30b-a3b"
+    args = ["--lengths", str(lengths), "--spec", spec, "--planner", planner, "--out", str(out)]
+    assert plan_cli.main(args) == 0
+    plan = Plan.from_dict(json.loads(out.read_text()))
+    check_expert_lockstep(plan, Mesh(32, expert_parallel_size=8))
+    assert "simulated mixture of experts" in capsys.readouterr().err

@@ -78,10 +78,6 @@ def _refused(*overrides: str) -> str:
             r"needs model\.num_experts divisible by it .* got 3",
         ),
         (
-            "model.num_experts=4 parallel.expert_parallel_size=2",
-            r"^checkpoints at parallel\.expert_parallel_size > 1 are not supported yet",
-        ),
-        (
             "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0 "
             "planning.planner=megatron",
             r"^planning\.planner=megatron does not keep expert-parallel groups together yet",

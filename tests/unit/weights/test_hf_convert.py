@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from dcp.checkpoint.hf import dcp_to_hf, hf_to_dcp
 from dcp.weights.convert import SAFETENSORS_INDEX, hf_shards
 from dcp.weights.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
-from tests.hf_models import ARCH_CONFIGS, make_hf_model
+from tests.hf_models import ARCH_CONFIGS, MIXTURES_OF_EXPERTS, make_hf_model
 from tests.payload import rewrite_manifest
 
 
@@ -52,9 +52,24 @@ def test_hf_dcp_hf_round_trip_is_bit_identical_and_loads_cleanly(arch, hf_dirs, 
     )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     src_cfg = transformers.AutoConfig.from_pretrained(source)
-    for field in ("rope_parameters", "head_dim", "tie_word_embeddings", "num_key_value_heads"):
+    fields = ["rope_parameters", "head_dim", "tie_word_embeddings", "num_key_value_heads"]
+    if arch in MIXTURES_OF_EXPERTS:
+        fields += ["num_local_experts", "num_experts_per_tok", "intermediate_size"]
+        fields += ["moe_intermediate_size", "norm_topk_prob"] if arch == "qwen3_moe" else []
+    for field in fields:
         if hasattr(src_cfg, field):  # Qwen2's config has no head_dim
-            assert getattr(model.config, field) == getattr(src_cfg, field), field
+            # Mixtral's config leaves head_dim None for hidden / heads, which DCP writes out.
+            expected = getattr(src_cfg, field)
+            if field == "head_dim" and expected is None:
+                expected = src_cfg.hidden_size // src_cfg.num_attention_heads
+            assert getattr(model.config, field) == expected, field
+    # The round trip's loss is the source's (the same weights, the same routing).
+    tokens = torch.arange(40).reshape(1, 40) * 7 % 300
+    source_model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        before = source_model(tokens, labels=tokens).loss
+        after = model(tokens, labels=tokens).loss
+    assert torch.equal(before, after), (before, after)
 
 
 def test_vocab_padding_rows_are_zero_in_dcp_and_dropped_on_export(hf_dirs, tmp_path):
@@ -138,6 +153,16 @@ def _cfg(hf_dirs, arch: str) -> dict:
         ("llama", "mlp_bias", True),
         ("llama", "model_type", "gpt2"),
         ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+        # Routers and experts DCP's model cannot reproduce (docs/design.md, 'Weights').
+        ("mixtral", "router_jitter_noise", 0.01),
+        ("mixtral", "output_router_logits", True),
+        ("mixtral", "num_experts_per_tok", 1),
+        ("mixtral", "num_local_experts", 0),
+        ("mixtral", "sliding_window", 4096),
+        ("qwen3_moe", "norm_topk_prob", False),
+        ("qwen3_moe", "mlp_only_layers", [1]),
+        ("qwen3_moe", "decoder_sparse_step", 2),
+        ("qwen3_moe", "moe_intermediate_size", 1.5),
     ],
 )
 def test_unsupported_config_fields_are_named(hf_dirs, arch, field, value):
@@ -164,6 +189,29 @@ def test_derived_model_configs(hf_dirs):
     assert qwen2.add_qkv_bias and qwen2.tie_embeddings and qwen2.kv_channels is None
     with pytest.raises(ValueError, match="cannot be written as llama"):
         hf_config_from_model(qwen2, kind="llama")
+
+
+def test_derived_mixture_of_experts_configs(hf_dirs, caplog):
+    with caplog.at_level(logging.WARNING):
+        mixtral = model_config_from_hf(_cfg(hf_dirs, "mixtral"))
+        qwen3_moe = model_config_from_hf(_cfg(hf_dirs, "qwen3_moe"))
+    assert "not used" not in caplog.text  # every expert field is read or checked
+    assert (mixtral.num_experts, mixtral.moe_router_topk, mixtral.moe_ffn_hidden_size) == (
+        4,
+        2,
+        None,
+    )
+    assert not mixtral.qk_layernorm and mixtral.ffn_hidden_size == 72
+    assert (qwen3_moe.num_experts, qwen3_moe.moe_ffn_hidden_size) == (4, 24)
+    assert qwen3_moe.qk_layernorm and qwen3_moe.kv_channels == 16
+    # Older Qwen3-MoE files name the expert count num_experts (transformers 5 writes the other).
+    older = dict(_cfg(hf_dirs, "qwen3_moe"))
+    older["num_experts"] = older.pop("num_local_experts")
+    assert model_config_from_hf(older) == qwen3_moe
+    # Expert fields in a dense architecture's file are reported, not silently dropped.
+    with caplog.at_level(logging.WARNING):
+        model_config_from_hf(dict(_cfg(hf_dirs, "llama"), num_local_experts=8))
+    assert "num_local_experts" in caplog.text
 
 
 def test_export_copies_the_runs_hf_tokenizer(hf_dirs, tmp_path):
@@ -233,16 +281,30 @@ def test_repad_vocab_keeps_the_real_rows_and_zeroes_the_padding():
         repad_vocab(real[:4], 8, vocab_size=5, name="w")
 
 
-def test_export_of_a_mixture_of_experts_checkpoint_is_refused(hf_dirs, tmp_path):
-    # DCP has no Hugging Face names for experts yet: one line, not a half-matched state.
+@pytest.mark.parametrize(
+    ("source", "model", "message"),
+    [
+        ("llama", {"num_experts": 4}, r"num_experts=4\) cannot be written as llama; use mixtral$"),
+        (
+            "mixtral",
+            {"moe_shared_expert_intermediate_size": 16},
+            r"moe_shared_expert_intermediate_size=16: mixtral has no shared expert",
+        ),
+    ],
+)
+def test_export_of_what_the_architecture_cannot_hold_is_refused(
+    hf_dirs, tmp_path, source, model, message
+):
+    # One line before anything is written: experts exported as a dense architecture, or a
+    # shared expert, which neither Mixtral nor Qwen3-MoE has.
     import shutil
 
     ckpt = tmp_path / "run" / "step_000001"
-    shutil.copytree(hf_to_dcp(hf_dirs["llama"], tmp_path / "dcp"), ckpt)
+    shutil.copytree(hf_to_dcp(hf_dirs[source], tmp_path / "dcp"), ckpt)
     shared = json.loads((ckpt / "shared.json").read_text())
-    shared["extra"]["config"]["model"]["num_experts"] = 4
+    shared["extra"]["config"]["model"].update(model)
     (ckpt / "shared.json").write_text(json.dumps(shared))
     rewrite_manifest(ckpt)
-    with pytest.raises(ValueError, match=r"export of mixture-of-experts models .* not supported"):
+    with pytest.raises(ValueError, match=message):
         dcp_to_hf(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

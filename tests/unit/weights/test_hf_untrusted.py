@@ -23,7 +23,7 @@ from tools import convert_checkpoint
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {arch: make_hf_model(arch, root / arch) for arch in ("llama", "qwen3")}
+    return {arch: make_hf_model(arch, root / arch) for arch in ("llama", "qwen3", "mixtral")}
 
 
 def _variant(
@@ -305,18 +305,20 @@ def test_cli_reports_one_error_line_and_exit_code_2(hf_dirs, tmp_path, capsys, c
     assert not (tmp_path / "dcp").exists()
 
 
+@pytest.mark.parametrize(("arch", "field"), [("llama", "num_layers"), ("mixtral", "num_experts")])
 def test_a_layer_count_beyond_the_checkpoints_tensors_is_refused_before_naming_them(
-    hf_dirs, tmp_path, capsys
+    hf_dirs, tmp_path, capsys, arch, field
 ):
-    """dcp-to-hf sizes its list of tensor names from ``shared.json``'s ``num_layers``: a count
-    the checkpoint cannot hold is refused, one line and exit 2, before the list is built."""
+    """dcp-to-hf sizes its list of tensor names from ``shared.json``'s ``num_layers`` (and
+    ``num_experts``): a count the checkpoint cannot hold is refused, one line and exit 2, before
+    the list is built."""
     import tracemalloc
 
     from tests.payload import rewrite_manifest
 
-    step = hf_to_dcp(hf_dirs["llama"], tmp_path / "dcp")
+    step = hf_to_dcp(hf_dirs[arch], tmp_path / "dcp")
     shared = json.loads((step / "shared.json").read_text())
-    shared["extra"]["config"]["model"]["num_layers"] = 10**5
+    shared["extra"]["config"]["model"][field] = 10**5
     (step / "shared.json").write_text(json.dumps(shared))
     rewrite_manifest(step)
     tracemalloc.start()
