@@ -400,11 +400,18 @@ def timed_plans(
 def plan_time_benchmark(
     model: str, cases: list[tuple[int, int]], *, repeats: int = 5, log: Log = _quiet
 ) -> list[dict]:
-    """Median DCP plan time for ``num_sequences`` log-normal lengths on ``num_gpus`` (one core)."""
+    """Median DCP plan time for ``num_sequences`` log-normal lengths on ``num_gpus`` (one core);
+    a case whose cluster cannot hold ``model``'s parallelism (e.g. fewer planner ranks than its
+    expert-parallel size) is reported with its reason instead."""
     out = []
     with on_one_core():
         for num_gpus, num_seqs in cases:
-            *_, seconds = timed_plans(model, num_gpus, num_seqs, repeats=repeats, seed=7)
+            try:
+                *_, seconds = timed_plans(model, num_gpus, num_seqs, repeats=repeats, seed=7)
+            except ValueError as exc:
+                out.append({"num_gpus": num_gpus, "num_sequences": num_seqs, "skipped": str(exc)})
+                log(f"plan time: {num_seqs} seqs on {num_gpus} GPUs: skipped ({exc})")
+                continue
             times = [s * 1e3 for s in seconds]
             out.append(
                 {

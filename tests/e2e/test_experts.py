@@ -17,7 +17,6 @@ DEMO_MOE = [
     "model.num_experts=4",
     "model.moe_router_topk=2",
     "parallel.expert_parallel_size=2",
-    "checkpoint.interval_steps=0",
 ]
 
 

@@ -247,3 +247,14 @@ def test_plan_cli_keeps_expert_parallel_groups_whole(tmp_path, planner, capsys):
     plan = Plan.from_dict(json.loads(out.read_text()))
     check_expert_lockstep(plan, Mesh(32, expert_parallel_size=8))
     assert "simulated mixture of experts" in capsys.readouterr().err
+
+
+def test_plan_time_case_a_model_cannot_run_on_is_reported_not_raised():
+    """deepseek-v3 (EP 64 at PP 16) has 2 planner ranks per stage on 32 GPUs: the sweep's
+    32-GPU plan-time case is reported with the reason instead of stopping the sweep (it did)."""
+    from dcp.planning.sweep import plan_time_benchmark
+
+    said = []
+    (case,) = plan_time_benchmark("deepseek-v3", [(32, 64)], repeats=1, log=said.append)
+    assert case["num_gpus"] == 32 and "expert" in case["skipped"]
+    assert said == [f"plan time: 64 seqs on 32 GPUs: skipped ({case['skipped']})"]
