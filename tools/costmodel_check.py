@@ -13,7 +13,9 @@ dense rows and for the mixture-of-experts rows apart (``dense``, ``experts``: th
 coefficients are chosen on dense rows, so the expert rows are out of sample), ``per_row``, and
 with ``--cross-validate`` ``cross_validation``: for each source, the preset coefficients
 (``dcp.costmodel.throughput_fit.FITTED_OPTIONS``) fitted on the other sources' rows and the
-errors on its own. Exit code 2 for a table that cannot be read.
+errors on its own, and ``expert_cross_validation``: leave-one-out over the mixture-of-experts
+rows, the coefficient they choose (``EXPERT_FITTED_OPTIONS``) fitted on the others and the
+held-out row's error. Exit code 2 for a table that cannot be read.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 from dcp import console
-from dcp.costmodel.throughput import PUBLISHED_DIR, check_published, read_published
+from dcp.costmodel.throughput import PUBLISHED_DIR, check_published, read_published, summarize
 
 
 def _percent(x: float | None) -> str:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     result = check_published(rows)
     print(format_rows(result))
     if args.cross_validate:
-        from dcp.costmodel.throughput_fit import cross_validate
+        from dcp.costmodel.throughput_fit import cross_validate, cross_validate_experts
 
         folds = cross_validate(rows)
         for fold in folds:
@@ -99,6 +101,25 @@ def main(argv: list[str] | None = None) -> int:
         result["cross_validation"] = [
             {k: v for k, v in fold.items() if k != "per_row"} for fold in folds
         ]
+        if result["experts"]["rows"] > 1:
+            loo = cross_validate_experts(rows)
+            for fold in loo:
+                print(
+                    f"left out {fold['row']}: fitted on the other MoE rows {fold['options']}; "
+                    f"error {100 * fold['rel_error']:+.1f}%"
+                )
+            result["expert_cross_validation"] = {
+                **summarize(loo),
+                "per_row": [
+                    {"row": f["row"], "options": f["options"], "rel_error": f["rel_error"]}
+                    for f in loo
+                ],
+            }
+            print(
+                f"  {len(loo)} mixture-of-experts rows left out one at a time: median |error| "
+                f"{_percent(result['expert_cross_validation']['median_abs_rel_error'])}, worst "
+                f"{_percent(result['expert_cross_validation']['worst_abs_rel_error'])}"
+            )
     print(json.dumps(result))
     return 0
 

@@ -491,9 +491,9 @@ class CostModel:
         return (
             f"simulated mixture of experts: {model.num_moe_layers} MoE layers of "
             f"{model.num_experts} experts, top-{model.moe_router_topk}, EP {ep}; routing taken "
-            "as uniform over the experts, all-to-alls not overlapped; against published MoE "
-            "rows (python -m tools.costmodel_check) it is far too fast for narrow experts "
-            "(docs/design.md, 'Experts in the cost model')"
+            "as uniform over the experts, all-to-alls not overlapped; each routed copy's cost "
+            "chosen on four published EP 8 rows at 4K tokens (python -m tools.costmodel_check: "
+            "within 7%, leave-one-out; docs/design.md, 'Experts in the cost model')"
         )
 
     def topology(self) -> str:

@@ -65,9 +65,11 @@ class ClusterSpec:
     """Dense FP8 peak per GPU, TFLOP/s, from the datasheet; null: FP8 linear layers run
     ``DEFAULT_FP8_LINEAR_SPEEDUP`` times the bf16 ones (``fp8_linear_rate``)."""
     memory_bandwidth_gbs: float | None = None
-    """Device memory (HBM) bandwidth per GPU in GB/s (1e9 bytes), from the datasheet. No term
-    reads it: the memory-bound kernels sit inside the checked efficiencies, so an H200 is
-    predicted as fast as an H100 (docs/design.md, 'Checked against published throughput')."""
+    """Device memory (HBM) bandwidth per GPU in GB/s (1e9 bytes), from the datasheet. Only the
+    memory-bound work on a mixture-of-experts model's routed token copies reads it
+    (``expert_copy_bytes``); a dense model's memory-bound kernels sit inside the checked
+    efficiencies, so a dense H200 is predicted as fast as an H100 (docs/design.md, 'Checked
+    against published throughput'). Null: no such term."""
 
     def __post_init__(self) -> None:
         given = tuple(f.name for f in fields(self) if getattr(self, f.name) is not None)
@@ -233,6 +235,14 @@ class Options:
     """Linear-layer throughput of FP8 over bf16 when ``fp8``, instead of
     ``fp8_linear_efficiency`` (a measured ratio, say); null: ``fp8_linear_efficiency`` of the FP8
     peak, or ``DEFAULT_FP8_LINEAR_SPEEDUP`` when the cluster has no ``peak_fp8_tflops``."""
+    expert_copy_flops: float = 0.0
+    """Work each routed token copy costs in each MoE layer beyond its experts' GEMM FLOPs,
+    forward + backward, in FLOPs of the linear layers' rate: what a copy's passage through the
+    token dispatcher and the grouped expert GEMMs costs whatever the experts' width (the
+    routing, sorting and per-expert splits, quantisation and launches; its memory traffic is
+    ``expert_copy_bytes``, priced apart). 0 for a dense model. The GPU presets set the value
+    the published mixture-of-experts rows chose (``throughput_fit.fit_expert_options``,
+    checked leave-one-out: docs/design.md, 'Experts in the cost model')."""
     linear_efficiency: float = 0.70
     """Fraction of the bf16 peak the bf16 linear layers (GEMMs) reach on large chunks; no
     published row checks it (every configuration-complete one is FP8)."""
@@ -340,6 +350,7 @@ class Options:
             "step_overhead_s",
             "sequence_overhead_s",
             "link_latency_s",
+            "expert_copy_flops",
             "memory_fixed_gb",
             "memory_per_communicator_gb",
             "memory_reserved_gb",
@@ -663,6 +674,37 @@ def _mlp_activations(ffn_hidden_size: int, *, gated: bool) -> int:
     return (2 * ffn_hidden_size if gated else ffn_hidden_size) + ffn_hidden_size
 
 
+# Elements of a routed copy's tensors that memory-bound kernels read or write in a MoE layer's
+# forward (expert_copy_bytes): hidden-wide, the permutation (read the token, write its copy)
+# and the combine (read the expert's output, scale it by the routing probability, add it to the
+# token); ffn-wide, the activation (read fc1's output, write its result: 3 widths gated, 2 not).
+_COPY_FORWARD_HIDDEN_PASSES = 4
+# The backward runs each of these kernels' gradients: twice the forward's traffic.
+_COPY_BACKWARD_RATIO = 2.0
+# FP8 expert GEMMs cast each of their four operands per copy (fc1 and fc2 inputs forward, their
+# output gradients backward) from the activation dtype to a 1-byte copy, row-wise for the GEMM
+# and column-wise for the weight gradient: one read and two 1-byte writes per element.
+_FP8_CAST_WRITES = 2
+
+
+def expert_copy_bytes(experts: ExpertShape, *, hidden_size: int, options: Options) -> float:
+    """Bytes of memory-bound traffic one routed token copy costs in one MoE layer, forward +
+    backward, no recompute: the permutation to its expert and back, the routing probability's
+    scaling, the expert's activation and, with ``options.fp8``, the casts of the expert GEMMs'
+    operands. Priced at the GPU's HBM bandwidth (``ClusterSpec.memory_bandwidth_gbs``), not
+    fitted."""
+    dt = _DTYPE_BYTES[options.dtype]
+    w = experts.ffn_hidden_size
+    act_widths = 3 * w if options.gated_mlp else 2 * w
+    forward = _COPY_FORWARD_HIDDEN_PASSES * hidden_size + act_widths
+    traffic = dt * forward * (1.0 + _COPY_BACKWARD_RATIO)
+    if options.fp8:
+        fc1_out = 2 * w if options.gated_mlp else w
+        operands = hidden_size + w + hidden_size + fc1_out
+        traffic += operands * (dt + _FP8_CAST_WRITES)
+    return traffic
+
+
 EP_EXCHANGES_PER_MOE_LAYER = 4
 """Token exchanges of one MoE layer in a micro-step's forward + backward: the forward's dispatch
 and combine, and the backward's two (the gradients travel back the same ways)."""
@@ -689,6 +731,23 @@ def expert_all_to_all_s_per_byte(
         (same_node - 1) / ep / intra_node_bytes_per_s,
         (ep - same_node) / ep / inter_node_bytes_per_s,
     )
+
+
+def expert_copy_seconds(
+    cluster: ClusterSpec, model: ModelSpec, options: Options, *, linear_rate: float
+) -> float:
+    """Seconds per local token of a planner rank that its routed copies cost in all MoE layers,
+    forward + backward, beyond the experts' GEMM FLOPs: top-k copies per token (routing uniform,
+    EP peers of the same size) in each MoE layer, each moving ``expert_copy_bytes`` at the
+    rank's HBM bandwidth (none without ``cluster.memory_bandwidth_gbs``) and costing
+    ``options.expert_copy_flops`` at ``linear_rate`` (the rank's linear FLOP/s)."""
+    experts = model.experts()
+    per_copy = options.expert_copy_flops / linear_rate
+    if cluster.memory_bandwidth_gbs is not None:
+        rank_bandwidth = cluster.memory_bandwidth_gbs * 1e9 * options.tensor_parallel_size
+        copy_bytes = expert_copy_bytes(experts, hidden_size=model.hidden_size, options=options)
+        per_copy += copy_bytes / rank_bandwidth
+    return experts.num_layers * experts.topk * per_copy
 
 
 DEFAULT_FP8_LINEAR_SPEEDUP = 1.5
@@ -733,6 +792,10 @@ def analytic_coefficients(
     # causal mask.
     attention_s_per_token2 = att_passes * 2.0 * model.q_hidden_size * layers / att_rate
     linear_s_per_token = fwd_bwd * 2.0 * linear_params / lin_rate
+    experts = model.experts()
+    # Each token's top-k routed copies cost, in every MoE layer, work their GEMM FLOPs do not
+    # count (expert_copy_seconds): linear time of the MoE layers' MLP, recomputed with it.
+    copy_s = expert_copy_seconds(cluster, model, options, linear_rate=lin_rate) if experts else 0.0
     logits_s_per_token = (
         fwd_bwd * 2.0 * h * vocab / (rank_flops * tp_eff * options.linear_efficiency)
     )
@@ -740,6 +803,9 @@ def analytic_coefficients(
     # Selective = core attention + MLP recomputed (megatron_patches/recompute.py: recompute
     # modules ["core_attn", "mlp"]); full = the whole layer forward again.
     mlp_share = (linear_params - layers * params.attention_per_layer) / linear_params
+    if copy_s:
+        mlp_share = (mlp_share * linear_s_per_token + copy_s) / (linear_s_per_token + copy_s)
+        linear_s_per_token += copy_s
     recompute_linear = {"none": 0.0, "selective": mlp_share / fwd_bwd, "full": 1.0 / fwd_bwd}
     recompute_attention = {"none": 0.0, "selective": 1.0 / att_passes, "full": 1.0 / att_passes}
     recompute_comm = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}
@@ -771,7 +837,6 @@ def analytic_coefficients(
     mlp_act = _mlp_activations(ffn, gated=options.gated_mlp)
     per_layer_none = 6 * h + 2 * hkv + mlp_act
     per_layer_selective = 6 * h + 2 * hkv
-    experts = model.experts()
     moe_layers = experts.num_layers if experts else 0
     moe_layer_none = per_layer_none
     if experts:

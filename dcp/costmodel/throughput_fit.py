@@ -31,7 +31,14 @@ from dcp.costmodel.throughput import (
 )
 
 FITTED_OPTIONS = ("fp8_linear_efficiency", "attention_efficiency")
-"""The ``Options`` a GPU preset takes from the check; the rest keep their documented defaults."""
+"""The ``Options`` a GPU preset takes from the dense rows; the rest keep their documented
+defaults (but ``EXPERT_FITTED_OPTIONS``)."""
+EXPERT_FITTED_OPTIONS = ("expert_copy_flops",)
+"""The ``Options`` a GPU preset takes from the mixture-of-experts rows, with the dense rows'
+coefficients held: they leave every dense prediction as it is."""
+_EXPERT_LOG10_BOUNDS = (5.0, 10.0)
+"""Where ``fit_expert_options`` looks for ``expert_copy_flops``: 1e5 to 1e10 FLOPs a copy (its
+GEMMs are 6·3·hidden·width: 28M for Qwen3-30B-A3B's experts)."""
 PRIOR_WEIGHT = 0.01
 """Weight of log(value / default)² against the rows' squared log errors (a 10% error weighs
 0.009; a coefficient 1.5x its default 0.0016)."""
@@ -134,4 +141,39 @@ def cross_validate(rows: list[PublishedRow]) -> list[dict]:
                 "per_row": per_row,
             }
         )
+    return folds
+
+
+def fit_expert_options(rows: list[PublishedRow], *, tol: float = 1e-3) -> dict:
+    """``EXPERT_FITTED_OPTIONS`` chosen on the mixture-of-experts rows among ``rows`` (any
+    GPUs: ``expert_copy_flops`` is priced at each GPU's linear rate), by least squares on
+    log(predicted / published) with every other option the rows' GPU preset's: a golden-section
+    search over log10 of the value. No prior pull: one coefficient, every row constrains it."""
+    rows = [row for row in rows if row.experts]
+    if not rows:
+        raise ValueError("no mixture-of-experts rows to fit on")
+    specs = [row_spec(row) for row in rows]
+
+    def loss(log10_flops: float) -> float:
+        options = {"expert_copy_flops": 10.0**log10_flops}
+        total = 0.0
+        for row, spec in zip(rows, specs, strict=True):
+            cost_model = row_cost_model(row, spec=spec, options=options)
+            total += math.log1p(predict_row(row, cost_model=cost_model)["rel_error"]) ** 2
+        return total
+
+    best = _golden_min(loss, *_EXPERT_LOG10_BOUNDS, tol)
+    return {"expert_copy_flops": float(f"{10.0**best:.3g}")}
+
+
+def cross_validate_experts(rows: list[PublishedRow]) -> list[dict]:
+    """Leave-one-out over the mixture-of-experts rows among ``rows``: for each, the
+    ``EXPERT_FITTED_OPTIONS`` fitted on the others (``fit_expert_options``) and its prediction
+    under them (``predict_row``'s dict, with ``options``)."""
+    moe = [row for row in rows if row.experts]
+    folds = []
+    for i, row in enumerate(moe):
+        options = fit_expert_options(moe[:i] + moe[i + 1 :])
+        result = predict_row(row, cost_model=row_cost_model(row, options=options))
+        folds.append({**result, "options": options})
     return folds

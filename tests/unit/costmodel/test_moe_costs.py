@@ -10,9 +10,16 @@ import pytest
 
 from dcp.costmodel import load_cost_model, load_preset
 from dcp.costmodel.flops import flops_per_token
-from dcp.costmodel.load import with_runtime_options
+from dcp.costmodel.formula import CostModel
+from dcp.costmodel.load import parse_spec_string, with_runtime_options
 from dcp.costmodel.pipeline import PipelineCosts
-from dcp.costmodel.spec import ModelSpec, parse_spec, static_memory_parts
+from dcp.costmodel.spec import (
+    ModelSpec,
+    Options,
+    expert_copy_bytes,
+    parse_spec,
+    static_memory_parts,
+)
 from dcp.costmodel.throughput import model_spec
 
 QWEN = "qwen3-30b-a3b"
@@ -293,3 +300,44 @@ def test_online_refit_holds_the_exchange_fixed_and_recovers_the_rest():
     fit = fit_records(synthetic_records(truth), prior=prior, prior_weight=0.0)
     _assert_coefficients(fit.cost_model, truth, rel=1e-9)
     assert fit.cost_model.coefficients.ep_comm_s_per_token == exchange["ep_comm_s_per_token"]
+
+
+def test_routed_copies_cost_hbm_traffic_and_their_fitted_work_as_linear_time():
+    """Each routed copy adds, per MoE layer, ``expert_copy_bytes`` at the GPU's HBM bandwidth and
+    ``expert_copy_flops`` at its linear rate to the linear time, recomputed with the MLP. Hand
+    count for Qwen3-30B-A3B in bf16 (hidden 2048, experts 768 wide, gated): forward 4 hidden-wide
+    passes and 3 expert widths, the backward twice that: 3 x (4 x 2048 + 3 x 768) x 2 B; FP8 adds
+    one read and two 1-byte writes of the four GEMM operands (2048 + 768 + 2048 + 2 x 768)."""
+    experts = model_spec(QWEN).experts()
+    bf16 = Options(dtype="bf16")
+    assert expert_copy_bytes(experts, hidden_size=2048, options=bf16) == 3 * 10496 * 2
+    fp8 = Options(dtype="bf16", fp8=True)
+    assert expert_copy_bytes(experts, hidden_size=2048, options=fp8) == 62976 + 6400 * 4
+
+    def linear(**overrides):
+        spec = parse_spec_string(_moe(**overrides))
+        return CostModel.from_spec(spec).coefficients
+
+    base = linear(expert_copy_flops=0.0)
+    copies = 48 * 8  # MoE layers x top-k per token
+    rate = 989e12 * 0.70  # h200 bf16, TP 1
+    flops = linear(expert_copy_flops=1e8)
+    added = flops.linear_s_per_token - base.linear_s_per_token
+    assert added == pytest.approx(copies * 1e8 / rate, rel=1e-9)
+    assert flops.recompute_linear_frac["selective"] > base.recompute_linear_frac["selective"]
+    # The HBM part is the datasheet's bandwidth: none without it.
+    spec = parse_spec_string(_moe(expert_copy_flops=0.0))
+    del spec["cluster"]["memory_bandwidth_gbs"]
+    gemms = CostModel.from_spec(spec).coefficients.linear_s_per_token
+    hbm = base.linear_s_per_token - gemms
+    assert hbm == pytest.approx(copies * 62976 / 4800e9, rel=1e-9)
+
+
+def test_a_dense_spec_ignores_the_expert_copy_terms():
+    """A dense model's coefficients are the same numbers whatever the copy cost and whether the
+    cluster gives an HBM bandwidth: the expert terms add nothing to it."""
+    spec = parse_spec_string("h200x64+llama3-70b")
+    plain = CostModel.from_spec(spec).coefficients
+    spec["options"] = {**spec.get("options", {}), "expert_copy_flops": 5e8}
+    del spec["cluster"]["memory_bandwidth_gbs"]
+    assert CostModel.from_spec(spec).coefficients == plain

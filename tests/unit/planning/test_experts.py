@@ -81,7 +81,8 @@ def test_dcp_plans_on_ep_groups_as_units():
     )
     planned = planner.plan_lengths(lengths)
     plan = planned.plan
-    assert {s.cp_size for s in plan.steps} == {4, 8}, plan.steps
+    sizes = {s.cp_size for s in plan.steps}
+    assert len(sizes) > 1 and min(sizes) == 4 and all(c % 4 == 0 for c in sizes), plan.steps
     check_expert_lockstep(plan, planner.mesh)
     planner.cost_model.check_plan_memory(plan, lengths)
     assert sorted(i for s in plan.steps for i in s.seq_ids) == list(range(len(lengths)))
