@@ -331,8 +331,6 @@ class BatchPlanner:
         cost_model, version = self.cost_model, self.version  # one model for the whole plan
         if forward_only:
             cost_model = cost_model.forward_only()
-        # Every plan_batch plan keeps EP groups whole; a pinned CP size below EP runs at EP.
-        pinned = _pins_at_least(pinned, self.mesh.expert_parallel_size)
         options = self.planner_options(lengths, pinned=pinned)
         plan = plan_batch(lengths, cost_model=cost_model, planner=self.cfg.planner, options=options)
         plan.validate(num_sequences=len(lengths), num_ranks=self.num_planner_ranks)
@@ -354,14 +352,6 @@ class BatchPlanner:
             ),
             plan_time_s=time.perf_counter() - start,
         )
-
-
-def _pins_at_least(pinned: dict[int, tuple] | None, ep: int) -> dict[int, tuple] | None:
-    """Online calibration's pinned configurations with a CP size below ``ep`` (which would
-    split an EP group) raised to one EP group."""
-    if not pinned or ep == 1:
-        return pinned
-    return {i: (max(ep, config[0]), *config[1:]) for i, config in pinned.items()}
 
 
 def with_fixed_static_config(planner: BatchPlanner, batches: Iterable[GlobalBatch]):

@@ -82,12 +82,18 @@ def choose_exploration(
     full recompute is its own configuration: a record of all layers does not count for it, nor
     the reverse. Under pipelines a configuration is sized as the planner sizes a micro-step,
     with the activations each stage holds in flight (``planning_view``), and N counts a
-    stage's layers."""
+    stage's layers. At ``expert_parallel_size`` > 1 only CP sizes that are multiples of it (what
+    a plan may use: ``dcp.planning.experts``)."""
     index = max(range(len(lengths)), key=lambda i: (lengths[i], -i))
     length = lengths[index]
     cost_model = planning_view(cost_model)
+    # At expert parallelism a step runs on whole EP groups: a smaller CP size would run at EP,
+    # be recorded there and stay unmeasured, pinned again after every refit.
+    ep = cost_model.expert_parallel_size
     arms = []
     for cp in pow2_sizes(cost_model.num_ranks, None):
+        if cp % ep:
+            continue
         configs: list[tuple] = [(level,) for level in RECOMPUTE_LEVELS]
         # Where no recompute fits, the least N of layers that fits is an option of its own.
         if cost_model.num_layers is not None and not cost_model.fits([length], cp, "none"):

@@ -79,3 +79,29 @@ def test_measured_configurations_and_much_slower_ones_are_not_tried():
     # A record of a sequence at least half as long counts as measured; a shorter one does not.
     assert choose_exploration([_record(cp, level, 3000, *layers)], LENGTHS, MODEL) != pin
     assert choose_exploration([_record(cp, level, 2999, *layers)], LENGTHS, MODEL) == pin
+
+
+def test_at_expert_parallelism_only_cp_sizes_a_run_can_take_are_tried():
+    """At EP 2 a step runs on whole EP groups (CP a multiple of 2): a pin below that would run
+    at CP 2 and be recorded there, so it would stay unmeasured and be pinned again after every
+    refit. Exploration tries only the CP sizes the run takes, and stops once they are measured."""
+    model = load_cost_model("cpu-tiny+cpu-mem-tight+num_experts=4+moe_router_topk=2")
+    model_ep = load_cost_model(
+        "cpu-tiny+cpu-mem-tight+num_experts=4+moe_router_topk=2+expert_parallel_size=2"
+    )
+    assert any(cp == 1 for cp, *_ in _explored(model))  # without EP, CP 1 is worth a try
+    tried = _explored(model_ep)
+    assert tried and all(cp % 2 == 0 for cp, *_ in tried), tried
+
+
+def _explored(model, limit: int = 20) -> list[tuple]:
+    """The pins exploration makes, one after the other, each recorded as measured, until it
+    stops (at most ``limit``)."""
+    records: list[MicroStepRecord] = []
+    tried = []
+    while (pin := choose_exploration(records, LENGTHS, model)) is not None:
+        ((_, config),) = pin.items()
+        tried.append(config)
+        records.append(_record(*config[:2], 6000, *config[2:]))
+        assert len(tried) <= limit, tried
+    return tried
