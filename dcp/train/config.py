@@ -136,7 +136,8 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     """Ranks that share each MoE layer's experts (``model.num_experts`` divisible by it): a
     power of two dividing the planner ranks; each plan step then runs on whole EP groups
-    (docs/design.md, 'Experts'). Above 1: no checkpoints yet, and planners dcp and static only."""
+    (docs/design.md, 'Experts'). Above 1: no checkpoints yet; every planner keeps the groups
+    whole (``dcp.planning.plan_batch``)."""
 
     def __post_init__(self) -> None:
         check_range(self.tensor_parallel_size, "parallel.tensor_parallel_size", ge=1, integer=True)
@@ -333,12 +334,6 @@ class PretrainConfig:
                 f"planning.static_cp_size={self.planning.static_cp_size} would split "
                 f"expert-parallel groups: at parallel.expert_parallel_size={ep} it must be at "
                 f"least {ep}"
-            )
-        if self.planning.planner not in ("dcp", "static"):
-            raise ValueError(
-                f"planning.planner={self.planning.planner} does not keep expert-parallel groups "
-                f"together yet; at parallel.expert_parallel_size={ep} use planning.planner=dcp "
-                f"or static (every step then runs on whole EP groups, CP size >= {ep})"
             )
 
 

@@ -63,6 +63,34 @@ def test_a_runs_planner_prices_its_experts_and_keeps_ep_groups_whole():
     check_expert_lockstep(planned.plan, planner.mesh)
 
 
+@pytest.mark.parametrize("planner", ["megatron", "megatron-dev", "static_per_batch"])
+def test_the_runs_baseline_planners_keep_ep_groups_whole(planner):
+    """What a run at EP 2 with a Megatron baseline (or static per batch) plans: the run's
+    ``BatchPlanner`` through ``plan_batch`` places every step on whole EP groups, and the plan
+    passes its checks (``plan_lengths`` runs ``check_expert_lockstep``)."""
+    from dcp.costmodel.spec import runtime_options
+    from dcp.model import ModelConfig
+    from dcp.step.batches import BatchPlanner
+    from dcp.step.config import PlanningConfig
+
+    model = ModelConfig(num_experts=4, moe_ffn_hidden_size=96)
+    planner_ = BatchPlanner(
+        PlanningConfig(planner=planner, spec="cpu-tiny"),
+        mesh=Mesh(4, expert_parallel_size=2),
+        max_seq_len=2048,
+        runtime_options=runtime_options(
+            dtype="fp32", distributed_optimizer=True, expert_parallel_size=2
+        ),
+        model=model.shape,
+    )
+    lengths = [2047, 300, 20, 9, 1500, 700, 64, 33]
+    planned = planner_.plan_lengths(lengths)
+    steps = planned.plan.steps
+    assert min(step.cp_size for step in steps) >= 2 and len(steps) > 1, steps
+    check_expert_lockstep(planned.plan, planner_.mesh)
+    assert sorted(i for step in steps for i in step.seq_ids) == list(range(len(lengths)))
+
+
 def test_dcp_plans_on_ep_groups_as_units():
     # A Qwen3-30B-A3B-class model at EP 4 on 16 H200s (4 EP groups): DCP's planner mixes CP
     # sizes, never below 4, every step on whole EP groups, within the real ranks' memory.

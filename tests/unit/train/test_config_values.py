@@ -79,11 +79,6 @@ def _refused(*overrides: str) -> str:
         ),
         (
             "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0 "
-            "planning.planner=megatron",
-            r"^planning\.planner=megatron does not keep expert-parallel groups together yet",
-        ),
-        (
-            "model.num_experts=4 parallel.expert_parallel_size=2 checkpoint.interval_steps=0 "
             "planning.planner=static planning.static_cp_size=1",
             r"^planning\.static_cp_size=1 would split expert-parallel groups",
         ),
@@ -96,6 +91,19 @@ def _refused(*overrides: str) -> str:
 def test_unusable_values_are_refused_naming_key_and_range(override, match):
     message = _refused(*override.split())
     assert re.search(match, message), message
+
+
+@pytest.mark.parametrize("planner", ["megatron", "megatron-dev", "static_per_batch"])
+def test_every_planner_is_accepted_at_expert_parallelism(planner):
+    """``plan_batch`` keeps every planner's steps on whole EP groups
+    (tests/unit/planning/test_experts.py plans with each through the run's ``BatchPlanner``)."""
+    cfg = _load(
+        "model.num_experts=4",
+        "parallel.expert_parallel_size=2",
+        "checkpoint.interval_steps=0",
+        f"planning.planner={planner}",
+    )
+    assert cfg.planning.planner == planner and cfg.parallel.expert_parallel_size == 2
 
 
 def test_virtual_stages_need_a_pipeline_that_splits_the_layers():
