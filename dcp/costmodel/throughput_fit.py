@@ -3,8 +3,10 @@
 The published-throughput check (``dcp.costmodel.throughput``) predicts every row with its GPU
 preset. Two coefficients of a preset are chosen on published rows (``FITTED_OPTIONS``): how
 fast FP8 linear layers run against the FP8 peak and how fast attention runs against the bf16
-peak. Every other option keeps the default documented on ``Options``; the rows showed no need
-to move them (docs/design.md, 'Checked against published throughput').
+peak. A third is chosen on the mixture-of-experts rows alone (``EXPERT_FITTED_OPTIONS``: what
+each routed token copy costs beyond its GEMM FLOPs), with the dense two held. Every other option
+keeps the default documented on ``Options``; the rows showed no need to move them
+(docs/design.md, 'Checked against published throughput', 'Experts in the cost model').
 
 ``fit_gpu_options`` chooses them by least squares on log(predicted / published) over one GPU's
 modelled rows, with a weak pull toward the defaults, so a coefficient the rows do not constrain
@@ -12,8 +14,8 @@ modelled rows, with a weak pull toward the defaults, so a coefficient the rows d
 ``cross_validate`` holds out one source at a time: fitted on the other sources' rows, checked
 on the held-out ones. Rows with pipeline parallelism take no part in either: they check the
 pipeline model (``dcp.costmodel.throughput.pipeline_step_s``) with coefficients chosen without
-them; nor do mixture-of-experts rows, which check the expert terms the same way. Pure Python,
-no torch.
+them; nor do mixture-of-experts rows: ``fit_expert_options`` chooses the expert coefficient on
+them and ``cross_validate_experts`` checks it leave-one-out. Pure Python, no torch.
 """
 
 from __future__ import annotations
