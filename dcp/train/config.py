@@ -136,8 +136,8 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     """Ranks that share each MoE layer's experts (``model.num_experts`` divisible by it): a
     power of two dividing the planner ranks; each plan step then runs on whole EP groups
-    (docs/design.md, 'Experts'). Above 1: no checkpoints yet; every planner keeps the groups
-    whole (``dcp.planning.plan_batch``)."""
+    (docs/design.md, 'Experts'). Above 1 every planner keeps the groups whole
+    (``dcp.planning.plan_batch``)."""
 
     def __post_init__(self) -> None:
         check_range(self.tensor_parallel_size, "parallel.tensor_parallel_size", ge=1, integer=True)
