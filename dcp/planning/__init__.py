@@ -19,7 +19,7 @@ from dcp.costmodel import CostModel
 from dcp.plan import MEGATRON_DEV, PLANNERS, STATIC_PER_BATCH, Plan, check_choice
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.dcp_planner import THREE_LEVEL_OPTIONS, DCPOptions, plan_dcp
-from dcp.planning.experts import plan_on_expert_groups
+from dcp.planning.experts import no_worse_than_static, plan_on_expert_groups
 from dcp.planning.megatron import MegatronOptions, plan_megatron
 from dcp.planning.megatron_dev import MegatronDevOptions, plan_megatron_dev
 from dcp.planning.simulator import SimResult, simulate
@@ -108,7 +108,10 @@ def plan_batch(
             f"planner {planner!r} takes {entry.options.__name__}, got {type(options).__name__}"
         )
     if cost_model.expert_parallel_size > 1:
-        return plan_on_expert_groups(
+        plan = plan_on_expert_groups(
             lengths, cost_model=cost_model, plan=entry.plan, options=options
         )
+        if planner == "dcp":
+            plan = no_worse_than_static(plan, lengths, cost_model=cost_model, options=options)
+        return plan
     return entry.plan(lengths, cost_model=cost_model, options=options)

@@ -26,9 +26,9 @@ from typing import Any
 
 from dcp.costmodel import CostModel
 from dcp.mesh import Mesh
-from dcp.plan import Plan
+from dcp.plan import Plan, Recompute
 from dcp.planning.simulator import simulate
-from dcp.planning.static import config_label
+from dcp.planning.static import StaticOptions, config_label, plan_static
 
 CP_SIZE_KEYS = ("cp_size", "max_cp_size", "min_cp_size")
 """Options (and plan notes, ``Plan.extra``) that count planner ranks of one CP group."""
@@ -84,8 +84,11 @@ def expert_units(cost_model: CostModel) -> CostModel:
     compute time, its MoE token exchange and its memory per rank in the view are the real
     step's (the expert weights and the exchange stay the real EP size's: they are in the
     coefficients). The view itself has EP 1, so nothing planning on it groups its units again.
-    Not priced in the view: the CP traffic among the EP ranks of a unit (the real plan is
-    simulated on ``cost_model`` afterwards)."""
+    CP traffic is the exception: a rank of a real CP group of k·EP sends (k·EP - 1)/(k·EP) of
+    the step's K/V volume in k·EP - 1 hops, so the view keeps the per-token volume undivided
+    and multiplies the hop latency by EP ((k - 1)/k of it in (k - 1)·EP hops): the same up to
+    the traffic inside one unit, which a step on a single unit (CP = EP) is not charged (the
+    real plan is simulated on ``cost_model`` afterwards)."""
     ep = cost_model.expert_parallel_size
     c = cost_model.coefficients
     per_token = (
@@ -94,12 +97,12 @@ def expert_units(cost_model: CostModel) -> CostModel:
         "logits_s_per_token",
         "tp_comm_s_per_token",
         "ep_comm_s_per_token",
-        "cp_bytes_per_token",
         "logits_bytes_per_token",
     )
     coefficients = replace(
         c,
         **{name: getattr(c, name) / ep for name in per_token},
+        cp_hop_latency_s=c.cp_hop_latency_s * ep,
         activation_bytes_per_token={k: v / ep for k, v in c.activation_bytes_per_token.items()},
         linear_half_tokens=c.linear_half_tokens * ep,
         attention_half_tokens=c.attention_half_tokens * ep,
@@ -190,3 +193,38 @@ def plan_on_expert_groups(
     check_expert_lockstep(spread, mesh)
     predicted = simulate(spread, lengths, cost_model).makespan_s
     return replace(spread, predicted_step_time_s=predicted)
+
+
+def no_worse_than_static(
+    plan: Plan, lengths: Sequence[int], *, cost_model: CostModel, options: Any
+) -> Plan:
+    """DCP's ``plan`` (from ``plan_on_expert_groups``, with its ``DCPOptions``) or, where it
+    predicts faster on ``cost_model``, the static baseline's plan (as a static run packs it, or
+    its tuned oracle), noted as ``extra["static_config"]``. ``plan_dcp`` keeps such a candidate
+    itself, but judges it in the units' view, which misses the CP traffic inside a unit; here
+    the rule holds on the real ranks, for the static plans ``plan_dcp``'s own candidate may be
+    (none with pins, without ``share_cp_groups`` or under ``max_cp_size``; its recompute levels,
+    ``full``, and block recompute with ``partial_recompute``)."""
+    if options.pinned or not options.share_cp_groups or options.max_cp_size is not None:
+        return plan
+    allowed = {*options.recompute_levels, Recompute.FULL.value}
+    best = plan
+    for tuned in (False, True):
+        static_options = StaticOptions(tuned=tuned, on_oversize=options.on_oversize)
+        try:
+            static = plan_on_expert_groups(
+                lengths, cost_model=cost_model, plan=plan_static, options=static_options
+            )
+        except ValueError:  # no static configuration holds the batch
+            continue
+        if static.dropped != plan.dropped or any(
+            s.recompute not in allowed
+            or (s.recompute_layers is not None and not options.partial_recompute)
+            for s in static.steps
+        ):
+            continue
+        if static.predicted_step_time_s < best.predicted_step_time_s:
+            best = static
+    if best is plan:
+        return plan
+    return replace(best, planner="dcp", extra={**best.extra, "static_config": config_label(best)})
