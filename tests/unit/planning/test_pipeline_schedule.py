@@ -643,10 +643,9 @@ def test_the_simulator_times_the_interleaved_order():
     transfer = plain.p2p_time_s(4096 / 2)
     assert two.makespan_s < one.makespan_s
     assert two.makespan_s >= n * work / 4  # each stage's share of the work, at least
-    # Stage s's busy time: its compute, the same at both V, plus its share of 2V transfers per
-    # micro-step (V = 2: every stage sends and receives across the wrap too).
-    extra = [b2 - b1 for b1, b2 in zip(one.busy_s, two.busy_s, strict=True)]
-    assert min(extra) > 0 and max(extra) <= 4 * n * transfer * 1.0001
+    # Stage s's busy time is its compute, the same at both V (transfers are not busy time).
+    assert two.busy_s == pytest.approx(one.busy_s, rel=1e-9)
+    assert one.makespan_s > sum(one.busy_s[:2]) / 2 + transfer  # the fill waits for transfers
     assert two.stage_peak_mem_bytes[0] > one.stage_peak_mem_bytes[0]
     # The order a planner passes in (its chunk_order, made once) is the one used otherwise.
     given = stage_peak_bytes(
@@ -657,3 +656,35 @@ def test_the_simulator_times_the_interleaved_order():
         == stage_peak_bytes(plan, lengths, interleaved).peak_bytes.tolist()
     )
 
+
+@pytest.mark.parametrize("num_micro_steps", [8, 16, 32])
+def test_sends_that_do_not_wait_run_the_interleaved_formula(num_micro_steps):
+    """Equal micro-steps (64K tokens at CP 8, full recompute) on Llama-3-70B at TP 4, PP 8,
+    VP 5 on 256 H200s: DCP's executor, whose sends do not hold up their sender, takes
+    ``schedule_time_s`` with the steady state's transfers overlapped, within 1% (measured:
+    5.84 s, 10.77 s and 20.65 s against 5.81, 10.75 and 20.62 s); waiting for every send as
+    it was made (a blocking pair per message) took 30.8 s at 32 micro-steps, slower than VP 1.
+    Megatron's interleaved schedule with ``overlap_p2p_comm`` is timed the same; its schedule
+    without interleaving (VP 1) blocks on every exchange, and is not faster than DCP's there."""
+    cm = load_cost_model("h200x256+llama3-70b-tp4pp8")
+    n = num_micro_steps
+    plan = Plan(
+        steps=tuple(MicroStep(ranks=tuple(range(8)), seq_ids=(i,), recompute="full")
+                    for i in range(n))
+    )  # fmt: skip
+    lengths = [65536] * n
+    transfer = PipelineCosts.of(cm).p2p_time_s(65536 / 8)
+    made = {}
+    for v in (1, 5):
+        costs = PipelineCosts.of(cm, virtual_stages=v)
+        rank_s = max(f + b for f, b, _ in costs.step_times(plan.steps[0], lengths))
+        formula = costs.schedule_time_s(rank_s, n, transfer_s=transfer, overlap_p2p=True)
+        made[v] = simulate_pipeline(plan, lengths, costs, megatron_schedule=False).makespan_s
+        megatron = simulate_pipeline(plan, lengths, costs, megatron_schedule=True).makespan_s
+        if v == 5:
+            assert made[v] == pytest.approx(formula, rel=0.01)
+            assert megatron == pytest.approx(made[v], rel=1e-12)
+        else:
+            assert made[v] <= megatron <= 1.01 * made[v]
+    if n == 32:
+        assert made[5] < made[1]  # interleaving pays off, as the formula says
