@@ -196,14 +196,15 @@ def run_pipelined_plan(
         return "send", live[key].input.grad, peer
 
     def delivered(event) -> None:
-        """What follows ``event`` once it has been waited for."""
-        key = (event.chunk, event.step)
+        """What follows a receive once it has been waited for."""
         if event.kind == RECV_ACTIVATION and not forward_only:
-            live[key].input.requires_grad_()
-        elif event.kind == SEND_ACTIVATION and forward_only:
-            del live[key]
-        elif event.kind == SEND_GRADIENT:
-            del live[key]
+            live[(event.chunk, event.step)].input.requires_grad_()
+
+    def sent(event) -> None:
+        """What follows posting a send: the step's state on this chunk is let go when the send
+        is its last use (the open message keeps the tensor it reads)."""
+        if event.kind == SEND_GRADIENT or forward_only:
+            del live[(event.chunk, event.step)]
 
     events = rank_events(
         plan,
@@ -229,6 +230,8 @@ def run_pipelined_plan(
             if event.kind in MESSAGE_KINDS:
                 with phase(_describe(event)):
                     open_messages[event] = post(*message(event))
+                if event.kind in (SEND_ACTIVATION, SEND_GRADIENT):
+                    sent(event)
                 continue
             index, chunk = event.step, event.chunk
             key = (chunk, index)
