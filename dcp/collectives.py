@@ -272,22 +272,19 @@ def recv(tensor: torch.Tensor, *, src: int, group=None) -> torch.Tensor:
 
 
 @_names_errors
-def exchange(messages: Sequence[tuple[str, torch.Tensor, int]], *, group=None) -> None:
-    """Post every message of ``messages`` at once, then wait for all of them: ``("send",
-    tensor, dst)`` or ``("recv", buffer, src)``, in the order both sides agree on (torch's
-    ``batch_isend_irecv``; on NCCL one grouped launch, as megatron's p2p pairs a send with a
-    receive). Buffers are filled when it returns."""
-    _check([t for _, t, _ in messages], "exchange")
-    ops = []
-    for kind, tensor, peer in messages:
-        if kind == "send":
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group))
-        elif kind == "recv":
-            ops.append(dist.P2POp(dist.irecv, tensor, peer, group))
-        else:
-            raise ValueError(f"a message is 'send' or 'recv', got {kind!r}")
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
+def post(kind: str, tensor: torch.Tensor, peer: int, *, group=None):
+    """Post one point-to-point message and return at once: ``"send"`` ``tensor`` to global
+    rank ``peer``, or ``"recv"`` into ``tensor`` from it. Returns (its ``Work``, the tensor it
+    reads or fills): the caller keeps that tensor referenced until ``Work.wait()`` has returned
+    (a send may complete only when its receiver has it), and both sides post their messages to
+    each other in the same order (gloo and NCCL match them in posting order)."""
+    _check([tensor], "post")
+    if kind == "send":
+        tensor = tensor.contiguous()
+        return dist.isend(tensor, peer, group=group), tensor
+    if kind == "recv":
+        return dist.irecv(tensor, peer, group=group), tensor
+    raise ValueError(f"a message is 'send' or 'recv', got {kind!r}")
 
 
 @_names_errors

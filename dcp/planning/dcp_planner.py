@@ -167,8 +167,11 @@ def plan_dcp(
     lens = [int(x) for x in lengths]
     plan_s = simulate(plan, lens, cost_model).makespan_s
     static = _static_candidate(lengths, cost_model, options, dropped=plan.dropped, beat_s=plan_s)
-    if static is not None and simulate(static, lens, cost_model).makespan_s < plan_s:
-        return static
+    if static is not None:
+        # Priced again as DCP's executor runs it (a static run's schedule may differ).
+        static_s = simulate(static, lens, cost_model).makespan_s
+        if static_s < plan_s:
+            return replace(static, predicted_step_time_s=static_s)
     return plan
 
 

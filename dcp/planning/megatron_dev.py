@@ -512,6 +512,11 @@ def _as_plan(
                 )
             )
             start = end
-    plan = Plan(steps=tuple(steps), unaligned_steps=unaligned, extra={"groups": len(groups)})
+    plan = Plan(
+        steps=tuple(steps),
+        planner=MEGATRON_DEV,  # priced under megatron's pipeline schedule
+        unaligned_steps=unaligned,
+        extra={"groups": len(groups)},
+    )
     makespan = simulate(plan, lens.tolist(), cost_model).makespan_s
     return dataclasses.replace(plan, predicted_step_time_s=makespan)

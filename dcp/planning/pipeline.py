@@ -39,12 +39,18 @@ its events in key order, so the unfinished event with the least key always has a
 participants at it: collectives and blocking send/receive pairs complete whatever the plan, and
 each message pairs a sender and a receiver that agree on what it is.
 
-The runtime posts each run of consecutive messages of a rank's list at once and then waits for
-all of them (``message_batches``; torch's ``batch_isend_irecv``, as megatron's p2p pairs a send
-with the receive that follows it). The order argument still holds: a rank waiting on a batch has
-posted every message in it, and an event between two of its messages in key order would be in
-the same run, so the unfinished event with the least key again has every participant at it
-(posted), and it completes.
+The runtime posts each message at its place in the list and does not wait for it there
+(``rank_program``): a receive is waited for just before the forward or backward that consumes
+it, a send just before the rank posts its next send of the same kind, and every open send at
+the end of the plan; a send never holds up its rank's next forward or backward. The order
+argument still holds: posting never blocks, and every wait a rank makes before an event is on a
+message of smaller key (a receive's key is its producer's end, at most its consumer's start in
+the dense schedule, and a message sorts before a compute event of the same time; a rank's sends
+of one kind go in key order). So a participant of the unfinished event with the least key has
+finished or posted everything before it, every wait on its way being on a finished message,
+and reaches the event (posts it, for a message); each side posts its messages to the other in
+key order, so the k-th message each posts between the two is the same, and it completes whether
+the transport buffers a send or completes it only when it is received.
 
 Memory: a micro-step's activations live on a stage from its forward to its backward
 (``stage_peak_bytes``). Pure Python + numpy.
@@ -284,23 +290,56 @@ class PipelineEvent:
     backward, sends its output or input gradient, or receives its input or output gradient."""
 
 
-def message_batches(events: Sequence[PipelineEvent]) -> list[tuple[PipelineEvent, ...]]:
-    """A rank's ``rank_events`` as its executor runs them: each forward or backward alone, each
-    maximal run of consecutive messages as one batch, posted together and then waited for
-    (module docstring)."""
-    batches: list[tuple[PipelineEvent, ...]] = []
-    run: list[PipelineEvent] = []
+@dataclass(frozen=True)
+class ProgramStep:
+    """One step of a rank's executor (``rank_program``): wait for ``waits``, messages this rank
+    posted earlier, then run ``event`` (a forward or backward) or post it (a message, whose
+    completion is waited for by a later step); ``event`` ``None`` ends the plan."""
+
+    waits: tuple[PipelineEvent, ...]
+    event: PipelineEvent | None
+
+
+def rank_program(events: Sequence[PipelineEvent], *, blocking: bool = False) -> list[ProgramStep]:
+    """A rank's ``rank_events`` as its executor runs them: every event in order, each message
+    posted at its place (module docstring).
+
+    Without ``blocking`` (DCP's executor, and megatron's interleaved schedule with
+    ``overlap_p2p_comm``): a receive is waited for just before the forward or backward that
+    consumes it (same chunk and micro-step), a send just before the rank posts its next send of
+    the same kind (megatron's ``send_next_wait_handle`` / ``send_prev_wait_handle``), and every
+    send still open at the end. A send therefore never holds up the rank's next forward or
+    backward, and a rank keeps at most one open send of each kind; its tensor stays referenced
+    until it is waited for. With ``blocking`` (megatron's schedule without interleaving, whose
+    p2p waits for every exchange): each run of consecutive messages is posted, then waited for
+    before the next event."""
+    steps: list[ProgramStep] = []
+    waits: list[PipelineEvent] = []
+    consumers: dict[tuple[str, int, int], PipelineEvent] = {}
+    """(consuming kind, chunk, step) → the receive that forward or backward waits for."""
+    open_sends: dict[str, PipelineEvent] = {}
     for event in events:
         if event.kind in MESSAGE_KINDS:
-            run.append(event)
+            if blocking:
+                steps.append(ProgramStep((), event))
+                waits.append(event)
+            elif event.kind in (RECV_ACTIVATION, RECV_GRADIENT):
+                consumer = FORWARD if event.kind == RECV_ACTIVATION else BACKWARD
+                consumers[(consumer, event.chunk, event.step)] = event
+                steps.append(ProgramStep((), event))
+            else:
+                previous = open_sends.pop(event.kind, None)
+                steps.append(ProgramStep(() if previous is None else (previous,), event))
+                open_sends[event.kind] = event
             continue
-        if run:
-            batches.append(tuple(run))
-            run = []
-        batches.append((event,))
-    if run:
-        batches.append(tuple(run))
-    return batches
+        if not blocking:
+            received = consumers.pop((event.kind, event.chunk, event.step), None)
+            waits = [] if received is None else [received]
+        steps.append(ProgramStep(tuple(waits), event))
+        waits = []
+    assert not consumers, f"receives nothing consumes: {sorted(consumers)}"
+    steps.append(ProgramStep((*waits, *open_sends.values()), None))
+    return steps
 
 
 def rank_events(

@@ -4,11 +4,24 @@
 free (and after any barrier listed in ``plan.barriers``: step indices before which all
 ranks synchronise, as Megatron's Hybrid-CP schedule does after every group). Under pipeline
 parallelism (the spec's ``options.pipeline_parallel_size`` > 1) it runs every (stage, planner
-rank)'s events of ``dcp.planning.pipeline.rank_events`` instead: a forward or backward starts
-when every rank of its group on its stage is free, a message when its sender and receiver are
-(blocking pairs), each lasting its stage's time (``dcp.costmodel.pipeline``); with virtual
-stages (``PipelineCosts.virtual_stages`` > 1) the interleaved events, each chunk's forward and
-backward lasting the chunk's time.
+rank)'s events of ``dcp.planning.pipeline.rank_events`` instead, as the executor that runs the
+plan posts and waits for them (``rank_program``), each forward or backward lasting its stage's
+time (``dcp.costmodel.pipeline``; with virtual stages, ``PipelineCosts.virtual_stages`` > 1, the
+interleaved events at each chunk's time) and each transfer ``StepCosts.transfer_s``:
+
+- DCP's executor (and megatron's interleaved schedule, which runs with ``overlap_p2p_comm``): a
+  send does not hold up its sender; its transfer starts when it is posted and the receiver's
+  forward or backward that consumes it starts no earlier than its arrival; the sender waits for
+  it (its arrival, and the receiver having posted the receive) only before its next send of the
+  same kind, or at the end. This is a buffered transport's timing; a transport that moves the
+  data only once the receive is posted would add the wait for a receive posted after its send.
+- megatron's schedule without interleaving (``forward_backward_pipelining_without_interleaving``,
+  whose p2p waits for every exchange): a message starts when its sender and receiver are both
+  free and holds both for its transfer (blocking pairs).
+
+A plan of one of ``MEGATRON_SCHEDULED`` (the baselines, which run under megatron's schedules) is
+timed by megatron's schedule, any other by DCP's executor. Busy time is compute only: a transfer
+that holds a rank up counts as its idle time.
 """
 
 from __future__ import annotations
@@ -20,8 +33,12 @@ import numpy as np
 
 from dcp.costmodel import CostModel
 from dcp.costmodel.pipeline import PipelineCosts
-from dcp.plan import Plan
+from dcp.plan import MEGATRON_DEV, STATIC_PER_BATCH, Plan
 from dcp.planning.pipeline import StepCosts, event_keys, stage_peak_bytes
+
+MEGATRON_SCHEDULED = frozenset({"static", "megatron", STATIC_PER_BATCH, MEGATRON_DEV})
+"""Planners whose plans run under megatron's pipeline schedules (the baselines), not DCP's
+executor: ``simulate_pipeline`` times them so."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +56,8 @@ class SimResult:
     num_steps: int
     num_stages: int = 1
     """Pipeline stages: with more than one, ``busy_s`` and ``idle_s`` hold one entry per
-    (stage, planner rank), stage-major, and busy time includes stage-to-stage transfers."""
+    (stage, planner rank), stage-major, and busy time is compute only (a rank held up by a
+    stage-to-stage transfer is idle)."""
     stage_peak_mem_bytes: tuple[float, ...] = ()
     """Per pipeline stage, the most bytes any of its GPUs holds (with one stage: empty)."""
 
@@ -134,32 +152,47 @@ def simulate_pipeline(
     costs: PipelineCosts,
     *,
     step_costs: StepCosts | None = None,
+    megatron_schedule: bool | None = None,
 ) -> SimResult:
-    """Execute ``plan`` under ``costs``' pipeline (module docstring): every event in key order
-    starts when all its participants are free, which is when a blocking execution of every
-    (stage, rank)'s event list starts it. ``step_costs``: a memo of this batch's micro-steps
-    shared with other calls."""
+    """Execute ``plan`` under ``costs``' pipeline (module docstring): every event in key order,
+    each forward or backward starting when all its ranks are free and its input has arrived.
+    ``megatron_schedule``: time it as megatron's schedule runs it (default: when ``plan``'s
+    planner is one of ``MEGATRON_SCHEDULED``), else as DCP's executor does. ``step_costs``: a
+    memo of this batch's micro-steps shared with other calls."""
     num_ranks, num_stages = costs.cost_model.num_ranks, costs.num_stages
     if plan.barriers:
         raise ValueError("plan barriers are not supported under pipeline parallelism")
     for index, step in enumerate(plan.steps):
         if step.ranks[0] < 0 or step.ranks[-1] >= num_ranks:
             raise ValueError(f"step {index} uses ranks {step.ranks} outside [0, {num_ranks})")
+    if megatron_schedule is None:
+        megatron_schedule = plan.planner in MEGATRON_SCHEDULED
+    blocking = megatron_schedule and costs.virtual_stages == 1
     step_costs = step_costs or StepCosts(costs, lengths)
     times = [step_costs.chunk_times(step) for step in plan.steps]
     transfer = [step_costs.transfer_s(step) for step in plan.steps]
     ranks_of = [step.ranks for step in plan.steps]
     free = [[0.0] * num_ranks for _ in range(num_stages)]
     busy = [[0.0] * num_ranks for _ in range(num_stages)]
+    arrival: dict[tuple[int, int, int, int], float] = {}
+    """(consumer's virtual stage, 0 forward / 1 backward, step, rank) → when its input is in."""
+    open_sends: dict[tuple[int, int, int], float] = {}
+    """(sender's stage, kind, rank) → when its open send completes (received)."""
     compute_total = comm_total = 0.0
     keys = event_keys(plan, num_stages, virtual_stages=costs.virtual_stages)
+    num_virtual = num_stages * costs.virtual_stages
     for _, is_compute, j, kind, m in keys:
         ranks = ranks_of[m]
         s = j % num_stages  # virtual stage j is chunk j // P of stage j % P
         if is_compute:
             duration = times[m][j][kind]
             stage_free, stage_busy = free[s], busy[s]
-            end = max(stage_free[r] for r in ranks) + duration
+            has_input = j > 0 if kind == 0 else j < num_virtual - 1
+            if blocking or not has_input:
+                begin = max(stage_free[r] for r in ranks)
+            else:
+                begin = max(max(stage_free[r], arrival.pop((j, kind, m, r))) for r in ranks)
+            end = begin + duration
             for r in ranks:
                 stage_free[r] = end
                 stage_busy[r] += duration
@@ -167,13 +200,23 @@ def simulate_pipeline(
             if kind == 1:
                 comm_total += times[m][j][2] * len(ranks)
             continue
-        receiver = (j + 1) % num_stages
-        upper, lower, duration = free[s], free[receiver], transfer[m]
+        # The message between virtual stages j and j + 1: the activation up, the gradient down.
+        upper, lower = (j + 1) % num_stages, s
+        sender, receiver = (lower, upper) if kind == 0 else (upper, lower)
+        sent, got, duration = free[sender], free[receiver], transfer[m]
         for r in ranks:
-            end = max(upper[r], lower[r]) + duration
-            upper[r] = lower[r] = end
-            busy[s][r] += duration
-            busy[receiver][r] += duration
+            if blocking:
+                sent[r] = got[r] = max(sent[r], got[r]) + duration
+                continue
+            # The sender first waits for its previous send of this kind; the receive is posted
+            # when the receiver reaches it (its clock now, every earlier event of its run).
+            posted = max(sent[r], open_sends.get((sender, kind, r), 0.0))
+            sent[r] = posted
+            arrives = posted + duration
+            arrival[(j + 1 if kind == 0 else j, kind, m, r)] = arrives
+            open_sends[(sender, kind, r)] = max(arrives, got[r])
+    for (stage, _, r), done in open_sends.items():
+        free[stage][r] = max(free[stage][r], done)
     makespan = max(max(row) for row in free) if plan.steps else 0.0
     memory = stage_peak_bytes(plan, lengths, costs, step_costs=step_costs)
     stage_peaks = tuple(float(row.max()) for row in memory.peak_bytes)

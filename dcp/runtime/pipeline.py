@@ -11,12 +11,15 @@ What runs when is ``dcp.planning.pipeline.rank_events``: the 1F1B order over the
 (interleaved over the stage's model chunks under virtual stages), each rank's subsequence of its
 stage's order, the messages placed between, every event with a key all its participants share.
 This module runs those events in order, nothing else: a forward (``F``), a backward (``B``), or
-a batch of consecutive sends and receives to the same position on the next or previous stage,
-posted together and waited for together
-(``message_batches``: torch's ``batch_isend_irecv``, as megatron pairs a send with a receive).
-The order is why it cannot deadlock (docs/design.md, 'Pipelines'): each rank runs its events by
-increasing key, so the unfinished event with the least key has every participant at it (posted,
-for a message in a batch), whatever the plan.
+a send or receive to the same position on the next or previous stage, posted and not waited
+for there (``rank_program``): a receive is waited for just before the forward or backward that
+consumes it, a send before this rank's next send of the same kind and at the end of the plan,
+before the gradients are reduced, so a send never holds up the next forward or backward (as
+megatron's interleaved schedule runs with ``overlap_p2p_comm``). An open message keeps its
+tensor referenced until it is waited for. The order is why it cannot deadlock (docs/design.md,
+'Pipelines'): each rank posts and runs its events by increasing key and waits only for messages
+of smaller key than the event it waits before, so the unfinished event with the least key has
+every participant at it (posted, for a message), whatever the plan.
 
 A micro-step is prepared, switched and run by the micro-step executor (``dcp.runtime.microstep``),
 which switches its CP group and recompute level in for its forward and again for its backward
@@ -45,9 +48,9 @@ sums, and the tied embedding's gradient over the first and last stage
 A forward-only pass (evaluation, ``forward_only=True``) runs the forwards and activation
 messages of the same order alone, without autograd, and reduces no gradient.
 
-On NCCL a batch is one grouped launch on the pair's stream and the compute stream waits for its
-receives (``ProcessGroupNCCL``: the host does not block); the messages of each pair of ranks are
-in key order on both sides, so their streams match them in order.
+On NCCL each message is a launch on the pair's stream and a wait makes the compute stream wait
+for it (``ProcessGroupNCCL``: the host does not block); the messages of each pair of ranks are
+posted in key order on both sides, so their streams match them in order.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp.collectives import exchange, phase
+from dcp.collectives import phase, post
 from dcp.plan import Plan
 from dcp.planning.pipeline import (
     BACKWARD,
@@ -66,8 +69,8 @@ from dcp.planning.pipeline import (
     RECV_GRADIENT,
     SEND_ACTIVATION,
     SEND_GRADIENT,
-    message_batches,
     rank_events,
+    rank_program,
 )
 from dcp.runtime.dispatch import SequenceSource
 from dcp.runtime.microstep import MicroStepExecutor, MicroStepInput
@@ -175,7 +178,7 @@ def run_pipelined_plan(
             chunk=event.chunk,
         )
 
-    def post(event) -> tuple[str, torch.Tensor, int]:
+    def message(event) -> tuple[str, torch.Tensor, int]:
         """The message ``event`` posts (its buffer ready for a receive)."""
         key = (event.chunk, event.step)
         peer = registry.stage_peer(event.peer_stage)
@@ -193,14 +196,15 @@ def run_pipelined_plan(
         return "send", live[key].input.grad, peer
 
     def delivered(event) -> None:
-        """What follows ``event`` once its batch has completed."""
-        key = (event.chunk, event.step)
+        """What follows a receive once it has been waited for."""
         if event.kind == RECV_ACTIVATION and not forward_only:
-            live[key].input.requires_grad_()
-        elif event.kind == SEND_ACTIVATION and forward_only:
-            del live[key]
-        elif event.kind == SEND_GRADIENT:
-            del live[key]
+            live[(event.chunk, event.step)].input.requires_grad_()
+
+    def sent(event) -> None:
+        """What follows posting a send: the step's state on this chunk is let go when the send
+        is its last use (the open message keeps the tensor it reads)."""
+        if event.kind == SEND_GRADIENT or forward_only:
+            del live[(event.chunk, event.step)]
 
     events = rank_events(
         plan,
@@ -211,17 +215,24 @@ def run_pipelined_plan(
         forward_only=forward_only,
     )
     timer.begin_loop()
+    open_messages: dict = {}
+    """Posted message → its ``Work`` and the tensor it reads or fills, until waited for."""
     with around_steps(model, forward_only):
-        for batch in message_batches(events):
-            if batch[0].kind in MESSAGE_KINDS:
-                # Consecutive messages are posted at once and waited for together.
-                messages = [post(event) for event in batch]
-                with phase("; ".join(_describe(event) for event in batch)):
-                    exchange(messages)
-                for event in batch:
-                    delivered(event)
+        for program_step in rank_program(events):
+            for waited in program_step.waits:
+                work, _ = open_messages.pop(waited)
+                with phase(_describe(waited)):
+                    work.wait()
+                delivered(waited)
+            event = program_step.event
+            if event is None:  # the end of the plan: every open message was waited for
                 continue
-            (event,) = batch
+            if event.kind in MESSAGE_KINDS:
+                with phase(_describe(event)):
+                    open_messages[event] = post(*message(event))
+                if event.kind in (SEND_ACTIVATION, SEND_GRADIENT):
+                    sent(event)
+                continue
             index, chunk = event.step, event.chunk
             key = (chunk, index)
             first, last = is_first(chunk), is_last(chunk)
@@ -263,6 +274,7 @@ def run_pipelined_plan(
             else:  # pragma: no cover - rank_events makes only the kinds above
                 raise AssertionError(f"unknown pipeline event {event.kind!r}")
     timer.end_loop()
+    assert not open_messages, f"messages {sorted(open_messages)} were never waited for"
     assert not live, f"(chunk, micro-step)s {sorted(live)} were never finished"
     assert not micros, f"micro-steps {sorted(micros)} still hold their shards"
     result.loss_sum = loss_sum
