@@ -31,7 +31,7 @@ from dcp.plan import (
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import check_lengths, find_oversize, pow2_sizes
 from dcp.planning.joins import _Job, _merge_same_block, _PackConfigs, _shared_jobs
-from dcp.planning.pipeline_planner import arrange
+from dcp.planning.pipeline_planner import LONGEST_FIRST_ROUNDS, arrange, longest_first
 from dcp.planning.simulator import simulate
 from dcp.planning.static import BLOCK, StaticOptions, config_label, plan_static, static_configs
 
@@ -167,12 +167,32 @@ def plan_dcp(
     lens = [int(x) for x in lengths]
     plan_s = simulate(plan, lens, cost_model).makespan_s
     static = _static_candidate(lengths, cost_model, options, dropped=plan.dropped, beat_s=plan_s)
-    if static is not None:
-        # Priced again as DCP's executor runs it (a static run's schedule may differ).
-        static_s = simulate(static, lens, cost_model).makespan_s
-        if static_s < plan_s:
-            return replace(static, predicted_step_time_s=static_s)
-    return plan
+    if static is None:
+        return plan
+    # Priced again as DCP's executor runs it (a static run's schedule may differ).
+    static = replace(static, predicted_step_time_s=simulate(static, lens, cost_model).makespan_s)
+    if cost_model.pipeline_parallel_size > 1:
+        # DCP's executor need not keep a static run's order: its micro-steps longest first too,
+        # while that gains (as ``arrange`` does for its own winner).
+        costs = PipelineCosts.of(cost_model)
+        for _ in range(LONGEST_FIRST_ROUNDS):
+            reordered = longest_first(
+                static,
+                lens,
+                costs,
+                levels=_pipeline_levels(options),
+                partial=options.partial_recompute and cost_model.num_layers is not None,
+            )
+            if reordered is None or reordered.predicted_step_time_s >= static.predicted_step_time_s:
+                break
+            static = replace(reordered, extra=static.extra)
+    return static if static.predicted_step_time_s < plan_s else plan
+
+
+def _pipeline_levels(options: DCPOptions) -> list[str]:
+    """The recompute levels a pipelined plan's micro-steps may be raised to: ``options``' and
+    ``full``, cheapest first."""
+    return [lv for lv in RECOMPUTE_LEVELS if lv in set(options.recompute_levels) | {"full"}]
 
 
 def _static_candidate(
@@ -259,7 +279,7 @@ def _plan_pipelined(lengths: Sequence[int], cost_model: CostModel, options: DCPO
     # Joining steps would only undo the micro-steps a pipeline needs.
     flat = _flat_plan(lengths, view, replace(options, on_oversize="drop"), join_steps=False)
     ranks = tuple(range(largest))
-    levels = [lv for lv in RECOMPUTE_LEVELS if lv in set(options.recompute_levels) | {"full"}]
+    levels = _pipeline_levels(options)
     alone_steps = []
     for i in sorted(set(crowded) - set(dropped)):
         level = next(lv for lv in levels if alone.fits([int(lens[i])], largest, lv))

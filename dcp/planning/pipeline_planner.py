@@ -57,6 +57,8 @@ from dcp.planning.static import _static_for_config
 
 ORDERS = ("built", "ascending", "ends", "spread")
 """How ``arrange`` orders its rounds (module docstring)."""
+LONGEST_FIRST_ROUNDS = 8
+"""How many times a plan's micro-steps are put longest first again while that gains."""
 _ROUND_FACTORS = (1, 2, 4, 8)
 """Round counts tried, in units of the pipeline depth P (besides the least that fits)."""
 
@@ -98,8 +100,15 @@ def arrange(
 
     for steps in candidates:
         consider(steps)
-    if best is not None:  # the winner's micro-steps longest first, too
+    # The winner's micro-steps longest first, too, until that order stops gaining: fitting the
+    # order raises recompute, which changes the steps' times and so the next such order.
+    for _ in range(LONGEST_FIRST_ROUNDS):
+        if best is None:
+            break
+        before = best
         consider(_longest_first_steps(best[1].steps, layout.time))
+        if best is before:
+            break
     if best is None:
         raise ValueError(
             "no arrangement of the plan fits the pipeline's in-flight activations even with "
