@@ -284,6 +284,11 @@ def _host_constructor(fn):
     return wrapper
 
 
+def new_entry() -> dict:
+    """An empty step (or evaluation) entry of the report."""
+    return {"host_syncs": [], "collectives": {}, "all_collectives": {}, "torch_calls": 0}
+
+
 def _counted_step(fn):
     """``fn`` counted as a training step, or as an evaluation when called ``forward_only``
     (Megatron's evaluation calls the same ``forward_backward_func``)."""
@@ -291,12 +296,7 @@ def _counted_step(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         kind = "evaluations" if kwargs.get("forward_only") else "steps"
-        _local.entry = {
-            "host_syncs": [],
-            "collectives": {},
-            "all_collectives": {},
-            "torch_calls": 0,
-        }
+        _local.entry = new_entry()
         report[kind].append(_local.entry)
         _local.in_step = True
         try:
