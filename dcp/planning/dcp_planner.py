@@ -31,7 +31,7 @@ from dcp.plan import (
 from dcp.planning.bounds import lower_bound_s
 from dcp.planning.common import check_lengths, find_oversize, pow2_sizes
 from dcp.planning.joins import _Job, _merge_same_block, _PackConfigs, _shared_jobs
-from dcp.planning.pipeline_planner import LONGEST_FIRST_ROUNDS, arrange, longest_first
+from dcp.planning.pipeline_planner import arrange, reordered_while_gaining
 from dcp.planning.simulator import simulate
 from dcp.planning.static import BLOCK, StaticOptions, config_label, plan_static, static_configs
 
@@ -174,18 +174,13 @@ def plan_dcp(
     if cost_model.pipeline_parallel_size > 1:
         # DCP's executor need not keep a static run's order: its micro-steps longest first too,
         # while that gains (as ``arrange`` does for its own winner).
-        costs = PipelineCosts.of(cost_model)
-        for _ in range(LONGEST_FIRST_ROUNDS):
-            reordered = longest_first(
-                static,
-                lens,
-                costs,
-                levels=_pipeline_levels(options),
-                partial=options.partial_recompute and cost_model.num_layers is not None,
-            )
-            if reordered is None or reordered.predicted_step_time_s >= static.predicted_step_time_s:
-                break
-            static = replace(reordered, extra=static.extra)
+        static = reordered_while_gaining(
+            static,
+            lens,
+            PipelineCosts.of(cost_model),
+            levels=_pipeline_levels(options),
+            partial=options.partial_recompute and cost_model.num_layers is not None,
+        )
     return static if static.predicted_step_time_s < plan_s else plan
 
 
@@ -193,6 +188,26 @@ def _pipeline_levels(options: DCPOptions) -> list[str]:
     """The recompute levels a pipelined plan's micro-steps may be raised to: ``options``' and
     ``full``, cheapest first."""
     return [lv for lv in RECOMPUTE_LEVELS if lv in set(options.recompute_levels) | {"full"}]
+
+
+def static_settings(options: DCPOptions) -> frozenset[str] | None:
+    """The static settings (``STATIC_RECOMPUTE``) a static plan kept as DCP's candidate may use
+    under ``options``: its recompute levels, ``full``, and ``BLOCK`` with ``partial_recompute``;
+    ``None`` for no static candidate at all (pins fix sequences; without ``share_cp_groups`` a
+    static run's packing of long sequences together is ruled out)."""
+    if options.pinned or not options.share_cp_groups:
+        return None
+    allowed = {*options.recompute_levels, Recompute.FULL.value}
+    if options.partial_recompute:
+        allowed.add(BLOCK)
+    return frozenset(allowed)
+
+
+def as_dcp_candidate(static: Plan) -> Plan:
+    """A static plan kept as DCP's plan, noting its configuration (``extra["static_config"]``)."""
+    return replace(
+        static, planner="dcp", extra={**static.extra, "static_config": config_label(static)}
+    )
 
 
 def _static_candidate(
@@ -212,11 +227,9 @@ def _static_candidate(
     out). A CP size whose lower bound (any plan on groups of that size) is not below ``beat_s``
     is not planned: none of its configurations can win, and planning them all costs seconds on
     a thousand GPUs."""
-    if options.pinned or not options.share_cp_groups:
+    allowed = static_settings(options)
+    if allowed is None:
         return None
-    allowed = set(options.recompute_levels) | {Recompute.FULL.value}
-    if options.partial_recompute:
-        allowed.add(BLOCK)
     longest = int(check_lengths(lengths).max())
     kept = np.delete(check_lengths(lengths), list(dropped))
     best, bounds = None, {}
@@ -239,9 +252,7 @@ def _static_candidate(
                 continue
             if best is None or plan.predicted_step_time_s < best.predicted_step_time_s:
                 best = plan
-    if best is None:
-        return None
-    return replace(best, planner="dcp", extra={**best.extra, "static_config": config_label(best)})
+    return None if best is None else as_dcp_candidate(best)
 
 
 def _flat_plan(

@@ -26,7 +26,8 @@ from typing import Any
 
 from dcp.costmodel import CostModel
 from dcp.mesh import Mesh
-from dcp.plan import Plan, Recompute
+from dcp.plan import Plan
+from dcp.planning.dcp_planner import as_dcp_candidate, static_settings
 from dcp.planning.simulator import simulate
 from dcp.planning.static import StaticOptions, config_label, plan_static
 
@@ -203,11 +204,11 @@ def no_worse_than_static(
     its tuned oracle), noted as ``extra["static_config"]``. ``plan_dcp`` keeps such a candidate
     itself, but judges it in the units' view, which misses the CP traffic inside a unit; here
     the rule holds on the real ranks, for the static plans ``plan_dcp``'s own candidate may be
-    (none with pins, without ``share_cp_groups`` or under ``max_cp_size``; its recompute levels,
-    ``full``, and block recompute with ``partial_recompute``)."""
-    if options.pinned or not options.share_cp_groups or options.max_cp_size is not None:
+    (``static_settings``; none under ``max_cp_size``, which a static plan's options cannot
+    bound)."""
+    allowed = static_settings(options)
+    if allowed is None or options.max_cp_size is not None:
         return plan
-    allowed = {*options.recompute_levels, Recompute.FULL.value}
     best = plan
     for tuned in (False, True):
         static_options = StaticOptions(tuned=tuned, on_oversize=options.on_oversize)
@@ -217,14 +218,8 @@ def no_worse_than_static(
             )
         except ValueError:  # no static configuration holds the batch
             continue
-        if static.dropped != plan.dropped or any(
-            s.recompute not in allowed
-            or (s.recompute_layers is not None and not options.partial_recompute)
-            for s in static.steps
-        ):
+        if static.dropped != plan.dropped or static.extra["recompute"] not in allowed:
             continue
         if static.predicted_step_time_s < best.predicted_step_time_s:
             best = static
-    if best is plan:
-        return plan
-    return replace(best, planner="dcp", extra={**best.extra, "static_config": config_label(best)})
+    return plan if best is plan else as_dcp_candidate(best)

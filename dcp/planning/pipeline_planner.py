@@ -38,6 +38,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -499,6 +500,25 @@ def longest_first(
         predicted_step_time_s=makespan,
         dropped=plan.dropped,
     )
+
+
+def reordered_while_gaining(
+    plan: Plan,
+    lengths: Sequence[int],
+    costs: PipelineCosts,
+    *,
+    levels: Sequence[str],
+    partial: bool,
+) -> Plan:
+    """``plan`` put ``longest_first`` again and again (at most ``LONGEST_FIRST_ROUNDS`` times)
+    while that predicts faster: fitting an order raises recompute, which changes the steps'
+    times and so the next longest-first order. ``plan.extra`` is kept."""
+    for _ in range(LONGEST_FIRST_ROUNDS):
+        reordered = longest_first(plan, lengths, costs, levels=levels, partial=partial)
+        if reordered is None or reordered.predicted_step_time_s >= plan.predicted_step_time_s:
+            break
+        plan = replace(reordered, extra=plan.extra)
+    return plan
 
 
 def _longest_first_steps(
