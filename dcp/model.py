@@ -20,11 +20,13 @@ biases). ``core_attention`` picks the layer spec:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import os
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 FP8_RECIPES = ("tensorwise", "blockwise")
 """FP8 current-scaling recipes DCP accepts (TE keeps no global amax state for them)."""
+RouterScore = Literal["softmax", "sigmoid"]
+ROUTER_SCORE_FUNCTIONS: tuple[str, ...] = typing.get_args(RouterScore)
+"""megatron's router score functions DCP's models take (``sqrtsoftplus`` has no HF model)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -140,6 +145,17 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None = None
     """Inner width of the shared expert every token also passes through (DeepSeek, Qwen2-MoE);
     None: no shared expert."""
+    moe_router_score_function: RouterScore = "softmax"
+    """How the router scores experts: ``softmax`` (Mixtral, Qwen3-MoE: over all experts,
+    renormalised over the top k) or ``sigmoid`` (DeepSeek-V3: each expert on its own, the top
+    k's scores normalised to sum to 1)."""
+    moe_router_expert_bias: bool = False
+    """Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias, added to the scores only
+    to choose the top k, moves after every optimizer step by ``moe_router_bias_update_rate``
+    towards the experts that received fewer than the mean number of the global batch's tokens
+    (padding not counted). Needs ``moe_router_score_function=sigmoid`` (megatron's rule)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """How far each expert's bias moves per optimizer step (megatron's default, 1e-3)."""
 
     def __post_init__(self) -> None:
         check_choice(self.core_attention, typing.get_args(CoreAttention), "core_attention")
@@ -197,9 +213,15 @@ class ModelConfig:
                 for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
                 if getattr(self, name) is not None
             ]
-            if given or self.moe_router_topk != 2:
+            if self.moe_router_topk != 2:
+                given.append("moe_router_topk")
+            if self.moe_router_score_function != "softmax":
+                given.append("moe_router_score_function")
+            if self.moe_router_expert_bias:
+                given.append("moe_router_expert_bias")
+            if given:
                 raise ValueError(
-                    f"{', '.join(given) or 'moe_router_topk'} is set but num_experts is not: "
+                    f"{', '.join(given)} is set but num_experts is not: "
                     "set num_experts for a mixture-of-experts model, or drop it"
                 )
             return
@@ -214,6 +236,16 @@ class ModelConfig:
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             if getattr(self, name) is not None:
                 check_range(getattr(self, name), name, ge=1, integer=True)
+        check_choice(
+            self.moe_router_score_function, ROUTER_SCORE_FUNCTIONS, "moe_router_score_function"
+        )
+        if self.moe_router_expert_bias and self.moe_router_score_function != "sigmoid":
+            # megatron's TransformerConfig refuses the bias with a softmax router.
+            raise ValueError(
+                "moe_router_expert_bias needs moe_router_score_function=sigmoid (the bias "
+                f"shifts each expert's own score), got {self.moe_router_score_function}"
+            )
+        check_range(self.moe_router_bias_update_rate, "moe_router_bias_update_rate", gt=0)
 
     @property
     def head_dim(self) -> int:
@@ -267,6 +299,7 @@ WEIGHT_SHAPE_FIELDS = (
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
+    "moe_router_expert_bias",
 )
 """``ModelConfig`` fields that fix which tensors exist and their shapes: a model started from
 existing weights takes these from them."""
@@ -547,7 +580,9 @@ def moe_config(cfg: ModelConfig, *, grouped_gemm: bool, expert_parallel_size: in
     which expert a token reaches depends on that token alone, never on the other tokens of its
     micro-step, so the result does not depend on how a plan packs and splits documents. No
     router loss (``none``, coefficient 0): megatron's load-balancing losses are averages over a
-    micro-batch or its rows, which a plan chooses (docs/design.md, 'Experts'). TE's grouped
+    micro-batch or its rows, which a plan chooses (docs/design.md, 'Experts'); the aux-loss-free
+    expert bias where ``cfg`` asks for it, whose token counts skip padding (the executor passes
+    megatron the padding mask) and so are the global batch's under any plan. TE's grouped
     GEMM for the experts where the TE spec runs (``grouped_gemm``), megatron's sequential
     per-expert MLPs otherwise."""
     if cfg.num_experts is None:
@@ -560,6 +595,9 @@ def moe_config(cfg: ModelConfig, *, grouped_gemm: bool, expert_parallel_size: in
         moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
+        moe_router_score_function=cfg.moe_router_score_function,
+        moe_router_enable_expert_bias=cfg.moe_router_expert_bias,
+        moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
         moe_grouped_gemm=grouped_gemm,
         expert_model_parallel_size=expert_parallel_size,
     )
@@ -830,6 +868,21 @@ def model_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
     while hasattr(inner, "module"):
         inner = inner.module
     return list(inner.chunks) if isinstance(inner, ModelChunks) else [model]
+
+
+@contextlib.contextmanager
+def expert_biases_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block ``model``'s routers may count tokens and move their expert biases
+    (megatron moves them in ``finalize_model_grads``); after it every bias is what it was
+    before, so steps run only to be timed leave the routing alone."""
+    biases = [m.expert_bias for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    saved = [b.detach().clone() for b in biases]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for bias, before in zip(biases, saved, strict=True):
+                bias.copy_(before)
 
 
 _LAYERS = "decoder.layers."

@@ -8,6 +8,8 @@
 - ``optimizer_state``: save/restore megatron's optimizer state so a resume continues exactly;
 - ``process_groups``: the groups megatron's parallel state created (to set their timeout);
 - ``rope``: give a built model its RoPE frequencies (HF rope scaling);
+- ``expert_bias``: a built model's routers count their tokens for the expert bias without the
+  padding (megatron's own masking raises);
 - ``te_attention``: TE's attention class under per-micro-step CP groups (GPU);
 - ``fusions``: whether megatron found apex's fused weight-gradient kernel;
 - ``megatron_training``: Megatron-LM's training loop (``megatron.training.pretrain``) on CPU.

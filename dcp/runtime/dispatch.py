@@ -175,6 +175,9 @@ class LocalBatch:
     labels: torch.Tensor  # [1, t_local]
     loss_mask: torch.Tensor  # [1, t_local] float, 0 on padding and on masked labels
     position_ids: torch.Tensor  # [1, t_local]
+    padding: torch.Tensor  # [1, t_local] bool
+    """True on the tokens that hold no document (megatron's MoE padding mask: the router's
+    expert-bias counts skip them)."""
     num_loss_tokens: int
     """Labels of this shard that count in the loss (the mask's sum)."""
     tokens_read: int
@@ -210,6 +213,7 @@ def local_batch(
     inputs = np.zeros(n_local, dtype=np.int64)
     labels = np.zeros(n_local, dtype=np.int64)
     mask = np.zeros(n_local, dtype=np.float32)
+    padding = np.ones(n_local, dtype=bool)
     labelled = isinstance(source, LabelledSource)
     # Every name on every rank, even one whose shard holds padding only.
     names = source.label_values(seq_ids[0], 0, 0) if labelled and len(seq_ids) else {}
@@ -234,6 +238,7 @@ def local_batch(
             a = offset + run_off
             inputs[a : a + real] = toks[:-1]
             labels[a : a + real] = toks[1:]
+            padding[a : a + real] = False
             if not labelled:
                 mask[a : a + real] = 1.0
                 continue
@@ -251,6 +256,7 @@ def local_batch(
         labels=as_tensor(labels),
         loss_mask=as_tensor(mask),
         position_ids=as_tensor(positions.astype(np.int64)),
+        padding=as_tensor(padding),
         num_loss_tokens=int(mask.sum()),
         tokens_read=tokens_read,
         real_tokens=real_tokens,

@@ -41,6 +41,7 @@ from dcp.plan import MicroStep, Recompute
 from dcp.runtime.builders import local_token_multiple
 from dcp.runtime.dispatch import WEIGHTS, LocalBatch, SequenceSource, local_batch
 from megatron_patches._util import unwrap
+from megatron_patches.expert_bias import count_documents_only
 from megatron_patches.parallel_state import use_cp_group
 from megatron_patches.recompute import use_recompute
 from megatron_patches.rope import one_rope_table
@@ -148,9 +149,11 @@ class MicroStepExecutor:
         """The caller's per-token loss (``using``); ``None``: DCP's weighted cross-entropy."""
         self._on_token_loss: Callable[[MicroStepInput, torch.Tensor], None] | None = None
         # Packed micro-steps of every length and CP group share one RoPE table, where megatron
-        # would cache one per (length, group) on the device.
+        # would cache one per (length, group) on the device; routers with an expert bias count
+        # the documents' tokens, not the padding (``forward`` passes the mask).
         for chunk in self.chunks:
             one_rope_table(unwrap(chunk))
+            count_documents_only(chunk)
 
     def begin_step(self) -> None:
         """Call once per optimizer step, before its first micro-step. TE linears cache their FP8
@@ -283,10 +286,29 @@ class MicroStepExecutor:
         model = self.chunks[chunk] if len(self.chunks) > 1 else self.model
         if input_tensor is not None:
             unwrap(model).set_input_tensor(input_tensor)
+        extra = {}
+        if self.inner.config.moe_router_enable_expert_bias:
+            extra["padding_mask"] = self._padding_mask(micro, unwrap(model))
         return model(
             micro.batch.input_ids,
             micro.batch.position_ids,
             None,
             labels=micro.batch.labels if labels else None,
             packed_seq_params=micro.params,
+            **extra,
         )
+
+    @staticmethod
+    def _padding_mask(micro: MicroStepInput, inner) -> torch.Tensor:
+        """megatron's MoE padding mask of ``micro`` for model chunk ``inner`` (True on padding:
+        its routers leave those tokens out of the expert-bias counts, so the counts are the
+        documents' under any plan). megatron's GPTModel splits the mask over the TP group with
+        the embedding's output on the first stage only (``GPTModel._preprocess``, 0.19.2); a
+        later stage under sequence parallelism gets this TP rank's part of it here."""
+        mask = micro.batch.padding  # [1, t_local]
+        if inner.pre_process or not inner.config.sequence_parallel:
+            return mask
+        tp_group = inner.pg_collection.tp
+        part = mask.shape[1] // tp_group.size()
+        first = tp_group.rank() * part
+        return mask[:, first : first + part]

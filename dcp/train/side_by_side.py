@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dcp.collectives import MAX, StepScalars, phase
 from dcp.data.sampler import GlobalBatch, GlobalBatchSampler
+from dcp.model import expert_biases_kept
 from dcp.plan import Plan
 from dcp.runtime.dispatch import SequenceSource
 from dcp.step.batches import BatchPlanner, DatasetSource
@@ -128,17 +129,19 @@ def time_plans(
 ) -> dict[str, list[float]]:
     """Per label, the slowest rank's micro-step time of ``runtime.forward_backward`` of each
     case's plan for that label on the case's source, ``rounds`` times, labels alternating
-    (``alternating``) from one timing to the next. The gradients are zeroed afterwards; nothing
-    else of ``runtime`` changes. A collective: every rank calls it with the same cases."""
+    (``alternating``) from one timing to the next. The gradients are zeroed afterwards and the
+    routers' expert biases put back; nothing else of ``runtime`` changes. A collective: every
+    rank calls it with the same cases."""
     order: list[str] = []
     times: list[float] = []
     turn = 0
-    for _ in range(rounds):
-        for plans, source in cases:
-            for label in alternating(sorted(plans), turn):
-                times.append(runtime.forward_backward(plans[label], source).compute_time_s)
-                order.append(label)
-            turn += 1
+    with expert_biases_kept(runtime.model):
+        for _ in range(rounds):
+            for plans, source in cases:
+                for label in alternating(sorted(plans), turn):
+                    times.append(runtime.forward_backward(plans[label], source).compute_time_s)
+                    order.append(label)
+                turn += 1
     runtime.zero_grad()
     scalars = StepScalars()
     scalars.add_vector("times", times, op=MAX)

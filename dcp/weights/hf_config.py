@@ -289,6 +289,14 @@ def hf_config_from_model(cfg: ModelConfig, *, kind: str) -> dict[str, Any]:
             f"model.moe_shared_expert_intermediate_size={cfg.moe_shared_expert_intermediate_size}"
             f": {kind} has no shared expert, so the model cannot be written as {kind}"
         )
+    if cfg.num_experts is not None and (
+        cfg.moe_router_score_function != "softmax" or cfg.moe_router_expert_bias
+    ):
+        raise ValueError(
+            f"model.moe_router_score_function={cfg.moe_router_score_function}, "
+            f"moe_router_expert_bias={cfg.moe_router_expert_bias}: {kind} routes by a softmax "
+            f"without an expert bias, so the model cannot be written as {kind}"
+        )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
     if cfg.rope_scaling is not None:
         scaling = dataclasses.asdict(cfg.rope_scaling)

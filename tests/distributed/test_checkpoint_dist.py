@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.distributed.harness import run_on_ranks
@@ -79,13 +80,14 @@ def _steps(runtime, tp: int, n: int, pp: int = 1) -> list[float]:
 
 
 def _weights(runtime) -> dict:
-    """Every stage's whole weights by canonical name (each stage's planner ranks of the first
-    EP group send: together they hold every expert)."""
+    """Every stage's whole weights and routers' expert biases by canonical name (each stage's
+    planner ranks of the first EP group send: together they hold every expert)."""
     from dcp.collectives import all_gather_object
     from dcp.weights.canonical import state_names
 
     names = state_names(runtime.model.module)
-    mine = {names[n]: w for n, w in to_numpy(runtime.weights().items()).items()}
+    biases = [(n, b) for n, b in runtime.model.module.named_buffers() if n.endswith("expert_bias")]
+    mine = {names[n]: w for n, w in to_numpy([*runtime.weights().items(), *biases]).items()}
     sends = runtime.registry.planner_rank < runtime.registry.mesh.expert_parallel_size
     merged: dict = {}
     for part in all_gather_object(mine if sends else {}):
@@ -108,6 +110,10 @@ def train_save_continue(
 
     try:
         runtime = _runtime(tp, distributed, pp, model, ep)
+        with torch.no_grad():
+            for name, bias in runtime.model.module.named_buffers():
+                if name.endswith("expert_bias"):  # as if trained a while: 0.05 does not divide it
+                    bias.copy_(torch.tensor([0.03, -0.01, 0.02, -0.04]))
         before = _steps(runtime, tp, STEPS_BEFORE, pp)
         saver = CheckpointSaver(Path(root), mesh=_mesh(tp, pp, ep), rank=dist.get_rank())
         shared = {"sampler": None, "scheduler": {"step": STEPS_BEFORE}, "extra": {}}
@@ -219,7 +225,14 @@ def test_a_checkpoint_at_pp2_continues_at_other_pipeline_sizes(tmp_path, tied):
 
 
 EXPERTS = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}
-EXPERTS_SHARED = {**EXPERTS, "moe_shared_expert_intermediate_size": 32}
+# With the expert bias, which every step moves by 0.05 (routing after the first step follows it).
+EXPERTS_SHARED = {
+    **EXPERTS,
+    "moe_shared_expert_intermediate_size": 32,
+    "moe_router_score_function": "sigmoid",
+    "moe_router_expert_bias": True,
+    "moe_router_bias_update_rate": 0.05,
+}
 
 
 def expert_checkpoints(root: str, model: dict) -> dict:
@@ -245,6 +258,7 @@ def read_an_expert_beyond_the_layer(root: str, model: dict) -> str:
     from tests.payload import rewrite_manifest
 
     path = resolve_checkpoint(root)
+    dist.barrier()  # every rank has read the manifest before rank 0 rewrites it
     if dist.get_rank() == 0:
         manifest = json.loads((path / "manifest.json").read_text())
         for name in [n for n in manifest["model"] if ".0.mlp.experts.local_experts.3." in n]:
@@ -269,7 +283,7 @@ def test_a_checkpoint_at_ep2_continues_at_ep1_and_back(tmp_path):
     """Each routed expert is written once, by one rank holding it (a second writer would give
     its canonical name two shards, which the manifest refuses), under its index in the layer:
     EP 2 → EP 2, EP 2 → EP 1 and EP 1 → EP 2 continue with the uninterrupted losses and
-    weights, every expert, the router and the shared expert included."""
+    weights, every expert, the router (its expert bias too) and the shared expert included."""
     out = run_on_ranks(4, expert_checkpoints, str(tmp_path), EXPERTS_SHARED, timeout_s=300)[0]
     for saved, resumed_as, ep in (
         ("ep2", "ep2 at ep2", 2),
@@ -283,6 +297,10 @@ def test_a_checkpoint_at_ep2_continues_at_ep1_and_back(tmp_path):
         experts = {n for n in reference["weights"] if ".local_experts." in n}
         assert {int(n.split(".local_experts.")[1].split(".")[0]) for n in experts} == {0, 1, 2, 3}
         assert any(".shared_experts." in n for n in reference["weights"]), resumed_as
+        biases = [n for n in reference["weights"] if n.endswith(".router.expert_bias")]
+        # The saved biases started away from 0 (a resume that dropped them would start at 0).
+        biases = [n for n in reference["weights"] if n.endswith(".router.expert_bias")]
+        assert biases and all(reference["weights"][n].all() for n in biases), resumed_as
         assert set(resumed["weights"]) == set(reference["weights"])
         _assert_same_weights(reference, resumed, resumed_as)
     # An expert index no layer has is named, in one line, before anything is read.

@@ -24,6 +24,7 @@ from tests.distributed.test_runtime_parity import (
     DOCS,
     assert_parity,
     dcp_run,
+    expert_routers,
     plan,
     reference_run,
 )
@@ -36,6 +37,10 @@ EXPERTS = {
     "moe_router_topk": 2,
     "moe_ffn_hidden_size": 48,
     "moe_shared_expert_intermediate_size": 32,
+    # Aux-loss-free balancing: the expert bias moves by the whole batch's token counts.
+    "moe_router_score_function": "sigmoid",
+    "moe_router_expert_bias": True,
+    "moe_router_bias_update_rate": 0.01,
 }
 
 
@@ -166,6 +171,23 @@ def assert_expert_parity(reference: dict, results: dict, cases) -> None:
         assert got["experts_per_rank"] == EXPERTS["num_experts"] // ep, (name, got)
         assert got["all_to_alls"] > 0, name
         assert_parity(reference, got, what=name)
+        assert_expert_bias_moved_as_the_reference(reference, got, what=name)
+
+
+def assert_expert_bias_moved_as_the_reference(reference: dict, got: dict, *, what: str) -> None:
+    """Every router counted, summed over the ranks, exactly the reference's tokens per expert
+    (padding and recomputed forwards not counted), and every rank holding the router moved its
+    bias by the update rate towards the experts below the mean of those counts."""
+    import numpy as np
+
+    counts = reference["expert_tokens"]
+    assert counts and set(got["expert_tokens"]) == set(counts), (what, sorted(counts))
+    rate = EXPERTS["moe_router_bias_update_rate"]
+    for name, expected in counts.items():
+        np.testing.assert_array_equal(got["expert_tokens"][name], expected, err_msg=what)
+        moved = rate * np.sign(expected.mean() - expected)
+        for bias in got["expert_biases"][name]:
+            np.testing.assert_allclose(bias, moved, rtol=0, atol=1e-7, err_msg=f"{what}: {name}")
 
 
 def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
@@ -174,6 +196,8 @@ def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
     rank's experts from its own stream): loss and the whole model's gradients (every stage's
     and EP rank's, experts named by their index in the whole layer), the experts this rank
     holds and the all-to-alls it ran."""
+    import importlib
+
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -194,7 +218,21 @@ def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
         calls[0] += 1
         return all_to_all(*args, **kwargs)
 
+    # Each router's own counts as megatron's bias update receives them, before it sums them
+    # over the ranks and resets them (the package's name of the module is its function's).
+    finalize_module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    update_bias = finalize_module._update_router_expert_bias
+    counts_seen: dict[int, torch.Tensor] = {}
+
+    def bias_update_recorded(chunks, *args, **kwargs):
+        for chunk in chunks:
+            for module in chunk.modules():
+                if getattr(module, "local_tokens_per_expert", None) is not None:
+                    counts_seen[id(module)] = module.local_tokens_per_expert.clone()
+        return update_bias(chunks, *args, **kwargs)
+
     dist.all_to_all_single = counted
+    finalize_module._update_router_expert_bias = bias_update_recorded
     try:
         for name, ep, pp, vp, case_plan in cases:
             runtime = Runtime.from_config(
@@ -227,16 +265,31 @@ def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
             mine = {names[n]: g for n, g in to_numpy(runtime.grads().items()).items()}
             for part in all_gather_object(mine):
                 grads.update(part)
+            routers = expert_routers(runtime.model.module)
+            counts: dict = {}
+            biases: dict = {}
+            for part in all_gather_object(
+                {
+                    n: tuple(to_numpy([("c", counts_seen[id(r)]), ("b", r.expert_bias)]).values())
+                    for n, r in routers.items()
+                }
+            ):
+                for n, (count, bias) in part.items():
+                    counts[n] = counts.get(n, 0) + count
+                    biases.setdefault(n, []).append(bias)
             out[name] = {
                 "loss": runtime.global_loss(result),
                 "grads": grads,
                 "experts_per_rank": local,
                 "all_to_alls": calls[0],
+                "expert_tokens": counts,
+                "expert_biases": biases,
             }
             cleanup()
         return out
     finally:
         dist.all_to_all_single = all_to_all
+        finalize_module._update_router_expert_bias = update_bias
         cleanup()
 
 

@@ -323,12 +323,16 @@ def reference_run(
 
         post = {loss: post_loss_and_grads(loss) for loss in POST_LOSSES}
         post["logprobs"] = logprobs()
+        routers = expert_counters(model)
+        for counts in routers.values():
+            counts.zero_()  # the batch's once, not the post-training passes'
         loss = loss_and_grads()
         out = {
             "loss": loss,
             "grads": to_numpy((n, p.grad) for n, p in model.named_parameters()),
             "initial_weights": to_numpy(model.named_parameters()),
             "post": post,
+            "expert_tokens": to_numpy(routers.items()),
         }
         params = [p for p in model.parameters() if p.requires_grad]
         losses = []
@@ -344,6 +348,27 @@ def reference_run(
         return out
     finally:
         cleanup()
+
+
+def expert_routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The routers of ``model`` that keep an expert bias, by the canonical name of the bias
+    (every stage's layers numbered as in the whole model)."""
+    from dcp.weights.canonical import state_names
+
+    names = state_names(model)
+    modules = dict(model.named_modules())
+    return {
+        names[name]: modules[name.rsplit(".", 1)[0]]
+        for name in names
+        if name.endswith(".router.expert_bias")
+    }
+
+
+def expert_counters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each router's count of the tokens it sent to each expert since it was last reset (its
+    ``local_tokens_per_expert``, what megatron's expert-bias update sums over the ranks), by
+    the canonical name of its ``expert_bias``; empty without an expert bias."""
+    return {n: r.local_tokens_per_expert for n, r in expert_routers(model).items()}
 
 
 def dcp_run(

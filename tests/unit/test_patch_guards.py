@@ -250,3 +250,14 @@ def test_the_alltoall_dispatcher_still_makes_its_stream_once_per_class():
     source = inspect.getsource(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)
     assert "self.input_splits = maybe_move_tensor_to_cpu(" in source
     assert hasattr(token_dispatcher, "maybe_move_tensor_to_cpu")
+
+
+def test_routers_still_mask_their_expert_bias_counts_as_megatron_expert_bias_replaces():
+    # megatron_patches.expert_bias replaces this per router: megatron's mask is [tokens] against
+    # a [tokens, experts] routing map. When upstream fixes the broadcast, drop the patch.
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    assert "routing_map & (~padding_mask)" in inspect.getsource(TopKRouter._apply_expert_bias)
+    routing = inspect.getsource(TopKRouter.routing)
+    assert "padding_mask = padding_mask.reshape(-1)" in routing
+    assert "self._apply_expert_bias(routing_map, padding_mask=padding_mask)" in routing

@@ -326,11 +326,6 @@ def expert_problems(args: argparse.Namespace) -> list[str]:
         )
     if args.moe_input_jitter_eps is not None:
         problems.append("router input jitter is not supported: drop --moe-input-jitter-eps")
-    if args.moe_router_enable_expert_bias:
-        problems.append(
-            "the router's expert bias is not supported by DCP yet: drop "
-            "--moe-router-enable-expert-bias"
-        )
     return problems
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dcp.attention.layout import ShardLayout
 from dcp.runtime.dispatch import InMemorySource, local_batch
@@ -36,6 +37,9 @@ def test_shards_partition_inputs_and_labels(cp_size):
         real = src >= 0
         assert batch.num_loss_tokens == int(real.sum())
         assert np.array_equal(batch.loss_mask[0].numpy() > 0, real)
+        # The MoE padding mask is True exactly where no document's token sits.
+        assert batch.padding.dtype == torch.bool
+        assert np.array_equal(batch.padding[0].numpy(), ~real)
         for i, s in enumerate(src):
             if s >= 0:
                 seen_inputs[int(s)] = int(batch.input_ids[0, i])

@@ -86,6 +86,20 @@ def _refused(*overrides: str) -> str:
             "model.num_experts=4 model.dtype=bf16 model.fp8=true model.core_attention=te",
             r"^model\.fp8 is not supported with num_experts",
         ),
+        ("model.moe_router_expert_bias=true", r"^model\.moe_router_expert_bias is set but num_"),
+        (
+            "model.num_experts=4 model.moe_router_expert_bias=true",
+            r"^model\.moe_router_expert_bias needs moe_router_score_function=sigmoid",
+        ),
+        (
+            "model.num_experts=4 model.moe_router_score_function=sqrtsoftplus",
+            r"^model\.moe_router_score_function: 'sqrtsoftplus' is not one of \['softmax', 'sig",
+        ),
+        (
+            "model.num_experts=4 model.moe_router_score_function=sigmoid "
+            "model.moe_router_expert_bias=true model.moe_router_bias_update_rate=0",
+            r"^model\.moe_router_bias_update_rate must be .*> 0",
+        ),
     ],
 )
 def test_unusable_values_are_refused_naming_key_and_range(override, match):

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from dcp.data.sampler import GlobalBatchSampler, SamplerConfig
 from dcp.mesh import Mesh
@@ -49,9 +50,14 @@ class FakeRuntime:
         self.seconds = iter(seconds)
         self.ran: list[tuple[str, str]] = []
         self.zeroed_after = None
+        # A router whose expert bias every step moves, as megatron's finalize_model_grads does.
+        self.router = torch.nn.Module()
+        self.router.register_buffer("expert_bias", torch.tensor([0.5, -0.5]))
+        self.model = torch.nn.Sequential(self.router)
 
     def forward_backward(self, plan, source):
         self.ran.append((plan, source))
+        self.router.expert_bias += 0.01
         return SimpleNamespace(compute_time_s=next(self.seconds))
 
     def zero_grad(self):
@@ -73,7 +79,7 @@ def one_rank(monkeypatch):
     monkeypatch.setattr(side_by_side, "StepScalars", Scalars)
 
 
-def test_time_plans_alternates_labels_and_discards_the_gradients(one_rank):
+def test_time_plans_alternates_labels_and_discards_the_gradients_and_bias_moves(one_rank):
     cases = [({"dcp": f"dcp{i}", "static": f"static{i}"}, f"batch{i}") for i in range(2)]
     runtime = FakeRuntime([float(s) for s in range(1, 9)])
     times = time_plans(runtime, cases, rounds=2)
@@ -89,6 +95,8 @@ def test_time_plans_alternates_labels_and_discards_the_gradients(one_rank):
         ("dcp1", "batch1"),
     ]
     assert runtime.zeroed_after == 8  # once, after the last run
+    # Timed steps do not train: the routing is what it was before them.
+    assert runtime.router.expert_bias.tolist() == [0.5, -0.5]
     assert times == {"dcp": [1.0, 4.0, 5.0, 8.0], "static": [2.0, 3.0, 6.0, 7.0]}
 
 

@@ -290,13 +290,19 @@ def test_repad_vocab_keeps_the_real_rows_and_zeroes_the_padding():
             {"moe_shared_expert_intermediate_size": 16},
             r"moe_shared_expert_intermediate_size=16: mixtral has no shared expert",
         ),
+        (
+            "mixtral",
+            {"moe_router_score_function": "sigmoid"},
+            r"moe_router_score_function=sigmoid, moe_router_expert_bias=False: mixtral routes by "
+            r"a softmax without an expert bias",
+        ),
     ],
 )
 def test_export_of_what_the_architecture_cannot_hold_is_refused(
     hf_dirs, tmp_path, source, model, message
 ):
-    # One line before anything is written: experts exported as a dense architecture, or a
-    # shared expert, which neither Mixtral nor Qwen3-MoE has.
+    # One line before anything is written: experts exported as a dense architecture, a shared
+    # expert or a sigmoid router (and its expert bias), which neither Mixtral nor Qwen3-MoE has.
     import shutil
 
     ckpt = tmp_path / "run" / "step_000001"
