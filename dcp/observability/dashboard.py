@@ -120,6 +120,10 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec("sequences dropped (on_oversize=drop)", ("dropped_sequences",)),
         ),
     ),
+    (
+        "Experts",
+        (PanelSpec("expert load: most loaded expert / mean, worst layer", ("expert_load",)),),
+    ),
 )
 """The dashboard's sections and panels, over keys ``dcp.observability.record.StepRecord``
 writes."""

@@ -458,4 +458,7 @@ def _summary(flat: Mapping[str, Any]) -> str:
     step_time = flat.get("step_time_s")
     if isinstance(step_time, int | float):
         parts.append(f"step={step_time:.3g}s")
+    expert_load = flat.get("expert_load")
+    if isinstance(expert_load, int | float):
+        parts.append(f"expert_load={expert_load:.3g}")
     return " ".join(parts)

@@ -128,6 +128,9 @@ class StepRecord:
     host: HostStats | None = None
     """Rank 0's host at the end of the step: load average, CPUs, device (``host/...`` in the
     file; absent in files written before it existed)."""
+    expert_load: float | None = None
+    """Mixture-of-experts runs with the expert bias: the step's most loaded expert's tokens
+    over the mean, worst layer (1: perfectly even; ``Runtime.train_step``)."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -138,6 +141,7 @@ class StepRecord:
             "exploration",
             "mem_budget_bytes",
             "host",
+            "expert_load",
         ):
             if out[key] is None:
                 del out[key]

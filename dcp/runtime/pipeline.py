@@ -279,7 +279,7 @@ def run_pipelined_plan(
     assert not micros, f"micro-steps {sorted(micros)} still hold their shards"
     result.loss_sum = loss_sum
     if not forward_only:
-        finalize_grads(model)
+        result.expert_load = finalize_grads(model)
     result.compute_time_s, times = timer.finish()
     # A micro-step's forward and backward are timed apart: its time is their sum.
     summed: dict[int, float] = {}

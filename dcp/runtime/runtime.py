@@ -66,6 +66,9 @@ class StepStats:
     """The caller's own ``StepScalars`` (``train_step(scalars=...)``), reduced with the step's."""
     host_syncs: int = 0
     """Host waits for the device during this step (``dcp.collectives.host_syncs``)."""
+    expert_load: float | None = None
+    """The most loaded expert's tokens over the mean, worst MoE layer of any stage (routers
+    with an expert bias only: ``dcp.runtime.schedule.expert_load``); None otherwise."""
 
     @property
     def num_micro_steps(self) -> int:
@@ -302,6 +305,9 @@ class Runtime:
             scalars, result, num_steps=len(plan.steps), stage=self.registry.stage, stages=self.pp
         )
         scalars.add("_peak_mem_bytes", peak_memory_bytes(), op=MAX)
+        if self.model.config.moe_router_enable_expert_bias:  # the same keys on every rank
+            load = result.expert_load
+            scalars.add("_expert_load", 0.0 if load is None else load, op=MAX)
         with phase(f"the loss reduction of step {self.step + 1}"):
             reduced = scalars.reduce()
         # The next step's peak-memory window opens here, so this step's optimizer update counts.
@@ -364,6 +370,7 @@ class Runtime:
             compute_time_s=compute_time_s,
             slowest_step_times_s=slowest_step_times_s,
             peak_mem_bytes=int(reduced.pop("_peak_mem_bytes")[0]),
+            expert_load=reduced.pop("_expert_load", [None])[0],
             reduced={k: v for k, v in reduced.items() if not k.startswith("_")},
             host_syncs=host_syncs() - syncs_before,
         )

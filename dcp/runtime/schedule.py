@@ -62,6 +62,8 @@ class ScheduleResult:
     """Padding tokens in this rank's shards (layout and alignment), masked out of the loss."""
     compute_time_s: float = 0.0
     """Seconds from the first micro-step to the end of the last (waits included)."""
+    expert_load: torch.Tensor | None = None
+    """This stage's ``expert_load`` of the step (routers with an expert bias only)."""
 
     def count(self, micro: MicroStepInput) -> None:
         """Add one executed micro-step's tokens (its loss tokens, padding and tokens read)."""
@@ -94,19 +96,42 @@ def check_groups(plan: Plan, registry: GroupRegistry) -> None:
         )
 
 
-def finalize_grads(model) -> None:
+def finalize_grads(model) -> torch.Tensor | None:
     """megatron's own end of a step on a DDP-wrapped ``model`` (a bare module: nothing): the
     DP×CP reduction (``finish_grad_sync``), the TP sum of sequence-parallel norm and QK-norm
-    gradients (``_allreduce_non_tensor_model_parallel_grads``; a no-op at TP = 1) and, under
-    pipeline parallelism, the tied embedding's gradient over the first and last stage
-    (``_allreduce_embedding_grads``). No ``num_tokens``: the loss is already divided by the
-    global token count."""
+    gradients (``_allreduce_non_tensor_model_parallel_grads``; a no-op at TP = 1), under
+    pipeline parallelism the tied embedding's gradient over the first and last stage
+    (``_allreduce_embedding_grads``), and the routers' expert-bias update. No ``num_tokens``:
+    the loss is already divided by the global token count. Returns the step's
+    ``expert_load``, read before megatron resets the routers' counts (None without them)."""
     if not hasattr(model, "finish_grad_sync"):
-        return
+        return None
     from megatron.core.distributed import finalize_model_grads
 
     with phase("the gradient reduction over all ranks"):
+        load = expert_load(model)
         finalize_model_grads([model])
+    return load
+
+
+def expert_load(model) -> torch.Tensor | None:
+    """How unevenly this stage's routers spread the step's tokens: per layer, the most loaded
+    expert's tokens over the mean, worst layer (1: even), on the device. The counts are the
+    routers' own (documents only, kept where an expert bias is: megatron counts nothing
+    otherwise, and this returns None), summed over the stage's TP × DP × CP ranks as megatron's
+    bias update sums them: a collective over that group."""
+    counts = [
+        m.local_tokens_per_expert
+        for m in model.modules()
+        if getattr(m, "local_tokens_per_expert", None) is not None
+    ]
+    if not counts:
+        return None
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    total = all_reduce(torch.stack(counts), group=group)  # [layers, experts]
+    return (total.max(dim=1).values / total.mean(dim=1).clamp(min=1e-9)).max()
 
 
 def around_steps(model, forward_only: bool):
@@ -182,7 +207,7 @@ def run_plan(
     timer.end_loop()
     result.loss_sum = loss_sum
     if not forward_only:
-        finalize_grads(model)
+        result.expert_load = finalize_grads(model)
     # After the reduction is queued: on a GPU the wait for the last micro-step's event lets the
     # gradient reduction run meanwhile.
     result.compute_time_s, result.step_times_s = timer.finish()

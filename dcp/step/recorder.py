@@ -79,6 +79,7 @@ class StepRecorder:
             peak_mem_bytes=stats.peak_mem_bytes,
             optimizer_state_bytes=self._optimizer_state_bytes(),
             padding_tokens=stats.padding_tokens,
+            expert_load=stats.expert_load,
             plan_wait_s=plan_wait_s,
             tflops_per_gpu=speed["tflops_per_gpu"] if stats.step_time_s > 0 else None,
             mfu=speed["mfu"] if stats.step_time_s > 0 else None,

@@ -176,8 +176,9 @@ def assert_expert_parity(reference: dict, results: dict, cases) -> None:
 
 def assert_expert_bias_moved_as_the_reference(reference: dict, got: dict, *, what: str) -> None:
     """Every router counted, summed over the ranks, exactly the reference's tokens per expert
-    (padding and recomputed forwards not counted), and every rank holding the router moved its
-    bias by the update rate towards the experts below the mean of those counts."""
+    (padding and recomputed forwards not counted), every rank holding the router moved its
+    bias by the update rate towards the experts below the mean of those counts, and the step's
+    ``expert_load`` is those counts' worst layer."""
     import numpy as np
 
     counts = reference["expert_tokens"]
@@ -188,6 +189,9 @@ def assert_expert_bias_moved_as_the_reference(reference: dict, got: dict, *, wha
         moved = rate * np.sign(expected.mean() - expected)
         for bias in got["expert_biases"][name]:
             np.testing.assert_allclose(bias, moved, rtol=0, atol=1e-7, err_msg=f"{what}: {name}")
+    if got["pipeline_stages"] == 1:  # rank 0's stage holds every layer
+        worst = max(c.max() / c.mean() for c in counts.values())
+        assert abs(got["expert_load"] - worst) < 1e-6, (what, got["expert_load"], worst)
 
 
 def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
@@ -284,6 +288,8 @@ def expert_parallel_run(docs, refused_plan, cases, initial) -> dict:
                 "all_to_alls": calls[0],
                 "expert_tokens": counts,
                 "expert_biases": biases,
+                "expert_load": float(result.expert_load),  # this rank's stage
+                "pipeline_stages": pp,
             }
             cleanup()
         return out

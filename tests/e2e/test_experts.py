@@ -1,7 +1,8 @@
 """Experts in DCP's trainer end to end: ``make demo-moe``'s configuration (pretrain/configs/
 tiny_cpu.yaml, 4 routed experts, top-2, ``parallel.expert_parallel_size=2`` on 4 gloo ranks) on
 test_pretrain.py's smaller model and documents, run under ``tests.device_check``: the experts
-train (megatron's token-dispatch all-to-alls run in every step on every rank, the loss falls),
+train (megatron's token-dispatch all-to-alls run in every step on every rank, the loss falls,
+the expert bias balances the load and every step logs it),
 every step runs on whole EP groups, the end-of-run comparison with the best static configuration
 runs and the run exits 0, and every collective DCP issues gets tensors on the run's device."""
 
@@ -16,6 +17,8 @@ STEPS = 5
 DEMO_MOE = [
     "model.num_experts=4",
     "model.moe_router_topk=2",
+    "model.moe_router_score_function=sigmoid",
+    "model.moe_router_expert_bias=true",
     "parallel.expert_parallel_size=2",
 ]
 
@@ -47,6 +50,7 @@ def test_the_demo_moe_configuration_trains_its_experts_at_ep2(tmp_path):
     for row in rows:  # CP sizes of at least EP: every step on whole EP groups
         sizes = [int(k.rsplit("/", 1)[1]) for k in row if k.startswith("plan/cp_hist/")]
         assert sizes and min(sizes) >= 2, row
+        assert row["expert_load"] >= 1.0, row  # the worst layer's busiest expert over the mean
     side = json.loads((tmp_path / "moe/side_by_side.json").read_text())
     assert side["static_config"][0] >= 2, side
     assert all(min(t) > 0 for t in side["measured_s"].values()), side
