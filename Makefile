@@ -48,14 +48,16 @@ demo-pp: data
 	  --config pretrain/configs/tiny_cpu.yaml name=demo-pp2 parallel.pipeline_parallel_size=2 $(ARGS)
 
 # Mixture-of-experts on CPU: the demo model with 4 experts (top-2, sigmoid router balanced by
-# its expert bias: expert_load in the step lines) in every layer, expert
+# its expert bias, moved 0.02 a step: megatron's default 1e-3 is too slow for 40 steps, see
+# docs/design.md 'Experts'; expert_load in the step lines) in every layer, expert
 # parallelism 2 on 4 ranks (every plan step on whole EP groups: CP >= 2), checkpoints included
 # (experts saved by their layer index: they resume at any EP size; docs/design.md, 'Experts').
 demo-moe: data
 	$(VENV)/bin/torchrun --nproc-per-node 4 -m pretrain.pretrain_gpt \
 	  --config pretrain/configs/tiny_cpu.yaml name=demo-moe model.num_experts=4 \
 	  model.moe_router_topk=2 model.moe_router_score_function=sigmoid \
-	  model.moe_router_expert_bias=true parallel.expert_parallel_size=2 $(ARGS)
+	  model.moe_router_expert_bias=true model.moe_router_bias_update_rate=0.02 \
+	  parallel.expert_parallel_size=2 $(ARGS)
 
 # Supervised fine-tuning on CPU through DCP's trainer (pretrain/configs/sft_cpu.yaml): chat
 # conversations (a generated demo corpus, or ARGS="data.chat.path=your.jsonl"), byte-level

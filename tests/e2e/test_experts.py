@@ -19,6 +19,7 @@ DEMO_MOE = [
     "model.moe_router_topk=2",
     "model.moe_router_score_function=sigmoid",
     "model.moe_router_expert_bias=true",
+    "model.moe_router_bias_update_rate=0.02",
     "parallel.expert_parallel_size=2",
 ]
 
