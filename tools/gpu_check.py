@@ -14,7 +14,9 @@ What each check needs:
   FP8 support; TE attention on packed THD input (documents of 1, 7, 130, 1000, 4093 tokens,
   padded) against DCP's torch attention, forward and backward; ten DCP training steps of a
   small bf16 model through the runtime with recompute none / selective / full, TE spec against
-  the torch attention on the same weights; a cost-model fit to the GPU's own micro-step times;
+  the torch attention on the same weights, and the same with 4 experts (TE's grouped GEMM
+  against megatron's sequential experts, the router's expert bias on); a cost-model fit to the
+  GPU's own micro-step times;
   what the first GPU run needed (``tests/gpu/test_first_run.py``): the communicators made at
   start-up (count and device memory), every host sync of a training step on the TE path (torch's
   sync debug mode; none from TE's padding check), and a resume under megatron's fused Adam

@@ -1,7 +1,8 @@
 """The GPU production path on one GPU: Transformer Engine attention on packed THD input against
-DCP's torch attention, DCP training steps through the runtime with the TE spec in bf16 and FP8,
-and the FP8 weight-cache flag. Marked ``gpu``; skipped (saying why) on machines without a CUDA
-device and Transformer Engine. ``python -m tools.gpu_check`` runs them and reports the results.
+DCP's torch attention, DCP training steps through the runtime with the TE spec in bf16 and FP8
+(a mixture of experts too: TE's grouped GEMM), and the FP8 weight-cache flag. Marked ``gpu``;
+skipped (saying why) on machines without a CUDA device and Transformer Engine. ``python -m
+tools.gpu_check`` runs them and reports the results.
 """
 
 from __future__ import annotations
@@ -165,6 +166,30 @@ def train_steps(variants: list[dict], steps: int) -> dict:
 def test_dcp_steps_with_the_te_spec_in_bf16():
     """Ten steps, recompute none/selective/full, against the torch attention on the same weights."""
     ref, te = {"dtype": "bf16", "core_attention": "dcp"}, {"dtype": "bf16", "core_attention": "te"}
+    out = run_on_ranks(1, train_steps, [ref, te], 10, timeout_s=480)[0]
+    ref_losses, te_losses = (list(v["losses"]) for v in out.values())
+    assert all(np.isfinite(te_losses)), te_losses
+    assert abs(te_losses[0] - ref_losses[0]) <= LOSS_RTOL * ref_losses[0], (te_losses, ref_losses)
+    assert np.mean(te_losses[-3:]) < te_losses[0], te_losses
+
+
+EXPERTS = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_router_score_function="sigmoid",
+    moe_router_expert_bias=True,
+    moe_router_bias_update_rate=0.02,
+)
+"""A mixture of experts balanced by the expert bias (the TE spec runs TE's grouped GEMM)."""
+
+
+def test_dcp_steps_with_experts_on_the_te_spec_in_bf16():
+    """Ten steps of a mixture-of-experts model, recompute none/selective/full: TE's grouped GEMM
+    experts (weights loaded from the local spec's sequential experts by canonical name) against
+    megatron's sequential experts with the torch attention, the routers counting documents
+    only under TE's padded THD layout (``megatron_patches.expert_bias``)."""
+    ref = {"dtype": "bf16", "core_attention": "dcp", **EXPERTS}
+    te = {"dtype": "bf16", "core_attention": "te", **EXPERTS}
     out = run_on_ranks(1, train_steps, [ref, te], 10, timeout_s=480)[0]
     ref_losses, te_losses = (list(v["losses"]) for v in out.values())
     assert all(np.isfinite(te_losses)), te_losses
