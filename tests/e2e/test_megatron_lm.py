@@ -7,7 +7,9 @@ validation batch's plan runs forward only) and the same weights; a Megatron chec
 run resumes with the losses of the uninterrupted run, its validation losses included. The model
 is a mixture-of-experts one (``EXPERTS``, added to every command): the same launches check that
 megatron's MoE layers train exactly under DCP's plans in both modes and resume from Megatron's
-checkpoint (a dense model differs only in its MLP; the pipeline test runs one).
+checkpoint (a dense model differs only in its MLP; the pipeline test runs one). The
+expert-parallel test runs on 4 ranks: a checkpoint of EP 2 x PP 2 x VP 2 resumed in Megatron's
+schedule and at EP 4.
 """
 
 from __future__ import annotations
@@ -240,29 +242,82 @@ def test_megatron_checkpoint_of_a_dcp_run_resumes_exactly(runs):
     assert "iteration 10" in assert_same_evaluations(root / "dcp", root / "resumed", rel=1e-6)
 
 
+# The demo's emulated 1.22 GB holds no interleaved plan of this model's 4K-token documents at
+# EP 2 x PP 2 x VP 2 (stage 0 holds 2.5 micro-steps' chunks in flight: 102 MB of its 98 MB
+# budget even with full recompute); at 1.28 GB DCP's plans mix selective and no recompute.
+EP_SPEC = "cpu-tiny+cpu-mem-demo+cluster.gpu_memory_gb=1.28"
+
+
+def expert_writers(checkpoint: Path, iteration: int) -> dict[int, set[tuple[int, int]]]:
+    """Which (layer, expert) slices of the routed experts' first weight each rank wrote into a
+    Megatron distributed checkpoint (torch's ``__<rank>_<n>.distcp`` files), by global rank."""
+    import torch.distributed.checkpoint as dcp_io
+
+    meta = dcp_io.FileSystemReader(str(checkpoint / f"iter_{iteration:07d}")).read_metadata()
+    written: dict[int, set[tuple[int, int]]] = {}
+    for index, item in meta.storage_data.items():
+        if index.fqn == "decoder.layers.mlp.experts.experts.linear_fc1.weight":
+            rank = int(re.match(r"__(\d+)_", item.relative_path)[1])
+            written.setdefault(rank, set()).add((index.offset[0], index.offset[1]))
+    return written
+
+
 def test_expert_parallel_static_and_dcp_plans_agree(corpus, tmp_path):
-    """EP 2 with 2 pipeline stages on 4 ranks (each stage one EP group of its 2 data-parallel
-    ranks): Megatron's own 1F1B schedule (each data-parallel rank its micro-batches, the two in
-    lockstep) and DCP's planner on EP groups as units through DCP's pipelined executor (every
-    step on the stage's whole EP group, CP 2) give the same losses. Four steps, no evaluation,
-    no checkpoint (refused at EP > 1)."""
+    """EP 2 with 2 pipeline stages of 2 virtual stages each (one layer per model chunk) on 4
+    ranks, each stage one EP group of its 2 data-parallel ranks. The ``--dcp`` run (DCP's planner
+    on EP groups as units, every step CP 2, recompute mixed, DCP's interleaved pipelined executor)
+    saves Megatron's checkpoint at step 2, which holds every expert of every layer once, written
+    by the EP rank that holds it. Resumed from it, steps 3 and 4 give the ``--dcp`` run's losses
+    and learning rates in Megatron's own interleaved schedule (static: the checkpoint and the
+    parity at once) and under ``--dcp-planner megatron-dev`` at EP 4 without pipeline stages
+    (experts resharded from 2 to 4 ranks, every step on the one EP group, CP 4). No evaluation.
+    EP with pipeline stages but no virtual stages: DCP's trainer tests
+    (tests/distributed/test_partial_recompute.py)."""
     commands = {}
     for mode, argv in documented_commands().items():
         at = argv.index("--nproc-per-node")
         commands[mode] = [*argv[: at + 1], "4", *argv[at + 2 :]]
     ep2 = [*EXPERTS, "--expert-model-parallel-size", "2", "--eval-iters", "0"]
-    ep2 += ["--train-iters", "4", "--lr-decay-iters", "6"]
-    ep2 += ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
-    static = run(commands["static"], data=corpus, out=tmp_path / "static", extra=ep2)
-    dcp = run(commands["dcp"], data=corpus, out=tmp_path / "dcp", extra=ep2)
-    assert [r["step"] for r in static] == [r["step"] for r in dcp] == [1, 2, 3, 4]
-    for a, b in zip(static, dcp, strict=True):
-        assert a["tokens"] == b["tokens"]
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+    ep2 += ["--train-iters", "4", "--lr-decay-iters", "6", "--global-batch-size", "4"]
+    ep2 += ["--dcp-spec", EP_SPEC]
+    vp2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    ckpt = tmp_path / "dcp-ckpt"
+    save = ["--save", str(ckpt), "--save-interval", "2"]
+    dcp = run(commands["dcp"], data=corpus, out=tmp_path / "dcp", extra=[*ep2, *vp2, *save])
+    assert [r["step"] for r in dcp] == [1, 2, 3, 4]
     cp_sizes = {k.rsplit("/", 1)[1] for r in dcp for k in r if k.startswith("plan/cp_hist/")}
     assert cp_sizes == {"2"}, cp_sizes  # never a step that splits the EP group
-    # Each rank holds half of the 4 experts of its stage's layers: the stages' 502,272 and
-    # 502,400 parameters are the 1,004,672 of an EP 2 rank without stages, not EP 1's 1,545,344.
+    assert any(0 < r["plan/recompute_fraction"] < 1 for r in dcp[2:])
+    # Rank 2e + r is EP rank r of stage e, whose chunks hold layers e and e + 2 (virtual stage
+    # v x PP + e); EP rank r holds experts 2r and 2r + 1 of each.
+    assert expert_writers(ckpt, 2) == {
+        2 * stage + r: {
+            (layer, expert) for layer in (stage, stage + 2) for expert in (2 * r, 2 * r + 1)
+        }
+        for stage in (0, 1)
+        for r in (0, 1)
+    }
+    resume = only_checkpoint(ckpt, 2, tmp_path / "resume")
+    load = ["--load", str(resume)]
+    static = run(
+        commands["static"], data=corpus, out=tmp_path / "static", extra=[*ep2, *vp2, *load]
+    )
+    ep4 = ["--expert-model-parallel-size", "4", "--dcp-planner", "megatron-dev", *load]
+    dev = run(commands["dcp"], data=corpus, out=tmp_path / "ep4", extra=[*ep2, *ep4])
+    for resumed in (static, dev):
+        assert [r["step"] for r in resumed] == [3, 4]
+        for a, b in zip(dcp[2:], resumed, strict=True):
+            assert a["tokens"] == b["tokens"]
+            assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+            losses = (a["step"], a["loss"], b["loss"])
+            assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), losses
+    assert {r["planner"] for r in dev} == {"megatron-dev"}
+    cp_sizes = {k.rsplit("/", 1)[1] for r in dev for k in r if k.startswith("plan/cp_hist/")}
+    assert cp_sizes == {"4"}, cp_sizes
+    # Parameters per rank: each EP 2 rank holds half of the 4 experts of its stage's layers (the
+    # stages' 502,272 and 502,400 are the 1,004,672 of an EP 2 rank without stages, not EP 1's
+    # 1,545,344); each EP 4 rank one expert of every layer (734,336).
     console = (tmp_path / "static/console.txt").read_text()
     assert "model parallel rank (0, 0, 0): 502272" in console
     assert "model parallel rank (0, 0, 1): 502400" in console
+    assert "model parallel rank (0, 0, 0): 734336" in (tmp_path / "ep4/console.txt").read_text()

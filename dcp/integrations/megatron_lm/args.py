@@ -258,30 +258,13 @@ def expert_problems(args: argparse.Namespace) -> list[str]:
         return []
     problems = []
     ep = args.expert_model_parallel_size
-    if ep > 1 and args.dcp and args.dcp_planner not in ("dcp", "static"):
-        # Megatron's own schedule runs the same micro-batches on every rank: lockstep as is.
-        # Every planner's plans keep EP groups whole (plan_batch), but only these two are
-        # tested at EP > 1 in this loop (DCP's trainer runs them all).
-        problems.append(
-            f"--dcp-planner {args.dcp_planner} at --expert-model-parallel-size {ep} is not "
-            "tested in DCP's Megatron-LM loop yet: --dcp-planner dcp or static (CP sizes then "
-            "start at the EP size)"
-        )
+    # Megatron's own schedule runs the same micro-batches on every rank of an EP group, and
+    # every planner's plans run each step on whole EP groups (plan_batch): lockstep either way,
+    # unless the user pins a CP size below the EP size.
     if ep > 1 and args.dcp and (args.dcp_static_cp_size or ep) < ep:
         problems.append(
             f"--dcp-static-cp-size {args.dcp_static_cp_size} would split expert-parallel "
             f"groups: at least {ep}"
-        )
-    if ep > 1 and (args.save or args.load):
-        problems.append(
-            "checkpoints of expert-parallel runs are not tested with DCP yet: drop --save and "
-            "--load at --expert-model-parallel-size > 1"
-        )
-    if _virtual_stages(args):
-        problems.append(
-            "mixture-of-experts models with interleaved virtual pipeline stages are not tested "
-            "in DCP's Megatron-LM loop: drop --num-layers-per-virtual-pipeline-stage (pipeline "
-            "stages alone are tested)"
         )
     if args.expert_tensor_parallel_size not in (None, args.tensor_model_parallel_size):
         problems.append(

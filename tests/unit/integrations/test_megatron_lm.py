@@ -20,6 +20,7 @@ from dcp.integrations.megatron_lm.data import (
 from dcp.integrations.megatron_lm.recorder import LoopRecorder, microsteps_path
 from dcp.observability.metrics import read_metrics
 from dcp.observability.record import PLAN_NOTATION
+from dcp.plan import PLANNERS
 
 
 def megatron_args(*argv: str) -> argparse.Namespace:
@@ -106,17 +107,11 @@ def test_experts_run_in_both_modes(dcp):
     "flags, match",
     [
         (("--expert-model-parallel-size", "2"), "needs a mixture-of-experts model: --num-experts"),
-        ((*EXPERTS, "--expert-model-parallel-size", "2", "--save", "ckpt"), "drop --save"),
         (("--num-experts", "4"), "--moe-token-dispatcher-type alltoall"),  # allgather: default
         ((*EXPERTS, "--moe-aux-loss-coeff", "0.01"), "--moe-aux-loss-coeff 0"),
         ((*EXPERTS, "--moe-z-loss-coeff", "0.001"), "drop --moe-z-loss-coeff"),
         ((*EXPERTS, "--moe-expert-capacity-factor", "1.0"), "drop --moe-expert-capacity-factor"),
         ((*EXPERTS, "--moe-layer-freq", "2"), "drop --moe-layer-freq"),
-        (
-            (*EXPERTS, "--pipeline-model-parallel-size", "2")
-            + ("--num-layers-per-virtual-pipeline-stage", "1"),
-            "drop --num-layers-per-virtual-pipeline-stage",
-        ),
         ((*EXPERTS, "--moe-grouped-gemm"), "--transformer-impl transformer_engine"),
         ((*EXPERTS, "--moe-router-load-balancing-type", "sinkhorn"), "sinkhorn routing"),
     ],
@@ -128,16 +123,17 @@ def test_expert_settings_dcp_cannot_honour_are_refused(dcp, flags, match):
         dcp_mlm.check_args(args)
 
 
-def test_expert_parallelism_runs_static_or_with_dcps_planners():
+def test_expert_parallelism_runs_with_every_planner_checkpoints_and_virtual_stages():
+    """tests/e2e/test_megatron_lm.py runs EP 2 x PP 2 x VP 2 with a checkpoint, resumed in
+    Megatron's schedule and at EP 4 under --dcp-planner megatron-dev."""
     ep2 = (*GOOD, *EXPERTS, "--expert-model-parallel-size", "2")
-    dcp_mlm.check_args(megatron_args(*ep2))  # Megatron's own schedule
-    dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", "static"))
-    dcp_mlm.check_args(megatron_args(*ep2, "--dcp"))
-    # ... with pipeline stages too (tests/e2e/test_megatron_lm.py runs EP 2 x PP 2).
-    dcp_mlm.check_args(megatron_args(*ep2, "--pipeline-model-parallel-size", "2"))
-    dcp_mlm.check_args(megatron_args(*ep2, "--pipeline-model-parallel-size", "2", "--dcp"))
-    with pytest.raises(ValueError, match="is not tested in DCP's Megatron-LM loop yet"):
-        dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", "megatron"))
+    vp2 = ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1")
+    checkpoints = ("--save", "ckpt", "--load", "ckpt")
+    for mode in ((), ("--dcp",)):
+        dcp_mlm.check_args(megatron_args(*ep2, *mode, *checkpoints))
+        dcp_mlm.check_args(megatron_args(*ep2, *mode, *vp2))
+    for planner in PLANNERS:
+        dcp_mlm.check_args(megatron_args(*ep2, "--dcp", "--dcp-planner", planner))
     with pytest.raises(ValueError, match="--dcp-static-cp-size 1 would split"):
         dcp_mlm.check_args(
             megatron_args(*ep2, "--dcp", "--dcp-planner", "static", "--dcp-static-cp-size", "1")
