@@ -52,8 +52,11 @@ TEST_FLAGS = [
     "1",
 ]
 
-# 4 routed experts (top-2, megatron's alltoall dispatcher, dropless, no router loss) and a shared
-# expert in every layer: docs/megatron_lm.md, 'Mixture-of-experts'.
+# 4 routed experts (top-2, megatron's alltoall dispatcher, dropless, no router loss; a sigmoid
+# router balanced by its expert bias, moved 0.02 a step) and a shared expert in every layer:
+# docs/megatron_lm.md, 'Mixture-of-experts'. These few steps would also agree with padding
+# counted (the signs the bias moves by do not change); the counts themselves are checked
+# exactly against the reference in tests/distributed/test_partial_recompute.py.
 EXPERTS = [
     "--num-experts",
     "4",
@@ -65,6 +68,11 @@ EXPERTS = [
     "128",
     "--moe-token-dispatcher-type",
     "alltoall",
+    "--moe-router-score-function",
+    "sigmoid",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate",
+    "0.02",
 ]
 
 
