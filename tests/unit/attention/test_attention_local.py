@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from dcp.attention import DCPCoreAttention, cp_attention
 from dcp.attention import kernels as attention_kernels
 from dcp.attention.layout import ShardLayout
+from tests.stand_ins import StandInGroup
 
 
 def dense_causal_reference(
@@ -44,19 +45,6 @@ def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, **kwargs) -
     so their rounding error scales with those. Measured errors are ~1e-6 of the largest entry."""
     atol = max(1e-6, 1e-5 * want.abs().max().item())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, **kwargs)
-
-
-class _StandInGroup:
-    """What megatron's THD RoPE reads from a CP group."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 def _tiny_config(**overrides) -> TransformerConfig:
@@ -103,7 +91,7 @@ def test_megatron_thd_rope_gives_true_document_positions(monkeypatch, cp_size, d
             freqs,
             config=config,
             cu_seqlens=params.cu_seqlens_q_padded,
-            cp_group=_StandInGroup(cp_size, rank),
+            cp_group=StandInGroup(cp_size, rank),  # what megatron's THD RoPE reads
         )
         src = torch.as_tensor(layout.source_indices(rank))
         real = src >= 0

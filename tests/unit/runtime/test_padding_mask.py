@@ -12,24 +12,14 @@ import pytest
 import torch
 
 from dcp.runtime.microstep import MicroStepExecutor
-
-
-class _Group:
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
+from tests.stand_ins import StandInGroup
 
 
 def _stage(*, first: bool, sequence_parallel: bool, tp: int = 1, tp_rank: int = 0):
     return SimpleNamespace(
         pre_process=first,
         config=SimpleNamespace(sequence_parallel=sequence_parallel),
-        pg_collection=SimpleNamespace(tp=_Group(tp, tp_rank)),
+        pg_collection=SimpleNamespace(tp=StandInGroup(tp, tp_rank)),
     )
 
 
