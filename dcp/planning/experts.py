@@ -187,9 +187,15 @@ def plan_on_expert_groups(
     and compute per rank are a real rank's), and the prediction is the real pipeline's."""
     ep = cost_model.expert_parallel_size
     mesh = planner_mesh(cost_model)
-    units = plan(
-        lengths, cost_model=expert_units(cost_model), options=options_in_units(options, ep)
-    )
+    unit_model, unit_options = expert_units(cost_model), options_in_units(options, ep)
+    try:
+        units = plan(lengths, cost_model=unit_model, options=unit_options)
+    except ValueError as exc:
+        # The planner counted units; a user reads ranks.
+        raise ValueError(
+            f"{exc} (ranks counted in expert-parallel groups of {ep}, the units every step runs "
+            f"on: {unit_model.num_ranks} of them are {cost_model.num_ranks} planner ranks)"
+        ) from None
     spread = spread_over_ep_groups(units, ep)
     check_expert_lockstep(spread, mesh)
     predicted = simulate(spread, lengths, cost_model).makespan_s

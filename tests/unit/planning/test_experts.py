@@ -263,6 +263,24 @@ def test_options_that_would_split_an_ep_group_are_refused(planner, options, mess
     assert "\n" not in str(err.value)
 
 
+def test_a_planners_refusal_in_the_units_view_says_what_its_ranks_are():
+    from dcp.planning import plan_batch, planner_options
+
+    with pytest.raises(ValueError) as err:
+        plan_batch(
+            [2_000_000],
+            cost_model=_qwen(16, 4),
+            planner="megatron-dev",
+            options=planner_options("megatron-dev"),
+        )
+    message = str(err.value)
+    assert "fits no plan" in message and "\n" not in message, message
+    assert message.endswith(
+        "(ranks counted in expert-parallel groups of 4, the units every step runs on: 4 of "
+        "them are 16 planner ranks)"
+    ), message
+
+
 def test_options_in_ep_groups_are_honoured_in_real_sizes():
     from dcp.planning import plan_batch, planner_options
 
