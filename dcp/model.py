@@ -156,6 +156,15 @@ class ModelConfig:
     (padding not counted). Needs ``moe_router_score_function=sigmoid`` (megatron's rule)."""
     moe_router_bias_update_rate: float = 1e-3
     """How far each expert's bias moves per optimizer step (megatron's default, 1e-3)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V2/V3's device- and node-limited routing): the experts
+    split into this many equal groups, each token choosing its top k among the experts of its
+    ``moe_router_group_topk`` best groups (a group scored by the sum of its top k /
+    group_topk experts' scores). None: every expert open to every token."""
+    moe_router_group_topk: int | None = None
+    """Groups each token may route to (1 to ``moe_router_topk``; with ``moe_router_num_groups``)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Factor on the routing weights of a token's top k (DeepSeek-V3: 2.5); None: 1."""
 
     def __post_init__(self) -> None:
         check_choice(self.core_attention, typing.get_args(CoreAttention), "core_attention")
@@ -219,6 +228,15 @@ class ModelConfig:
                 given.append("moe_router_score_function")
             if self.moe_router_expert_bias:
                 given.append("moe_router_expert_bias")
+            given += [
+                name
+                for name in (
+                    "moe_router_num_groups",
+                    "moe_router_group_topk",
+                    "moe_router_topk_scaling_factor",
+                )
+                if getattr(self, name) is not None
+            ]
             if given:
                 raise ValueError(
                     f"{', '.join(given)} is set but num_experts is not: "
@@ -246,6 +264,45 @@ class ModelConfig:
                 f"shifts each expert's own score), got {self.moe_router_score_function}"
             )
         check_range(self.moe_router_bias_update_rate, "moe_router_bias_update_rate", gt=0)
+        self._check_group_limited_routing()
+        if self.moe_router_topk_scaling_factor is not None:
+            check_range(self.moe_router_topk_scaling_factor, "moe_router_topk_scaling_factor", gt=0)
+
+    def _check_group_limited_routing(self) -> None:
+        """``moe_router_num_groups`` and ``moe_router_group_topk``: both or neither, the groups
+        equal, and the top k reachable in the groups a token may choose (megatron's routing
+        takes the top k / group_topk experts of each group to score it)."""
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if groups is not None:
+            check_range(groups, "moe_router_num_groups", ge=1, le=self.num_experts, integer=True)
+        if group_topk is not None:
+            check_range(
+                group_topk, "moe_router_group_topk", ge=1, le=self.moe_router_topk, integer=True
+            )
+        if (groups is None) != (group_topk is None):
+            raise ValueError(
+                "moe_router_num_groups and moe_router_group_topk go together (group-limited "
+                f"routing): got {groups} and {group_topk}"
+            )
+        if groups is None:
+            return
+        if self.num_experts % groups:
+            raise ValueError(
+                f"moe_router_num_groups ({groups}) must divide num_experts ({self.num_experts})"
+            )
+        check_range(
+            group_topk,
+            "moe_router_group_topk",
+            ge=1,
+            le=min(groups, self.moe_router_topk),
+            integer=True,
+        )
+        if self.moe_router_topk > group_topk * (self.num_experts // groups):
+            raise ValueError(
+                f"moe_router_topk ({self.moe_router_topk}) exceeds the experts of the "
+                f"moe_router_group_topk={group_topk} groups a token may use "
+                f"({self.num_experts // groups} each)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -598,6 +655,9 @@ def moe_config(cfg: ModelConfig, *, grouped_gemm: bool, expert_parallel_size: in
         moe_router_score_function=cfg.moe_router_score_function,
         moe_router_enable_expert_bias=cfg.moe_router_expert_bias,
         moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+        moe_router_num_groups=cfg.moe_router_num_groups,
+        moe_router_group_topk=cfg.moe_router_group_topk,
+        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
         moe_grouped_gemm=grouped_gemm,
         expert_model_parallel_size=expert_parallel_size,
     )

@@ -297,6 +297,21 @@ def hf_config_from_model(cfg: ModelConfig, *, kind: str) -> dict[str, Any]:
             f"moe_router_expert_bias={cfg.moe_router_expert_bias}: {kind} routes by a softmax "
             f"without an expert bias, so the model cannot be written as {kind}"
         )
+    routing = {
+        name: getattr(cfg, name)
+        for name in (
+            "moe_router_num_groups",
+            "moe_router_group_topk",
+            "moe_router_topk_scaling_factor",
+        )
+        if getattr(cfg, name, None) is not None
+    }
+    if routing:
+        given = ", ".join(f"{k}={v}" for k, v in routing.items())
+        raise ValueError(
+            f"model.{given}: {kind} routes every token among all experts with unscaled "
+            f"weights, so the model cannot be written as {kind}"
+        )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rotary_base)}
     if cfg.rope_scaling is not None:
         scaling = dataclasses.asdict(cfg.rope_scaling)

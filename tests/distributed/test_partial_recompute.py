@@ -7,7 +7,8 @@ counts; what each level re-runs in the backward is counted; loss and every gradi
 must equal the single-process reference (relative error <= 1e-5) at TP = 1 and TP = 2. The
 TP = 2 launch and the expert-parallel one (EP 2, EP 4, EP 2 x PP 2 and EP 2 x PP 2 x VP 2, one
 after another on the same 4 ranks) train a mixture-of-experts model (``EXPERTS``: every layer 4
-routed experts, top-2, and a shared expert): regrouped CP, uneven micro-step counts, pipeline
+routed experts, top-2 of one of two groups, a sigmoid router with its expert bias, and a shared
+expert): regrouped CP, uneven micro-step counts, pipeline
 stages and recompute re-running the token dispatch and its all-to-alls leave loss and gradients
 those of the reference.
 """
@@ -41,6 +42,11 @@ EXPERTS = {
     "moe_router_score_function": "sigmoid",
     "moe_router_expert_bias": True,
     "moe_router_bias_update_rate": 0.01,
+    # DeepSeek-V3's group-limited routing, scaled: each token's two experts from one of two
+    # groups (at EP 2, the experts of one EP rank), their weights doubled.
+    "moe_router_num_groups": 2,
+    "moe_router_group_topk": 1,
+    "moe_router_topk_scaling_factor": 2.0,
 }
 
 

@@ -100,6 +100,28 @@ def _refused(*overrides: str) -> str:
             "model.moe_router_expert_bias=true model.moe_router_bias_update_rate=0",
             r"^model\.moe_router_bias_update_rate must be .*> 0",
         ),
+        ("model.moe_router_num_groups=2", r"^model\.moe_router_num_groups is set but num_exp"),
+        (
+            "model.num_experts=4 model.moe_router_num_groups=2",
+            r"^model\.moe_router_num_groups and moe_router_group_topk go together",
+        ),
+        (
+            "model.num_experts=6 model.moe_router_num_groups=4 model.moe_router_group_topk=1",
+            r"^model\.moe_router_num_groups \(4\) must divide num_experts \(6\)",
+        ),
+        (
+            "model.num_experts=4 model.moe_router_num_groups=2 model.moe_router_group_topk=3",
+            r"^model\.moe_router_group_topk must be an integer >= 1 and <= 2, got 3",
+        ),
+        (
+            "model.num_experts=8 model.moe_router_topk=4 model.moe_router_num_groups=8 "
+            "model.moe_router_group_topk=2",
+            r"^model\.moe_router_topk \(4\) exceeds the experts of the moe_router_group_topk=2",
+        ),
+        (
+            "model.num_experts=4 model.moe_router_topk_scaling_factor=0",
+            r"^model\.moe_router_topk_scaling_factor must be .*> 0",
+        ),
     ],
 )
 def test_unusable_values_are_refused_naming_key_and_range(override, match):
@@ -454,3 +476,28 @@ def test_seeds_keep_their_64_bit_range():
         f"data.synthetic.seed={seed}",
     )
     assert cfg.train.seed == cfg.data.sampler.seed == cfg.data.synthetic.seed == seed
+
+
+def test_every_router_setting_reaches_megatrons_config():
+    """What the model section says of the router is what megatron builds (a key dropped on the
+    way would still pass every parity test: routing is per token under any plan)."""
+    from dcp.model import transformer_config
+
+    cfg = _load(
+        "model.num_experts=4",
+        "model.moe_router_score_function=sigmoid",
+        "model.moe_router_expert_bias=true",
+        "model.moe_router_bias_update_rate=0.02",
+        "model.moe_router_num_groups=2",
+        "model.moe_router_group_topk=1",
+        "model.moe_router_topk_scaling_factor=2.5",
+        "model.core_attention=dcp",
+        "checkpoint.interval_steps=0",
+    )
+    config = transformer_config(cfg.model)
+    assert config.moe_router_score_function == "sigmoid"
+    assert config.moe_router_enable_expert_bias is True
+    assert config.moe_router_bias_update_rate == 0.02
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
+    assert config.moe_router_topk_scaling_factor == 2.5
+    assert config.moe_router_load_balancing_type == "none" and config.moe_aux_loss_coeff == 0

@@ -296,6 +296,12 @@ def test_repad_vocab_keeps_the_real_rows_and_zeroes_the_padding():
             r"moe_router_score_function=sigmoid, moe_router_expert_bias=False: mixtral routes by "
             r"a softmax without an expert bias",
         ),
+        (
+            "mixtral",
+            {"moe_router_num_groups": 2, "moe_router_group_topk": 1},
+            r"moe_router_num_groups=2, moe_router_group_topk=1: mixtral routes every token "
+            r"among all experts",
+        ),
     ],
 )
 def test_export_of_what_the_architecture_cannot_hold_is_refused(
