@@ -10,7 +10,7 @@ import datetime
 import difflib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from dcp.checkpoint import CheckpointConfig
@@ -234,10 +234,13 @@ def model_from_init(data: Mapping[str, Any]) -> dict[str, Any]:
         return dict(data)
     source, derived = found
     given = dict(data.get("model") or {})
+    # A checkpoint written before a field existed holds that field's default.
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
     for key in WEIGHT_SHAPE_FIELDS:
-        if key in given and given[key] != derived.get(key):
+        source_value = derived.get(key, defaults[key])
+        if key in given and given[key] != source_value:
             raise ValueError(
-                f"model.{key}={given[key]!r} contradicts {source}: {derived.get(key)!r}; leave it "
+                f"model.{key}={given[key]!r} contradicts {source}: {source_value!r}; leave it "
                 "out, the model is derived from there"
             )
     return {**data, "model": {**derived, **given}}

@@ -501,3 +501,15 @@ def test_every_router_setting_reaches_megatrons_config():
     assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
     assert config.moe_router_topk_scaling_factor == 2.5
     assert config.moe_router_load_balancing_type == "none" and config.moe_aux_loss_coeff == 0
+
+
+def test_a_checkpoint_from_before_a_weight_field_existed_holds_its_default(monkeypatch):
+    from dcp.train import config as train_config
+
+    source = ("init.from_checkpoint (old)", {"num_experts": 4})  # no moe_router_expert_bias
+    monkeypatch.setattr(train_config, "source_model_config", lambda init: source)
+    data = {"init": {"from_checkpoint": "old"}, "model": {"moe_router_expert_bias": False}}
+    assert train_config.model_from_init(data)["model"]["moe_router_expert_bias"] is False
+    data["model"]["moe_router_expert_bias"] = True
+    with pytest.raises(ValueError, match=r"contradicts init\.from_checkpoint \(old\): False;"):
+        train_config.model_from_init(data)
