@@ -218,24 +218,9 @@ class ModelConfig:
         """The mixture-of-experts fields: ranges, and nothing set for a dense model."""
         if self.num_experts is None:
             given = [
-                name
-                for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
-                if getattr(self, name) is not None
-            ]
-            if self.moe_router_topk != 2:
-                given.append("moe_router_topk")
-            if self.moe_router_score_function != "softmax":
-                given.append("moe_router_score_function")
-            if self.moe_router_expert_bias:
-                given.append("moe_router_expert_bias")
-            given += [
-                name
-                for name in (
-                    "moe_router_num_groups",
-                    "moe_router_group_topk",
-                    "moe_router_topk_scaling_factor",
-                )
-                if getattr(self, name) is not None
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name.startswith("moe_") and getattr(self, f.name) != f.default
             ]
             if given:
                 raise ValueError(
@@ -290,13 +275,7 @@ class ModelConfig:
             raise ValueError(
                 f"moe_router_num_groups ({groups}) must divide num_experts ({self.num_experts})"
             )
-        check_range(
-            group_topk,
-            "moe_router_group_topk",
-            ge=1,
-            le=min(groups, self.moe_router_topk),
-            integer=True,
-        )
+        check_range(group_topk, "moe_router_group_topk", ge=1, le=groups, integer=True)
         if self.moe_router_topk > group_topk * (self.num_experts // groups):
             raise ValueError(
                 f"moe_router_topk ({self.moe_router_topk}) exceeds the experts of the "
