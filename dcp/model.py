@@ -49,6 +49,8 @@ FP8_RECIPES = ("tensorwise", "blockwise")
 RouterScore = Literal["softmax", "sigmoid"]
 ROUTER_SCORE_FUNCTIONS: tuple[str, ...] = typing.get_args(RouterScore)
 """megatron's router score functions DCP's models take (``sqrtsoftplus`` has no HF model)."""
+BIAS_UPDATE_RATE = 1e-3
+"""megatron's default step of the router's expert bias (``moe_router_bias_update_rate``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -154,7 +156,7 @@ class ModelConfig:
     to choose the top k, moves after every optimizer step by ``moe_router_bias_update_rate``
     towards the experts that received fewer than the mean number of the global batch's tokens
     (padding not counted). Needs ``moe_router_score_function=sigmoid`` (megatron's rule)."""
-    moe_router_bias_update_rate: float = 1e-3
+    moe_router_bias_update_rate: float = BIAS_UPDATE_RATE
     """How far each expert's bias moves per optimizer step (megatron's default, 1e-3)."""
     moe_router_num_groups: int | None = None
     """Group-limited routing (DeepSeek-V2/V3's device- and node-limited routing): the experts
@@ -249,6 +251,11 @@ class ModelConfig:
                 f"shifts each expert's own score), got {self.moe_router_score_function}"
             )
         check_range(self.moe_router_bias_update_rate, "moe_router_bias_update_rate", gt=0)
+        if not self.moe_router_expert_bias and self.moe_router_bias_update_rate != BIAS_UPDATE_RATE:
+            raise ValueError(
+                f"moe_router_bias_update_rate={self.moe_router_bias_update_rate} is set but "
+                "moe_router_expert_bias is not: set moe_router_expert_bias=true, or drop it"
+            )
         self._check_group_limited_routing()
         if self.moe_router_topk_scaling_factor is not None:
             check_range(self.moe_router_topk_scaling_factor, "moe_router_topk_scaling_factor", gt=0)

@@ -106,6 +106,10 @@ def _refused(*overrides: str) -> str:
             r"^model\.moe_router_bias_update_rate is set but num_experts",
         ),
         (
+            "model.num_experts=4 model.moe_router_bias_update_rate=0.02",
+            r"^model\.moe_router_bias_update_rate=0\.02 is set but moe_router_expert_bias is not",
+        ),
+        (
             "model.num_experts=4 model.moe_router_num_groups=2",
             r"^model\.moe_router_num_groups and moe_router_group_topk go together",
         ),
