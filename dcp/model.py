@@ -157,7 +157,8 @@ class ModelConfig:
     towards the experts that received fewer than the mean number of the global batch's tokens
     (padding not counted). Needs ``moe_router_score_function=sigmoid`` (megatron's rule)."""
     moe_router_bias_update_rate: float = BIAS_UPDATE_RATE
-    """How far each expert's bias moves per optimizer step (megatron's default, 1e-3)."""
+    """How far each expert's bias moves per optimizer step (megatron's default, 1e-3); set only
+    with ``moe_router_expert_bias``."""
     moe_router_num_groups: int | None = None
     """Group-limited routing (DeepSeek-V2/V3's device- and node-limited routing): the experts
     split into this many equal groups, each token choosing its top k among the experts of its
